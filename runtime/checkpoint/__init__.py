@@ -1,0 +1,40 @@
+"""Verified, asynchronous checkpoints on a local folder or S3 (issue 3).
+
+``CheckpointManager`` snapshots state on the training thread, writes it in one
+background thread, commits with a manifest of sha256 hashes written last, and on
+restore skips any folder that does not verify. Files load with ``weights_only=True``.
+"""
+
+from runtime.checkpoint.manager import (
+    CheckpointManager,
+    CheckpointMetrics,
+    CheckpointRef,
+    read_pointer,
+    step_name,
+    write_pointer,
+)
+from runtime.checkpoint.state import capture_rng_state, restore_rng_state, snapshot_to_cpu
+from runtime.checkpoint.storage import (
+    CheckpointError,
+    LocalStorage,
+    S3Storage,
+    Storage,
+    open_storage,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointMetrics",
+    "CheckpointRef",
+    "LocalStorage",
+    "S3Storage",
+    "Storage",
+    "capture_rng_state",
+    "open_storage",
+    "read_pointer",
+    "restore_rng_state",
+    "snapshot_to_cpu",
+    "step_name",
+    "write_pointer",
+]
