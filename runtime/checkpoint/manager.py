@@ -262,7 +262,10 @@ class CheckpointManager:
             files: dict[str, dict[str, Any]] = {}
             for key, value in snapshot.items():
                 fname = f"{key}.pt"
-                torch.save(value, staging.local_path(fname))
+                # A Python file object, so ENOSPC surfaces as OSError (torch's own writer
+                # reports only "unexpected pos").
+                with open(staging.local_path(fname), "wb") as f:
+                    torch.save(value, f)
                 files[fname] = self._digest(staging.local_path(fname))
                 staging.finish_file(fname)
             meta_doc = self._meta_doc(step, meta, snap_time)
