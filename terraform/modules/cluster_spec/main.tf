@@ -77,6 +77,35 @@ locals {
     grafana             = 3000
     runtime_metrics_min = 8000
     runtime_metrics_max = 8100
+    # Ray picks these at random unless pinned; the inventory pins them so the
+    # security group can name them.
+    ray_node_manager        = 8076
+    ray_object_manager      = 8077
+    ray_dashboard_agent     = 52365
+    ray_dashboard_agent_rpc = 52366
+    ray_runtime_env_agent   = 52367
+    ray_min_worker          = 10002
+    ray_max_worker          = 19999
+  }
+
+  # Port ranges the network module opens inside the cluster security group
+  # (source: the group itself). NCCL's socket transport uses ephemeral ports.
+  security_group_ports = {
+    ssh              = { from = 22, to = 22 }
+    ray_gcs          = { from = local.ports.ray_gcs, to = local.ports.ray_gcs }
+    ray_dashboard    = { from = local.ports.ray_dashboard, to = local.ports.ray_dashboard }
+    ray_client       = { from = local.ports.ray_client, to = local.ports.ray_client }
+    ray_node_manager = { from = local.ports.ray_node_manager, to = local.ports.ray_object_manager }
+    ray_metrics      = { from = local.ports.ray_metrics_export, to = local.ports.ray_metrics_export }
+    ray_agents       = { from = local.ports.ray_dashboard_agent, to = local.ports.ray_runtime_env_agent }
+    ray_workers      = { from = local.ports.ray_min_worker, to = local.ports.ray_max_worker }
+    nccl_ephemeral   = { from = 32768, to = 60999 }
+    runtime_metrics  = { from = local.ports.runtime_metrics_min, to = local.ports.runtime_metrics_max }
+    prometheus       = { from = local.ports.prometheus, to = local.ports.prometheus }
+    node_exporter    = { from = local.ports.node_exporter, to = local.ports.node_exporter }
+    dcgm_exporter    = { from = local.ports.dcgm_exporter, to = local.ports.dcgm_exporter }
+    mlflow           = { from = local.ports.mlflow, to = local.ports.mlflow }
+    grafana          = { from = local.ports.grafana, to = local.ports.grafana }
   }
 }
 

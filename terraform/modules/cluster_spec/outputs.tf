@@ -58,6 +58,11 @@ output "ports" {
   value       = local.ports
 }
 
+output "security_group_ports" {
+  description = "Port ranges ({ from, to }) the cluster's nodes use among themselves, keyed by purpose; the network module opens exactly these inside the cluster security group."
+  value       = local.security_group_ports
+}
+
 output "inventory" {
   description = "Ansible inventory YAML (groups head, gpu_workers, monitoring); null while node_addresses is empty."
   value       = local.inventory

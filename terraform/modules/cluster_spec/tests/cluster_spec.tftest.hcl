@@ -279,3 +279,15 @@ run "rejects_unknown_shared_filesystem_type" {
   }
   expect_failures = [var.shared_filesystem]
 }
+
+run "security_group_ports_cover_every_port_in_the_inventory" {
+  command = plan
+
+  assert {
+    condition = alltrue([
+      for port in [6379, 8265, 10001, 8076, 8077, 8080, 52365, 52366, 52367, 10002, 19999, 9090, 9100, 9400, 5000, 3000, 8000, 8100] :
+      anytrue([for r in values(output.security_group_ports) : port >= r.from && port <= r.to])
+    ])
+    error_message = "every Ray, metrics and MLflow port the inventory pins must be open inside the cluster security group: ${jsonencode(output.security_group_ports)}"
+  }
+}

@@ -1,0 +1,151 @@
+################################################################################
+# General
+################################################################################
+
+variable "name" {
+  description = "Name prefix of every resource (the cluster name)."
+  type        = string
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[a-z]([a-z0-9-]{0,30}[a-z0-9])?$", var.name))
+    error_message = "name must be DNS-safe: 1-32 characters from a-z, 0-9 and '-', starting with a letter."
+  }
+}
+
+variable "tags" {
+  description = "Tags added to every resource."
+  type        = map(string)
+  default     = {}
+  nullable    = false
+}
+
+################################################################################
+# VPC and subnets
+################################################################################
+
+variable "vpc_cidr" {
+  description = "IPv4 CIDR of the VPC (/16 to /24)."
+  type        = string
+  nullable    = false
+
+  validation {
+    condition     = can(cidrhost(var.vpc_cidr, 0)) && can(regex("/(1[6-9]|2[0-4])$", var.vpc_cidr))
+    error_message = "vpc_cidr must be an IPv4 CIDR with a prefix length from /16 to /24, for example 10.42.0.0/16."
+  }
+}
+
+variable "azs" {
+  description = "Availability zones, one public and one private subnet each. GPU pools that use the cluster placement group run in the first one."
+  type        = list(string)
+  nullable    = false
+
+  validation {
+    condition     = length(var.azs) >= 1 && length(var.azs) <= 4
+    error_message = "azs must list 1 to 4 availability zones, for example [\"us-east-1a\", \"us-east-1b\"]."
+  }
+}
+
+variable "create_nat_gateway" {
+  description = "Create one NAT gateway so private nodes can reach package mirrors. Disable for air-gapped clusters that use offline repositories and the S3 endpoint only."
+  type        = bool
+  default     = true
+  nullable    = false
+}
+
+variable "enable_s3_endpoint" {
+  description = "Create an S3 gateway endpoint so checkpoint traffic stays inside the VPC (and off the NAT gateway)."
+  type        = bool
+  default     = true
+  nullable    = false
+}
+
+variable "enable_flow_log" {
+  description = "Send VPC flow logs (rejected and accepted traffic) to a CloudWatch log group."
+  type        = bool
+  default     = true
+  nullable    = false
+}
+
+variable "flow_log_retention_days" {
+  description = "Days CloudWatch keeps VPC flow logs."
+  type        = number
+  default     = 365
+  nullable    = false
+
+  validation {
+    condition     = contains([1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653], var.flow_log_retention_days)
+    error_message = "flow_log_retention_days must be one of CloudWatch's values: 1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653."
+  }
+}
+
+variable "flow_log_kms_key_arn" {
+  description = "KMS key ARN encrypting the flow log group; null creates a dedicated key."
+  type        = string
+  default     = null
+}
+
+################################################################################
+# Security groups
+################################################################################
+
+variable "cluster_ports" {
+  description = "Port ranges ({ from, to }, TCP) the nodes use among themselves, keyed by purpose (cluster_spec's security_group_ports output). Opened only with the cluster security group itself as source."
+  type = map(object({
+    from = number
+    to   = number
+  }))
+  nullable = false
+
+  validation {
+    condition     = alltrue([for r in values(var.cluster_ports) : r.from >= 1 && r.to <= 65535 && r.from <= r.to])
+    error_message = "Every cluster_ports range must satisfy 1 <= from <= to <= 65535."
+  }
+}
+
+variable "admin_cidrs" {
+  description = "CIDRs allowed to reach the admin ports (SSH, dashboards) on nodes in the admin security group. Never 0.0.0.0/0."
+  type        = list(string)
+  nullable    = false
+
+  validation {
+    condition     = length(var.admin_cidrs) > 0 && alltrue([for c in var.admin_cidrs : can(cidrhost(c, 0)) && !endswith(c, "/0")])
+    error_message = "admin_cidrs must be a non-empty list of valid CIDRs, none of them 0.0.0.0/0 or ::/0 (for example [\"203.0.113.7/32\"])."
+  }
+}
+
+variable "admin_ports" {
+  description = "TCP ports opened to admin_cidrs on the admin security group (attached to the head node only)."
+  type        = map(number)
+  default = {
+    ssh           = 22
+    ray_dashboard = 8265
+    grafana       = 3000
+    mlflow        = 5000
+    prometheus    = 9090
+  }
+  nullable = false
+
+  validation {
+    condition     = alltrue([for p in values(var.admin_ports) : p >= 1 && p <= 65535 && !contains([6379, 10001], p)])
+    error_message = "admin_ports must be TCP ports 1-65535 and must not include the Ray GCS (6379) or Ray client (10001) ports, which only cluster members may reach."
+  }
+}
+
+variable "enable_efa" {
+  description = "Allow all traffic inside the cluster security group, as EFA requires (AWS: the group must allow all inbound and outbound traffic to and from itself)."
+  type        = bool
+  default     = false
+  nullable    = false
+}
+
+################################################################################
+# Placement group
+################################################################################
+
+variable "create_placement_group" {
+  description = "Create a cluster placement group, so GPU nodes sit close together for NCCL bandwidth."
+  type        = bool
+  default     = true
+  nullable    = false
+}
