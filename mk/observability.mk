@@ -1,0 +1,36 @@
+##@ Observability
+
+# Included before mk/tools.mk (sorted order): $(PROMTOOL) is defined there with
+# `=`, so it is only expanded inside recipes. Prerequisites name the
+# `prometheus-tools` target instead of the binary's path.
+ALERT_RULES = $(sort $(wildcard $(ROOT)/alerts/*.rules.yml))
+ALERT_TESTS = $(sort $(wildcard $(ROOT)/alerts/tests/*.test.yml))
+# Where alert runbook links point: <base>alerts/runbook.md#<alertname>.
+RUNBOOK_BASE_URL ?= https://github.com/example-org/dist-train-platform/blob/main/
+
+.PHONY: alerts-check
+alerts-check: prometheus-tools ## Check the alert rules and run their promtool unit tests.
+	"$(PROMTOOL)" check rules $(ALERT_RULES)
+	"$(PROMTOOL)" test rules $(ALERT_TESTS)
+
+.PHONY: alerts-runbook-base
+alerts-runbook-base: ## Point every alert's runbook_url (rules and tests) at RUNBOOK_BASE_URL.
+	@for f in $(ALERT_RULES) $(ALERT_TESTS); do \
+	  sed -E -i 's|(runbook_url: ")[^"]*(alerts/runbook\.md#[a-z0-9-]+")|\1$(RUNBOOK_BASE_URL)\2|' "$$f"; \
+	done
+	@grep -ho 'runbook_url: "[^"]*"' $(ALERT_RULES) | sort -u | head -n 3
+
+.PHONY: dashboards
+dashboards: ## Regenerate the Grafana dashboards (dashboards/*.json) from dashboards/generate.py.
+	$(PYTHON) "$(ROOT)/dashboards/generate.py"
+
+.PHONY: dashboards-check
+dashboards-check: ## Fail when the committed dashboard JSON differs from the generator's output.
+	$(PYTHON) "$(ROOT)/dashboards/generate.py" --check
+
+.PHONY: observability-test
+observability-test: prometheus-tools ## Run the dashboard and alert tests (pytest, real Prometheus on loopback).
+	@test -x "$(PY)" || { echo "$(PY) missing: create the runtime venv first (see README)" >&2; exit 1; }
+	"$(PY)" -m pytest -q "$(ROOT)/tests/observability"
+
+TEST_TARGETS += alerts-check
