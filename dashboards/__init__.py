@@ -1,0 +1,1 @@
+"""Grafana dashboards (generated JSON) and helpers to evaluate their queries."""
