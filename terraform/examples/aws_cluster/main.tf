@@ -1,0 +1,146 @@
+data "aws_availability_zones" "available" {
+  #checkov:skip=CKV_AWS_394:Only used when var.azs is null, and then only its first two names (slice), which a new zone does not change; set azs to pin zones.
+  state = "available"
+}
+
+data "aws_caller_identity" "current" {}
+
+locals {
+  azs         = coalesce(var.azs, slice(data.aws_availability_zones.available.names, 0, 2))
+  bucket_name = coalesce(var.checkpoint_bucket_name, "${var.cluster_name}-checkpoints-${data.aws_caller_identity.current.account_id}")
+}
+
+################################################################################
+# Cluster description (validation, names, inventory)
+################################################################################
+
+module "spec" {
+  source = "../../modules/cluster_spec"
+
+  cluster_name       = var.cluster_name
+  vpc_cidr           = var.vpc_cidr
+  admin_cidrs        = var.admin_cidrs
+  head_instance_type = var.head_instance_type
+  pools              = var.pools
+
+  node_addresses      = local.node_addresses
+  head_public_address = try(data.aws_instances.head.public_ips[0], null)
+  checkpoint_bucket   = module.storage.bucket_name
+  shared_filesystem   = module.storage.shared_filesystem
+}
+
+################################################################################
+# Network
+################################################################################
+
+module "network" {
+  source = "../../modules/network"
+
+  name          = module.spec.cluster_name
+  vpc_cidr      = module.spec.vpc_cidr
+  azs           = local.azs
+  admin_cidrs   = module.spec.admin_cidrs
+  cluster_ports = module.spec.security_group_ports
+  enable_efa    = module.spec.efa_supported
+
+  tags = var.tags
+}
+
+################################################################################
+# Storage
+################################################################################
+
+module "storage" {
+  source = "../../modules/storage"
+
+  name                     = module.spec.cluster_name
+  bucket_name              = local.bucket_name
+  vpc_id                   = module.network.vpc_id
+  subnet_ids               = module.network.private_subnet_ids
+  client_security_group_id = module.network.security_group_id
+  create_fsx_lustre        = var.create_fsx_lustre
+
+  tags = var.tags
+}
+
+################################################################################
+# Nodes
+################################################################################
+
+# The head: a pool of one CPU node in a public subnet, the SSH entry point
+# (admin group) and home of Ray's GCS, Prometheus, Grafana and MLflow.
+module "head" {
+  source = "../../modules/gpu_node_pool"
+
+  name                        = module.spec.head_node_name
+  cluster_name                = module.spec.cluster_name
+  pool_name                   = "head"
+  instance_type               = module.spec.head_instance_type
+  node_count                  = 1
+  ami_id                      = var.ami_id
+  key_name                    = var.ssh_key_name
+  subnet_ids                  = [module.network.public_subnet_ids[0]]
+  security_group_ids          = [module.network.security_group_id, module.network.admin_security_group_id]
+  associate_public_ip_address = true
+  checkpoint_bucket_arn       = module.storage.bucket_arn
+  root_volume_size_gib        = 100
+
+  tags = var.tags
+}
+
+module "pool" {
+  source   = "../../modules/gpu_node_pool"
+  for_each = module.spec.pools
+
+  name          = "${module.spec.cluster_name}-${each.key}"
+  cluster_name  = module.spec.cluster_name
+  pool_name     = each.key
+  instance_type = each.value.instance_type
+  node_count    = each.value.count
+  capacity_type = each.value.capacity_type
+  ami_id        = var.ami_id
+  key_name      = var.ssh_key_name
+  # One AZ: a cluster placement group cannot span zones.
+  subnet_ids            = [module.network.private_subnet_ids[0]]
+  security_group_ids    = [module.network.security_group_id]
+  placement_group_name  = module.network.placement_group_name
+  efa_interface_count   = each.value.efa_count
+  checkpoint_bucket_arn = module.storage.bucket_arn
+
+  tags = var.tags
+}
+
+################################################################################
+# Node addresses -> inventory
+################################################################################
+
+# The groups wait for capacity, so their instances exist when these are read.
+data "aws_instances" "head" {
+  instance_tags = {
+    "aws:autoscaling:groupName" = module.head.autoscaling_group_name
+  }
+  instance_state_names = ["running"]
+}
+
+data "aws_instances" "pool" {
+  for_each = module.pool
+
+  instance_tags = {
+    "aws:autoscaling:groupName" = each.value.autoscaling_group_name
+  }
+  instance_state_names = ["running"]
+}
+
+locals {
+  # Node names are assigned in address order within each pool; a missing or
+  # extra instance makes cluster_spec's inventory precondition fail by name.
+  node_addresses = merge(
+    { for ip in slice(data.aws_instances.head.private_ips, 0, min(1, length(data.aws_instances.head.private_ips))) : module.spec.head_node_name => ip },
+    [
+      for name, pool in module.spec.pools : {
+        for i, ip in sort(data.aws_instances.pool[name].private_ips) : pool.node_names[i] => ip
+        if i < length(pool.node_names)
+      }
+    ]...
+  )
+}

@@ -1,0 +1,311 @@
+"""Static checks over the Terraform code, parsed with python-hcl2: `make tf-check` runs them.
+
+They hold the security and style promises that `terraform validate` cannot:
+cluster ports never open to the internet, a private and encrypted checkpoint
+bucket, IMDSv2, least-privilege node IAM, and the module conventions
+(four standard files, every variable described and typed, bool switches).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 lives in .venv-tf: run `make tf-check`")
+
+TERRAFORM = Path(__file__).resolve().parents[2] / "terraform"
+MODULES = sorted(p for p in (TERRAFORM / "modules").iterdir() if p.is_dir())
+EXAMPLES = sorted(p for p in (TERRAFORM / "examples").iterdir() if p.is_dir())
+CONFIGS = MODULES + EXAMPLES
+STANDARD_FILES = ("main.tf", "variables.tf", "outputs.tf", "versions.tf")
+
+# Ports that only cluster members may reach: Ray GCS/dashboard/client,
+# Prometheus, node exporter, DCGM exporter, the runtime's exporters, MLflow.
+PROTECTED_PORTS = {6379, 8265, 10001, 9090, 9100, 9400, 5000} | set(range(8000, 8101))
+INTERNET = {"0.0.0.0/0", "::/0"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _unquote(value: Any) -> Any:
+    """python-hcl2 8 keeps HCL quotes on labels and strings; strip them, drop markers."""
+    if isinstance(value, dict):
+        return {_unquote(k): _unquote(v) for k, v in value.items() if k != "__is_block__"}
+    if isinstance(value, list):
+        return [_unquote(v) for v in value]
+    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
+        return value[1:-1]
+    return value
+
+
+def parse_text(text: str) -> dict[str, Any]:
+    return _unquote(hcl2.loads(text))
+
+
+def parse_dir(directory: Path) -> dict[str, list[dict[str, Any]]]:
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for tf in sorted(directory.glob("*.tf")):
+        for key, blocks in parse_text(tf.read_text()).items():
+            merged.setdefault(key, []).extend(blocks)
+    return merged
+
+
+def resources(parsed: dict[str, Any], rtype: str | None = None) -> Iterator[tuple[str, str, dict]]:
+    for block in parsed.get("resource", []):
+        for kind, named in block.items():
+            for name, body in named.items():
+                if rtype is None or kind == rtype:
+                    yield kind, name, body
+
+
+def only(parsed: dict[str, Any], rtype: str, name: str) -> dict[str, Any]:
+    found = [body for kind, n, body in resources(parsed, rtype) if n == name]
+    assert len(found) == 1, f"expected exactly one {rtype}.{name}, found {len(found)}"
+    return found[0]
+
+
+def blocks(body: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    value = body.get(name, [])
+    return value if isinstance(value, list) else [value]
+
+
+def variables(parsed: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: body for block in parsed.get("variable", []) for name, body in block.items()}
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _port_range(rule: dict[str, Any]) -> set[int] | None:
+    """Ports a rule opens, or None when they are not literal (then: assume all)."""
+    protocol = str(rule.get("ip_protocol", rule.get("protocol", "tcp")))
+    if protocol in ("-1", "all"):
+        return set(range(0, 65536))
+    try:
+        return set(range(int(rule["from_port"]), int(rule["to_port"]) + 1))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def internet_exposures(parsed: dict[str, Any]) -> list[str]:
+    """Every ingress rule that opens a protected port to 0.0.0.0/0 or ::/0."""
+    exposures = []
+    candidates: list[tuple[str, dict]] = []
+    for kind, name, body in resources(parsed):
+        if kind == "aws_vpc_security_group_ingress_rule":
+            candidates.append((f"{kind}.{name}", body))
+        elif kind == "aws_security_group_rule" and body.get("type") == "ingress":
+            candidates.append((f"{kind}.{name}", body))
+        elif kind == "aws_security_group":
+            candidates += [(f"{kind}.{name} ingress", rule) for rule in blocks(body, "ingress")]
+    for where, rule in candidates:
+        cidrs = {
+            str(c)
+            for key in ("cidr_ipv4", "cidr_ipv6", "cidr_blocks", "ipv6_cidr_blocks")
+            for c in _as_list(rule.get(key))
+        }
+        if not cidrs & INTERNET:
+            continue
+        ports = _port_range(rule)
+        if ports is None or ports & PROTECTED_PORTS:
+            exposures.append(where)
+    return exposures
+
+
+# --------------------------------------------------------------------------- layout and style
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(TERRAFORM)))
+def test_every_module_and_example_has_the_four_standard_files(config: Path) -> None:
+    missing = [f for f in STANDARD_FILES if not (config / f).is_file()]
+    assert not missing, f"{config.relative_to(TERRAFORM)} lacks {missing}"
+
+
+def test_examples_use_the_local_modules() -> None:
+    for example in EXAMPLES:
+        sources = [body["source"] for block in parse_dir(example).get("module", []) for body in block.values()]
+        assert sources, f"{example.name} composes no module"
+        assert all(s.startswith("../../modules/") for s in sources), sources
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(TERRAFORM)))
+def test_every_variable_has_description_and_type(config: Path) -> None:
+    undocumented = {
+        name: [k for k in ("description", "type") if not body.get(k)]
+        for name, body in variables(parse_dir(config)).items()
+        if not body.get("description") or not body.get("type")
+    }
+    assert not undocumented, f"variables lacking description/type: {undocumented}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(TERRAFORM)))
+def test_switches_are_non_nullable_bools(config: Path) -> None:
+    bad = [
+        name
+        for name, body in variables(parse_dir(config)).items()
+        if re.match(r"^(create|enable)_", name) and (body.get("type") != "${bool}" and body.get("type") != "bool" or body.get("nullable") is not False)
+    ]
+    assert not bad, f"create_*/enable_* switches must be `type = bool, nullable = false`: {bad}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(TERRAFORM)))
+def test_tags_merge_a_name_into_the_caller_tags(config: Path) -> None:
+    bad = [
+        f"{kind}.{name}"
+        for kind, name, body in resources(parse_dir(config))
+        if "tags" in body and not re.search(r"merge\(\{Name = .*var\.tags\)|^\$\{local\.tags\}$", str(body["tags"]))
+    ]
+    assert not bad, f"tags must be merge({{ Name = ... }}, var.tags): {bad}"
+
+
+# --------------------------------------------------------------------------- network
+
+
+def test_internet_exposure_check_flags_a_ray_port_open_to_the_world() -> None:
+    """Negative control: the checker below must catch the mistake it exists for."""
+    bad = parse_text(
+        'resource "aws_vpc_security_group_ingress_rule" "oops" {\n'
+        '  ip_protocol = "tcp"\n  from_port = 6000\n  to_port = 6500\n  cidr_ipv4 = "0.0.0.0/0"\n}\n'
+        'resource "aws_security_group" "legacy" {\n'
+        '  ingress {\n    protocol = "tcp"\n    from_port = 5000\n    to_port = 5000\n    cidr_blocks = ["0.0.0.0/0"]\n  }\n}\n'
+    )
+    assert internet_exposures(bad) == [
+        "aws_vpc_security_group_ingress_rule.oops",
+        "aws_security_group.legacy ingress",
+    ]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(TERRAFORM)))
+def test_no_ingress_rule_opens_ray_metrics_or_mlflow_ports_to_the_internet(config: Path) -> None:
+    assert internet_exposures(parse_dir(config)) == []
+
+
+def test_cluster_port_rules_admit_only_the_cluster_security_group_itself() -> None:
+    network = parse_dir(TERRAFORM / "modules" / "network")
+    for name in ("cluster", "efa"):
+        rule = only(network, "aws_vpc_security_group_ingress_rule", name)
+        assert rule["referenced_security_group_id"] == "${aws_security_group.this.id}", name
+        assert not {"cidr_ipv4", "cidr_ipv6"} & rule.keys(), name
+
+
+def test_admin_ingress_comes_only_from_admin_cidrs_which_reject_the_internet() -> None:
+    network = parse_dir(TERRAFORM / "modules" / "network")
+    rule = only(network, "aws_vpc_security_group_ingress_rule", "admin")
+    assert rule["security_group_id"] == "${aws_security_group.admin.id}"
+    assert rule["cidr_ipv4"] == "${each.value.cidr}"
+    conditions = " ".join(v["condition"] for v in variables(network)["admin_cidrs"]["validation"])
+    assert '!endswith(c, "/0")' in conditions, "admin_cidrs must reject /0 networks"
+
+
+def test_ray_gcs_and_client_ports_cannot_be_made_admin_ports() -> None:
+    network = parse_dir(TERRAFORM / "modules" / "network")
+    admin_ports = variables(network)["admin_ports"]
+    assert not {6379, 10001} & set(admin_ports["default"].values())
+    assert "contains([6379, 10001], p)" in admin_ports["validation"][0]["condition"]
+
+
+# --------------------------------------------------------------------------- storage
+
+
+def test_checkpoint_bucket_blocks_all_public_access() -> None:
+    storage = parse_dir(TERRAFORM / "modules" / "storage")
+    block = only(storage, "aws_s3_bucket_public_access_block", "this")
+    flags = ("block_public_acls", "block_public_policy", "ignore_public_acls", "restrict_public_buckets")
+    assert {f: block.get(f) for f in flags} == dict.fromkeys(flags, True)
+    assert block["bucket"] == "${aws_s3_bucket.this.id}"
+
+
+def test_checkpoint_bucket_is_encrypted_and_versioned() -> None:
+    storage = parse_dir(TERRAFORM / "modules" / "storage")
+    sse = only(storage, "aws_s3_bucket_server_side_encryption_configuration", "this")
+    default = sse["rule"][0]["apply_server_side_encryption_by_default"][0]
+    assert default["sse_algorithm"] == "${var.sse_algorithm}"
+    algorithm = variables(storage)["sse_algorithm"]
+    assert algorithm["default"] == "aws:kms"
+    assert 'contains(["aws:kms", "AES256"], var.sse_algorithm)' in algorithm["validation"][0]["condition"]
+    versioning = only(storage, "aws_s3_bucket_versioning", "this")
+    assert versioning["versioning_configuration"][0]["status"] == "Enabled"
+
+
+def test_checkpoint_bucket_policy_denies_insecure_transport() -> None:
+    storage = parse_dir(TERRAFORM / "modules" / "storage")
+    documents = [b["aws_iam_policy_document"]["bucket"] for b in storage["data"] if "aws_iam_policy_document" in b]
+    statement = documents[0]["statement"][0]
+    assert statement["effect"] == "Deny"
+    assert statement["condition"][0] == {"test": "Bool", "variable": "aws:SecureTransport", "values": ["false"]}
+
+
+def test_checkpoint_bucket_expires_old_noncurrent_versions() -> None:
+    storage = parse_dir(TERRAFORM / "modules" / "storage")
+    lifecycle = only(storage, "aws_s3_bucket_lifecycle_configuration", "this")
+    rule = lifecycle["rule"][0]
+    assert rule["status"] == "Enabled"
+    assert rule["noncurrent_version_expiration"][0]["noncurrent_days"] == "${var.noncurrent_version_expiration_days}"
+
+
+def test_shared_file_systems_are_encrypted_and_reachable_only_from_cluster_nodes() -> None:
+    storage = parse_dir(TERRAFORM / "modules" / "storage")
+    assert only(storage, "aws_efs_file_system", "this")["encrypted"] is True
+    nfs = only(storage, "aws_vpc_security_group_ingress_rule", "efs")
+    assert nfs["referenced_security_group_id"] == "${var.client_security_group_id}"
+    assert (nfs["from_port"], nfs["to_port"]) == (2049, 2049)
+    assert variables(storage)["create_fsx_lustre"]["default"] is False
+
+
+# --------------------------------------------------------------------------- GPU node pool
+
+
+def test_launch_template_requires_imdsv2() -> None:
+    pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
+    metadata = only(pool, "aws_launch_template", "this")["metadata_options"][0]
+    assert metadata["http_tokens"] == "required"
+    assert metadata["http_endpoint"] == "enabled"
+    assert metadata["http_put_response_hop_limit"] == 1
+
+
+def test_launch_template_root_volume_is_encrypted() -> None:
+    pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
+    ebs = only(pool, "aws_launch_template", "this")["block_device_mappings"][0]["ebs"][0]
+    assert ebs["encrypted"] is True
+
+
+def test_node_iam_policy_allows_only_the_checkpoint_bucket() -> None:
+    pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
+    documents = {name: body for b in pool["data"] for kind, named in b.items() if kind == "aws_iam_policy_document" for name, body in named.items()}
+    statements = documents["checkpoint"]["statement"]
+    granted = {(a, r) for s in statements for a in s["actions"] for r in s["resources"]}
+    assert granted == {
+        ("s3:ListBucket", "${var.checkpoint_bucket_arn}"),
+        ("s3:GetObject", "${var.checkpoint_bucket_arn}/*"),
+        ("s3:PutObject", "${var.checkpoint_bucket_arn}/*"),
+        ("s3:DeleteObject", "${var.checkpoint_bucket_arn}/*"),
+    }
+    # The only other grant is the bucket's own KMS key, when it has one.
+    kms = documents["checkpoint"]["dynamic"][0]["statement"]["content"][0]
+    assert kms["actions"] == ["kms:Decrypt", "kms:GenerateDataKey"] and kms["resources"] == ["${statement.value}"]
+
+
+def test_gpu_pools_replace_before_destroy_and_rebalance_spot_capacity() -> None:
+    pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
+    asg = only(pool, "aws_autoscaling_group", "this")
+    assert asg["capacity_rebalance"] is True
+    assert asg["lifecycle"][0]["create_before_destroy"] is True
+    assert only(pool, "aws_launch_template", "this")["lifecycle"][0]["create_before_destroy"] is True
+    distribution = asg["mixed_instances_policy"][0]["instances_distribution"][0]
+    assert distribution["on_demand_percentage_above_base_capacity"] == "${local.spot ? 0 : 100}"
+
+
+def test_launch_template_attaches_efa_interfaces_when_the_pool_has_them() -> None:
+    pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
+    dynamic = only(pool, "aws_launch_template", "this")["dynamic"]
+    interfaces = next(d["network_interfaces"] for d in dynamic if "network_interfaces" in d)
+    assert interfaces["for_each"] == "${local.network_interfaces}"
+    main_tf = (TERRAFORM / "modules" / "gpu_node_pool" / "main.tf").read_text()
+    assert 'interface_type     = "efa"' in main_tf
