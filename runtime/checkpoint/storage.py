@@ -234,7 +234,9 @@ def _s3_retryable(exc: BaseException) -> bool:
         ConnectionError as BotoConnectionError,
     )
 
-    if isinstance(exc, (BotoConnectionError, HTTPClientError, S3UploadFailedError, OSError)):
+    if isinstance(exc, S3UploadFailedError):  # wraps both connection and 4xx errors
+        return not any(c in str(exc) for c in ("NoSuchBucket", "AccessDenied", "InvalidAccess"))
+    if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
         return True
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
@@ -259,6 +261,7 @@ class S3Storage:
         retry_seconds: float = 60.0,
         multipart_mb: int = 16,
         connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
         spool_dir: str | None = None,
     ) -> None:
         import boto3
@@ -281,9 +284,10 @@ class S3Storage:
         self.retry_seconds = retry_seconds
         self.spool_dir = spool_dir
         config = Config(
-            retries={"max_attempts": 3, "mode": "standard"},
+            # botocore retries quick blips per request; self.retry rides out longer outages.
+            retries={"max_attempts": 2, "mode": "standard"},
             connect_timeout=connect_timeout,
-            read_timeout=60,
+            read_timeout=read_timeout,
         )
         self.client = boto3.client("s3", endpoint_url=self.endpoint_url, config=config)
         chunk = multipart_mb * 1024 * 1024
@@ -442,7 +446,7 @@ class _S3Staging:
         self.storage = storage
         self.name = name
         self.spool = tempfile.mkdtemp(prefix=f"ckpt-{name}-", dir=storage.spool_dir)
-        self.uploaded: list[str] = []
+        self.uploaded: dict[str, int] = {}  # key -> size
         # Re-saving a step: hide the old folder first so old and new files never mix.
         if storage.exists(f"{name}/{MANIFEST}"):
             storage.delete_prefix(name)
@@ -452,11 +456,21 @@ class _S3Staging:
 
     def finish_file(self, filename: str) -> None:
         key = f"{self.name}/{filename}"
+        size = os.path.getsize(self.local_path(filename))
         self.storage.put_file(key, self.local_path(filename))
-        self.uploaded.append(key)
+        self.uploaded[key] = size
         os.remove(self.local_path(filename))  # keep the spool at one file at a time
 
     def commit(self, manifest: bytes) -> str:
+        # A server that restarted mid-save may have lost objects it already acknowledged:
+        # check them all before the manifest makes the folder visible.
+        listing = self.storage.list(self.name)
+        for key, size in self.uploaded.items():
+            if listing.get(key) != size:
+                raise CheckpointError(
+                    f"{self.storage.uri_of(key)} is missing or has the wrong size after upload "
+                    f"(server lost it?); not committing {self.storage.uri_of(self.name)}"
+                )
         self.storage.put_bytes(f"{self.name}/{MANIFEST}", manifest)
         shutil.rmtree(self.spool, ignore_errors=True)
         return self.storage.uri_of(self.name)

@@ -1,0 +1,92 @@
+"""``python -m runtime checkpoints list|verify|prune <storage> [--keep N] [--endpoint-url URL]``.
+
+Exit codes: 0 ok, 1 an invalid checkpoint was found (verify) or storage failed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from runtime.checkpoint.manager import CheckpointManager
+from runtime.checkpoint.storage import CheckpointError
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m runtime checkpoints",
+        description="Inspect, verify and rotate checkpoints in a folder or s3://bucket/prefix.",
+    )
+    p.add_argument("command", choices=["list", "verify", "prune"])
+    p.add_argument("storage", help="checkpoint root: a path, file://path or s3://bucket/prefix")
+    p.add_argument("--keep", type=int, default=3, help="prune: valid checkpoints to keep (>= 1)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (else AWS env)")
+    return p
+
+
+def _table(mgr: CheckpointManager) -> list[tuple[int, str, int, str]]:
+    sizes = mgr.sizes()
+    return [(ref.step, ref.name, sizes.get(ref.name, 0), status) for ref, status in mgr.list()]
+
+
+def _print_table(rows: list[tuple[int, str, int, str]]) -> None:
+    print(f"{'STEP':>10}  {'NAME':<16}  {'SIZE':>10}  STATUS")
+    for step, name, size, status in rows:
+        print(f"{step:>10}  {name:<16}  {_human(size):>10}  {status}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one checkpoints subcommand and return its exit code."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
+        return int(exc.code or 0)
+    if args.keep < 1:
+        print("error: --keep must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        mgr = CheckpointManager(args.storage, keep=0, endpoint_url=args.endpoint_url)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "prune":
+            deleted = mgr.prune(args.keep)
+            for ref in deleted:
+                print(f"deleted {ref.name}")
+            print(f"{len(deleted)} deleted, keeping the newest {args.keep} valid")
+            _print_table(_table(mgr))
+            return 0
+        rows = _table(mgr)
+        _print_table(rows)
+        partials = mgr.storage.partial_uploads()
+        if partials:
+            print(
+                f"{len(partials)} leftovers of interrupted saves (removed by prune): "
+                + ", ".join(partials)
+            )
+        invalid = [r for r in rows if r[3] != "valid"]
+        if not rows:
+            print(f"no checkpoints in {mgr.storage.uri}")
+        if args.command == "verify":
+            print(f"{len(rows) - len(invalid)} valid, {len(invalid)} invalid")
+            return 1 if invalid else 0
+        return 0
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        mgr.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

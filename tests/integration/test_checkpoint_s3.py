@@ -1,0 +1,215 @@
+"""Checkpoints on S3 against a real S3 HTTP server (moto_server) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from s3_server import CREDENTIALS, free_port, start_moto_server, stop_moto_server
+
+from runtime.checkpoint import CheckpointError, CheckpointManager, S3Storage
+from runtime.checkpoint.cli import main as cli_main
+
+BUCKET = "ckpt-test"
+
+
+class MotoServer:
+    """A moto_server process that tests may kill and restart on the same port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc, self.endpoint = start_moto_server(self.port, buckets=[BUCKET])
+
+    def client(self) -> Any:
+        return boto3.client("s3", endpoint_url=self.endpoint)
+
+    def kill(self) -> None:
+        stop_moto_server(self.proc)
+
+    def restart(self) -> None:
+        """Same port, empty bucket: moto has no persistence, so every object is lost."""
+        self.proc, _ = start_moto_server(self.port, buckets=[BUCKET])
+
+
+@pytest.fixture
+def moto(monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    server = MotoServer()
+    yield server
+    server.kill()
+
+
+def _storage(moto: MotoServer, prefix: str = "run1", **kw: Any) -> S3Storage:
+    kw = {"retries": 3, "retry_seconds": 5.0, "connect_timeout": 1.0, "read_timeout": 3.0} | kw
+    return S3Storage(f"s3://{BUCKET}/{prefix}", endpoint_url=moto.endpoint, **kw)
+
+
+def _state(fill: float, mib: int = 1) -> dict[str, Any]:
+    return {
+        "model": {"w": torch.full((mib * 256 * 1024,), fill)},
+        "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "trainer": {"global_step": int(fill)},
+    }
+
+
+def test_save_list_load_prune_on_s3_with_sse(moto: MotoServer) -> None:
+    uri = f"s3://{BUCKET}/run1"
+    with CheckpointManager(uri, keep=2, endpoint_url=moto.endpoint) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(_state(float(step)), step=step, meta={"config": {"x": 1}})
+        ref = mgr.wait()
+        assert ref is not None and ref.uri == f"{uri}/step_000000003"
+    fresh = CheckpointManager(uri, endpoint_url=moto.endpoint)
+    assert [(r.step, s) for r, s in fresh.list()] == [(3, "valid"), (2, "valid")]
+    ref, warnings = fresh.latest_valid()
+    assert ref is not None and ref.step == 3 and warnings == []
+    assert torch.equal(fresh.load(ref)["model"]["w"], _state(3.0)["model"]["w"])
+    head = moto.client().head_object(Bucket=BUCKET, Key="run1/step_000000003/model.pt")
+    assert head["ServerSideEncryption"] == "AES256"
+    head = moto.client().head_object(Bucket=BUCKET, Key="run1/step_000000003/manifest.json")
+    assert head["ServerSideEncryption"] == "AES256"
+
+    # A flipped byte in S3 is caught the same way as on disk.
+    key = "run1/step_000000003/model.pt"
+    data = bytearray(moto.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[-10] ^= 0xFF
+    moto.client().put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    ref, warnings = fresh.latest_valid()
+    assert ref is not None and ref.step == 2
+    assert warnings == ["step_000000003: model.pt sha256 mismatch; using step_000000002"]
+    fresh.close()
+
+
+def test_endpoint_from_environment(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto.endpoint)
+    with CheckpointManager(f"s3://{BUCKET}/env") as mgr:
+        mgr.save(_state(1.0), step=1, meta={}, blocking=True)
+        assert mgr.latest_valid()[0] is not None
+
+
+def _kill_after_first_data_object(storage: S3Storage, action: Any) -> None:
+    """Run ``action`` (kill/pause the server) once the first object of a save has landed."""
+    done = threading.Event()
+
+    def hook(**_: Any) -> None:
+        if not done.is_set():
+            done.set()
+            action()
+
+    storage.client.meta.events.register("after-call.s3.PutObject", hook)
+
+
+def test_server_killed_and_restarted_during_save_no_half_visible_checkpoint(
+    moto: MotoServer,
+) -> None:
+    storage = _storage(moto, retry_seconds=15.0, retries=6)
+    mgr = CheckpointManager(storage.uri, keep=3, storage=storage, on_failure="stop")
+    mgr.save(_state(1.0), step=1, meta={}, blocking=True)  # A: committed
+
+    def crash_and_come_back() -> None:
+        moto.kill()  # the server dies right after acknowledging model.pt of B
+        threading.Timer(1.0, moto.restart).start()
+
+    _kill_after_first_data_object(storage, crash_and_come_back)
+    mgr.save(_state(2.0), step=2, meta={})  # B
+    with pytest.raises(CheckpointError) as err:
+        mgr.wait()
+    # The retries carried the upload across the restart, then the commit check found the
+    # object the restarted (empty) server lost, so no manifest was written.
+    assert f"s3://{BUCKET}/run1/step_000000002/model.pt is missing" in str(err.value)
+    assert mgr.metrics.failures == 1
+    listing = storage.list("")
+    assert "step_000000002/manifest.json" not in listing
+    ref, warnings = mgr.latest_valid()
+    assert ref is None  # A died with the server's memory; B is not half-visible
+    assert all("manifest.json missing" in w for w in warnings)
+
+    mgr.save(_state(3.0), step=3, meta={}, blocking=True)  # C: the failure was raised once
+    resumed = CheckpointManager(storage.uri, storage=_storage(moto))
+    ref, state, _ = resumed.load_latest()
+    assert ref is not None and ref.step == 3 and state is not None
+    assert state["trainer"]["global_step"] == 3
+    assert "step_000000002/model.pt" not in storage.list("")  # B's leftovers were pruned
+    resumed.close()
+    mgr.close()
+
+
+def test_server_paused_within_retry_window_save_succeeds(moto: MotoServer) -> None:
+    storage = _storage(moto, retry_seconds=20.0, retries=8)
+    mgr = CheckpointManager(storage.uri, storage=storage, on_failure="stop")
+
+    def pause_for_a_while() -> None:
+        os.kill(moto.proc.pid, signal.SIGSTOP)
+        threading.Timer(4.0, os.kill, (moto.proc.pid, signal.SIGCONT)).start()
+
+    _kill_after_first_data_object(storage, pause_for_a_while)
+    t0 = time.monotonic()
+    mgr.save(_state(5.0), step=5, meta={}, blocking=True)
+    assert time.monotonic() - t0 >= 3.5  # it really waited the outage out
+    ref, warnings = mgr.latest_valid()
+    assert ref is not None and ref.step == 5 and warnings == []
+    mgr.close()
+
+
+def test_server_down_for_good_gives_clear_error_and_keeps_old_checkpoint(
+    moto: MotoServer,
+) -> None:
+    storage = _storage(moto, retry_seconds=3.0, retries=3, read_timeout=1.0)
+    mgr = CheckpointManager(storage.uri, storage=storage, on_failure="stop")
+    mgr.save(_state(1.0), step=1, meta={}, blocking=True)
+    os.kill(moto.proc.pid, signal.SIGSTOP)
+    try:
+        mgr.save(_state(2.0), step=2, meta={})
+        with pytest.raises(CheckpointError, match=rf"s3://{BUCKET}/run1/step_000000002.*gave up"):
+            mgr.wait()
+    finally:
+        os.kill(moto.proc.pid, signal.SIGCONT)
+    ref, _ = CheckpointManager(storage.uri, storage=_storage(moto)).latest_valid()
+    assert ref is not None and ref.step == 1
+    mgr.close()
+
+
+def test_cli_lists_s3_checkpoints(moto: MotoServer, capsys: pytest.CaptureFixture[str]) -> None:
+    uri = f"s3://{BUCKET}/cli"
+    with CheckpointManager(uri, endpoint_url=moto.endpoint) as mgr:
+        mgr.save(_state(1.0), step=1, meta={}, blocking=True)
+    assert cli_main(["list", uri, "--endpoint-url", moto.endpoint]) == 0
+    out = capsys.readouterr().out
+    assert "step_000000001" in out and "valid" in out
+
+
+def test_cli_module_verifies_an_s3_store_in_a_subprocess(moto: MotoServer) -> None:
+    """The CLI module also runs on its own (what `python -m runtime checkpoints` dispatches to)."""
+    uri = f"s3://{BUCKET}/cli2"
+    with CheckpointManager(uri, endpoint_url=moto.endpoint) as mgr:
+        mgr.save(_state(1.0), step=1, meta={}, blocking=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime.checkpoint.cli",
+            "verify",
+            uri,
+            "--endpoint-url",
+            moto.endpoint,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ},
+    )
+    assert res.returncode == 0, res.stderr
+    assert "step_000000001" in res.stdout
