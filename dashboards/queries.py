@@ -6,6 +6,8 @@ substituted, so tests can evaluate them against a real Prometheus.
         for uid, title, expr, gpu_only in panel_queries(dash, {"job": "my-run", "instance": ".*", "gpu": ".*"}):
             ...  # GET /api/v1/query?query=<expr>
 
+Values are inserted verbatim (Grafana would regex-escape a multi-value
+selection; pass ".*" or an already valid regex).
 `gpu_only` is True for queries over GPU metrics (DCGM_* or rt_gpu_*): those are
 absent on hosts without NVML/DCGM, so an empty result there is expected.
 Standard library only (no Grafana, no Prometheus client).
