@@ -1,0 +1,7 @@
+"""``python -m runtime ...``: see runtime.cli."""
+
+import sys
+
+from runtime.cli import main
+
+sys.exit(main())

@@ -1,0 +1,118 @@
+"""Command line: ``python -m runtime <command>``.
+
+    python -m runtime train jobs/resnet50.yaml --set optimizer.lr=0.05
+    python -m runtime tune jobs/digits_tune.yaml [--resume]
+    python -m runtime validate resnet50
+    python -m runtime checkpoints list|verify|prune <storage>
+    python -m runtime cluster up|down|status
+
+Exit codes: 0 ok, 1 the run failed, 2 bad input (nothing was started),
+3 no cluster to run on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from runtime.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+EXIT_NO_CLUSTER = 3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse exits 2 too; keep the message format ours
+        self.print_usage(sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m runtime", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in ("train", "validate", "tune"):
+        s = sub.add_parser(name, help=f"{name} a job (a name from jobs/ or a YAML path)")
+        s.add_argument("job")
+        s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field, e.g. --set optimizer.lr=0.05 (repeatable)")
+        if name in ("train", "tune"):
+            s.add_argument("--run-name", help="name of the run; reuse one to resume it")
+            s.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+        if name == "tune":
+            s.add_argument("--resume", action="store_true", help="resume an interrupted search (Tuner.restore)")
+    c = sub.add_parser("checkpoints", help="list, verify or prune checkpoints in a storage URI")
+    c.add_argument("args", nargs=argparse.REMAINDER)
+    cl = sub.add_parser("cluster", help="the local embedded cluster")
+    cl.add_argument("action", choices=["up", "down", "status"])
+    cl.add_argument("--num-cpus", type=int, default=None)
+    cl.add_argument("--no-mlflow", action="store_true")
+    cl.add_argument("--no-prometheus", action="store_true")
+    return p
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from runtime import cluster
+
+    if args.action == "up":
+        state = cluster.up(num_cpus=args.num_cpus, with_mlflow=not args.no_mlflow,
+                           with_prometheus=not args.no_prometheus)
+        print("local cluster is up:")
+        print(f"  Ray:        {state['ray']['address']}   dashboard {state['ray']['dashboard']}")
+        if "mlflow" in state:
+            print(f"  MLflow:     {state['mlflow']['url']}")
+        if "prometheus" in state:
+            print(f"  Prometheus: {state['prometheus']['url']}")
+        else:
+            print("  Prometheus: not started (run `make prometheus-tools` to fetch the binary)")
+        return 0
+    if args.action == "down":
+        stopped = cluster.down()
+        print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+        return 0
+    for name, st in cluster.status().items():
+        print(f"{name:11s} {st}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "checkpoints":
+        from runtime.checkpoint.cli import main as ckpt_main
+
+        return int(ckpt_main(args.args))
+    if args.command == "cluster":
+        return _cluster(args)
+    from runtime.config import load_job
+
+    try:
+        cfg = load_job(args.job, args.overrides)
+        if args.command == "validate":
+            print(f"{args.job}: OK ({cfg.name}, global batch {cfg.global_batch_size()})")
+            return 0
+        if args.command == "tune":
+            from runtime.tune import run_tune_cli
+
+            return run_tune_cli(cfg, args)
+        return _train(cfg, args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _train(cfg: Any, args: argparse.Namespace) -> int:
+    from runtime.cluster import ClusterError
+    from runtime.launch import outcome_summary, train
+
+    try:
+        outcome = train(cfg, args.run_name, show_progress=not args.no_progress)
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NO_CLUSTER
+    print(outcome_summary(outcome))
+    if outcome.error or outcome.metrics.get("stop_reason") not in (None, "preempted"):
+        return 1
+    return 0

@@ -1,0 +1,304 @@
+"""Finding (and, for the embedded default, running) the Ray cluster.
+
+The runtime only needs an address: ``RAY_ADDRESS`` wins, else the state that
+``make cluster-up`` left in ``.cluster/``. ``python -m runtime cluster up|down|status``
+manages the local embedded cluster: a Ray head on this machine, plus MLflow and
+Prometheus when their binaries are available. Every process it starts is
+recorded with its pid, and ``down`` stops exactly those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_DIR = Path(os.environ.get("RT_CLUSTER_DIR", ROOT / ".cluster"))
+STATE_FILE = "state.json"
+RAY_PORT = int(os.environ.get("RT_RAY_PORT", "6379"))
+DASHBOARD_PORT = int(os.environ.get("RT_DASHBOARD_PORT", "8265"))
+MLFLOW_PORT = int(os.environ.get("RT_MLFLOW_PORT", "5000"))
+PROMETHEUS_PORT = int(os.environ.get("RT_PROMETHEUS_PORT", "9090"))
+RAY_METRICS_PORT = int(os.environ.get("RT_RAY_METRICS_PORT", "8080"))
+
+
+class ClusterError(RuntimeError):
+    """No cluster to talk to, or one that would not start; the message says what to run."""
+
+
+def _bin(name: str) -> str:
+    """A console script of this interpreter's environment (the venv), else PATH."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else (shutil.which(name) or name)
+
+
+def load_state(cluster_dir: Path = CLUSTER_DIR) -> dict[str, Any]:
+    f = cluster_dir / STATE_FILE
+    if not f.exists():
+        return {}
+    try:
+        return dict(json.loads(f.read_text()))
+    except json.JSONDecodeError:
+        return {}
+
+
+def _save_state(state: dict[str, Any], cluster_dir: Path) -> None:
+    cluster_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cluster_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, cluster_dir / STATE_FILE)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback URLs we built)
+            return bool(200 <= r.status < 300)
+    except Exception:
+        return False
+
+
+def ray_address(cluster_dir: Path = CLUSTER_DIR) -> str:
+    """The address to ``ray.init``; raises ClusterError naming `make cluster-up` when there is none."""
+    env = os.environ.get("RAY_ADDRESS")
+    if env:
+        return env
+    state = load_state(cluster_dir)
+    addr = state.get("ray", {}).get("address")
+    if addr:
+        host, _, port = addr.rpartition(":")
+        if _port_open(host, int(port)):
+            return str(addr)
+    raise ClusterError(
+        "no Ray cluster is running: start the local one with `make cluster-up` "
+        "(or set RAY_ADDRESS=<head>:6379 for a remote cluster, RAY_ADDRESS=local for a throwaway one)"
+    )
+
+
+def tracking_uri(cluster_dir: Path = CLUSTER_DIR) -> str | None:
+    """MLflow server of `make cluster-up`, or MLFLOW_TRACKING_URI."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    url = load_state(cluster_dir).get("mlflow", {}).get("url")
+    return str(url) if url else None
+
+
+def prometheus_sd_dir(cluster_dir: Path = CLUSTER_DIR) -> str | None:
+    env = os.environ.get("RT_PROMETHEUS_SD_DIR")
+    if env:
+        return env
+    d = load_state(cluster_dir).get("prometheus", {}).get("sd_dir")
+    return str(d) if d else None
+
+
+# ------------------------------------------------------------------ up / down
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        p = subprocess.Popen(  # noqa: S603 (fixed argv we built)
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env={**os.environ, **(env or {})},
+        )
+    return p.pid
+
+
+def _wait(check: Any, what: str, timeout: float, log: Path | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    tail = ""
+    if log and log.exists():
+        tail = "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    raise ClusterError(f"{what} did not come up within {timeout:.0f}s{tail}")
+
+
+def ray_temp_dir(cluster_dir: Path) -> str:
+    """Short per-cluster temp dir (Ray's unix socket paths must stay under ~107 bytes)."""
+    import hashlib
+
+    return f"/tmp/rt-ray-{hashlib.sha1(str(cluster_dir.resolve()).encode()).hexdigest()[:8]}"
+
+
+def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
+    """``ray start --head --block`` in its own process group, so `down` can stop exactly it."""
+    host = "127.0.0.1"
+    cmd = [
+        _bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={RAY_PORT}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={DASHBOARD_PORT}", "--include-dashboard=true",
+        f"--metrics-export-port={RAY_METRICS_PORT}", "--disable-usage-stats",
+        f"--temp-dir={ray_temp_dir(cluster_dir)}",
+    ]
+    if num_cpus:
+        cmd.append(f"--num-cpus={num_cpus}")
+    log = cluster_dir / "logs" / "ray.log"
+    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0"})
+    _wait(lambda: _port_open(host, RAY_PORT) and _alive(pid), "Ray head", 180, log)
+    return {"pid": pid, "address": f"{host}:{RAY_PORT}", "dashboard": f"http://127.0.0.1:{DASHBOARD_PORT}",
+            "metrics_port": RAY_METRICS_PORT}
+
+
+def _mlflow_up(cluster_dir: Path) -> dict[str, Any]:
+    store = cluster_dir / "mlflow"
+    (store / "artifacts").mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{MLFLOW_PORT}"
+    cmd = [
+        _bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(MLFLOW_PORT),
+        "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+        "--artifacts-destination", str(store / "artifacts"), "--workers", "1",
+    ]
+    log = cluster_dir / "logs" / "mlflow.log"
+    pid = _spawn(cmd, log)
+    _wait(lambda: _http_ok(f"{url}/health"), "MLflow server", 180, log)
+    return {"pid": pid, "url": url}
+
+
+def _prometheus_bin() -> Path | None:
+    env = os.environ.get("RT_PROMETHEUS_BIN")
+    candidates = [Path(env)] if env else []
+    candidates.append(ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus")
+    return next((c for c in candidates if c.exists()), None)
+
+
+def prometheus_config(cluster_dir: Path, ray_metrics_sd: str | None) -> str:
+    """Scrape config for the local cluster: runtime workers (file_sd), Ray, Prometheus itself."""
+    sd = cluster_dir / "prometheus" / "targets"
+    rules = sorted(str(p) for p in (ROOT / "alerts").glob("*.rules.yml"))
+    lines = [
+        "global:", "  scrape_interval: 5s", "  evaluation_interval: 5s",
+        "rule_files:", *[f"  - {r}" for r in rules],
+        "scrape_configs:",
+        "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{PROMETHEUS_PORT}']",
+        "  - job_name: training", "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
+        "        refresh_interval: 5s",
+        "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{RAY_METRICS_PORT}']",
+    ]
+    if ray_metrics_sd:
+        lines += ["    file_sd_configs:", f"      - files: ['{ray_metrics_sd}']"]
+    if os.environ.get("RT_NODE_EXPORTER_PORT"):
+        lines += ["  - job_name: node", "    static_configs:",
+                  f"      - targets: ['127.0.0.1:{os.environ['RT_NODE_EXPORTER_PORT']}']"]
+    return "\n".join(lines) + "\n"
+
+
+def _prometheus_up(cluster_dir: Path) -> dict[str, Any] | None:
+    binary = _prometheus_bin()
+    if binary is None:
+        return None
+    pdir = cluster_dir / "prometheus"
+    (pdir / "targets").mkdir(parents=True, exist_ok=True)
+    conf = pdir / "prometheus.yml"
+    conf.write_text(prometheus_config(cluster_dir, None))
+    url = f"http://127.0.0.1:{PROMETHEUS_PORT}"
+    cmd = [
+        str(binary), f"--config.file={conf}", f"--storage.tsdb.path={pdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{PROMETHEUS_PORT}", "--web.enable-lifecycle",
+    ]
+    log = cluster_dir / "logs" / "prometheus.log"
+    pid = _spawn(cmd, log)
+    _wait(lambda: _http_ok(f"{url}/-/ready"), "Prometheus", 60, log)
+    return {"pid": pid, "url": url, "sd_dir": str(pdir / "targets")}
+
+
+def up(cluster_dir: Path = CLUSTER_DIR, num_cpus: int | None = None, with_mlflow: bool = True,
+       with_prometheus: bool = True) -> dict[str, Any]:
+    """Start what is not already running; idempotent."""
+    state = load_state(cluster_dir)
+    if not (state.get("ray") and _port_open("127.0.0.1", RAY_PORT)):
+        state["ray"] = _ray_up(cluster_dir, num_cpus)
+        _save_state(state, cluster_dir)
+    if with_mlflow and not (state.get("mlflow") and _alive(state["mlflow"]["pid"])):
+        state["mlflow"] = _mlflow_up(cluster_dir)
+        _save_state(state, cluster_dir)
+    if with_prometheus and not (state.get("prometheus") and _alive(state["prometheus"]["pid"])):
+        prom = _prometheus_up(cluster_dir)
+        if prom:
+            state["prometheus"] = prom
+            _save_state(state, cluster_dir)
+    return state
+
+
+def _kill(pid: int, timeout: float = 20) -> None:
+    if not _alive(pid):
+        return
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.time() + timeout
+    while time.time() < deadline and _alive(pid):
+        time.sleep(0.2)
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    if _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _kill_group_leftovers(pgid: int) -> None:
+    """Children that outlived their group leader (Ray workers, gunicorn workers) die with the group."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) == pgid:
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def down(cluster_dir: Path = CLUSTER_DIR) -> list[str]:
+    """Stop what `up` started (and only that); returns what was stopped."""
+    state = load_state(cluster_dir)
+    stopped = []
+    for name in ("prometheus", "mlflow", "ray"):
+        svc = state.get(name)
+        if svc and svc.get("pid"):
+            _kill(int(svc["pid"]), timeout=60 if name == "ray" else 20)
+            _kill_group_leftovers(int(svc["pid"]))
+            stopped.append(name)
+    (cluster_dir / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def status(cluster_dir: Path = CLUSTER_DIR) -> dict[str, str]:
+    state = load_state(cluster_dir)
+    out = {}
+    ray_addr = state.get("ray", {}).get("address")
+    out["ray"] = f"up at {ray_addr} (dashboard {state['ray']['dashboard']})" if ray_addr and _port_open(
+        "127.0.0.1", RAY_PORT) else "down"
+    for name, path in (("mlflow", "/health"), ("prometheus", "/-/ready")):
+        svc = state.get(name)
+        out[name] = f"up at {svc['url']}" if svc and _http_ok(svc["url"] + path) else "down"
+    return out

@@ -1,0 +1,326 @@
+"""Typed, validated job configuration.
+
+A job file (``jobs/<name>.yaml``) is these models composed; every field is
+documented here, next to its validation. Unknown fields are errors (a typo must
+not silently fall back to a default), and every error names the file and the
+dotted field path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from runtime.errors import ConfigError
+
+JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
+ENV_PREFIX = "RT_"
+
+MODEL_NAMES = ("small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16")
+DATA_SOURCES = ("synthetic", "cifar10", "imagefolder", "digits")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Which network to train; num_classes comes from the data, not from here."""
+
+    name: Literal[
+        "small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16"
+    ] = "resnet50"
+    channels_last: bool = Field(False, description="NHWC memory format (faster convs on GPU tensor cores).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory (torch.utils.checkpoint)."
+    )
+    sync_batchnorm: bool = Field(False, description="Convert BatchNorm to SyncBatchNorm (GPU/NCCL only).")
+
+
+class DataConfig(_Strict):
+    """Where samples come from and how each worker batches them."""
+
+    source: Literal["synthetic", "cifar10", "imagefolder", "digits"] = "synthetic"
+    path: str | None = Field(None, description="Data folder for cifar10 (python batches) or imagefolder.")
+    image_size: int = Field(32, ge=8, le=1024, description="Square input size fed to the model.")
+    num_classes: int = Field(10, ge=2, description="Classes for synthetic data (real sets know theirs).")
+    num_samples: int = Field(2048, ge=1, description="Synthetic training samples.")
+    val_samples: int = Field(256, ge=0, description="Synthetic validation samples.")
+    batch_size: int = Field(32, ge=1, description="Per-worker micro-batch size.")
+    loader_workers: int | Literal["auto"] = Field(
+        "auto", description="DataLoader worker processes; auto = 0 on CPU, 4 on GPU."
+    )
+    seed: int = 0
+
+    @field_validator("loader_workers")
+    @classmethod
+    def _non_negative(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be >= 0 or 'auto'")
+        return v
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> DataConfig:
+        if self.source in ("cifar10", "imagefolder"):
+            if not self.path:
+                raise ValueError(f"data.path is required when data.source is {self.source!r}")
+            if not Path(self.path).expanduser().is_dir():
+                raise ValueError(f"data.path {self.path!r} is not a directory (data.source={self.source!r})")
+        return self
+
+
+class OptimizerConfig(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.1, gt=0, description="Peak learning rate (after warmup).")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+class ScheduleConfig(_Strict):
+    name: Literal["constant", "cosine", "step"] = "cosine"
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to optimizer.lr.")
+    step_size: int = Field(30, ge=1, description="step schedule: decay every step_size optimizer steps.")
+    gamma: float = Field(0.1, gt=0, le=1, description="step schedule: multiplicative decay.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine schedule: floor as a fraction of lr.")
+
+
+class PrecisionConfig(_Strict):
+    """auto = bf16 autocast on GPUs that support it, fp32 on CPU (bf16 CPU autocast is slower there)."""
+
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+
+
+class LocalSGDConfig(_Strict):
+    start_step: int = Field(10, ge=1, description="Synchronous all-reduce until this step, then local SGD.")
+    period: int = Field(4, ge=1, description="Average models across workers every `period` steps.")
+
+
+class NonFiniteConfig(_Strict):
+    policy: Literal["skip", "stop"] = "skip"
+    max_consecutive: int = Field(5, ge=1, description="Stop after this many non-finite losses in a row.")
+
+
+class TrainConfig(_Strict):
+    max_steps: int | None = Field(100, ge=1, description="Optimizer steps; None = run `epochs` epochs.")
+    epochs: int | None = Field(None, ge=1, description="Epochs when max_steps is None (or a cap with it).")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    clip_grad_norm: float | None = Field(1.0, gt=0, description="Max global grad norm; None = no clipping.")
+    log_every_steps: int = Field(10, ge=1, description="Report metrics to Ray every N optimizer steps.")
+    eval_every_epochs: int = Field(1, ge=1)
+    seed: int = 0
+    deterministic: bool = Field(False, description="torch.use_deterministic_algorithms (bit-exact resume).")
+    update_mode: Literal["sync", "local_sgd"] = Field(
+        "sync", description="sync = all-reduce every step; local_sgd = post-local-SGD with model averaging."
+    )
+    local_sgd: LocalSGDConfig = LocalSGDConfig()
+    nonfinite: NonFiniteConfig = NonFiniteConfig()
+    torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads per worker.")
+
+    @model_validator(mode="after")
+    def _some_length(self) -> TrainConfig:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set train.max_steps or train.epochs")
+        return self
+
+
+class DistributedConfig(_Strict):
+    num_workers: int = Field(2, ge=1, le=4096)
+    use_gpu: Literal["auto"] | bool = Field("auto", description="auto = GPUs when the cluster has them.")
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    cpus_per_worker: float = Field(1, gt=0)
+    gpus_per_worker: float = Field(1, gt=0)
+    resources_per_worker: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    timeout_s: int = Field(120, ge=5, description="Collective timeout: a dead peer fails the step, not hangs.")
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: x for k, x in v.items() if x <= 0}
+        if bad:
+            raise ValueError(f"resource amounts must be > 0, got {bad}")
+        return v
+
+
+class CheckpointConfig(_Strict):
+    storage: str = Field("runs", description="Local folder or s3://bucket/prefix for runs and checkpoints.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto...).")
+    interval_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
+    keep: int = Field(3, ge=1, description="Valid checkpoints kept; the newest valid one is never deleted.")
+    max_failures: int = Field(3, ge=-1, description="Worker-group restarts Ray may do; -1 = unlimited.")
+    on_failure: Literal["continue", "stop"] = Field("continue", description="When a save fails.")
+    enabled: bool = True
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_scheme(cls, v: str) -> str:
+        if "://" in v and not v.startswith("s3://"):
+            raise ValueError(f"storage must be a local path or s3://bucket/prefix, got {v!r}")
+        if v.startswith("s3://") and len(v) <= len("s3://"):
+            raise ValueError("s3:// storage needs a bucket name")
+        return v
+
+
+class TrackingConfig(_Strict):
+    mlflow: bool = True
+    mlflow_uri: str | None = Field(None, description="MLflow server; None = the local cluster's or a local store.")
+    experiment: str | None = Field(None, description="MLflow experiment; default = job name.")
+    prometheus: bool = True
+
+
+class JobConfig(_Strict):
+    """One training job: the unit a job file describes."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    description: str = ""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    tune: dict[str, Any] | None = Field(None, description="Search definition (tuning jobs only).")
+
+    def global_batch_size(self) -> int:
+        # workers x per-worker micro-batch x accumulation steps = samples per optimizer step
+        return self.distributed.num_workers * self.data.batch_size * self.train.grad_accum_steps
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted-key view, e.g. for MLflow params."""
+        return flatten(self.model_dump(mode="json", exclude={"tune"}))
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def available_jobs(jobs_dir: Path = JOBS_DIR) -> list[str]:
+    return sorted(p.stem for p in jobs_dir.glob("*.yaml"))
+
+
+def resolve_job_path(job: str, jobs_dir: Path = JOBS_DIR) -> Path:
+    """Accept a job name (``resnet50``) or a path to a YAML file."""
+    p = Path(job)
+    if p.suffix in (".yaml", ".yml") or os.sep in job:
+        if not p.is_file():
+            raise ConfigError(f"job file {job!r} does not exist")
+        return p
+    candidate = jobs_dir / f"{job}.yaml"
+    if not candidate.is_file():
+        raise ConfigError(f"unknown job {job!r}; available jobs: {', '.join(available_jobs(jobs_dir))}")
+    return candidate
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=c`` -> (["a", "b"], yaml-parsed c)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"bad override {item!r}: expected dotted.key=value, e.g. optimizer.lr=0.05")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"bad override {item!r}: value is not valid YAML ({e.__class__.__name__})") from e
+    return key.split("."), value
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> list[str]:
+    """``RT_OPTIMIZER__LR=0.05`` -> ``optimizer.lr=0.05`` (double underscore separates levels)."""
+    env = os.environ if environ is None else environ
+    out = []
+    for k, v in sorted(env.items()):
+        if k.startswith(ENV_PREFIX) and "__" in k:
+            out.append(k[len(ENV_PREFIX):].lower().replace("__", ".") + "=" + v)
+    return out
+
+
+def _apply(raw: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+    node = raw
+    for part in path[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"bad override {item!r}: {part!r} is not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid job configuration ({err.error_count()} error(s))"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(list(e["loc"])[:-1])
+            valid = ", ".join(parent.model_fields) if parent else ""
+            msg = f"unknown field; valid fields here: {valid}"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        got = e.get("input")
+        shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _model_at(loc: list[Any]) -> type[BaseModel] | None:
+    model: type[BaseModel] = JobConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def load_job(
+    job: str,
+    overrides: list[str] | None = None,
+    environ: dict[str, str] | None = None,
+    jobs_dir: Path = JOBS_DIR,
+) -> JobConfig:
+    """Load a job file, apply env then CLI overrides (CLI wins), validate."""
+    path = resolve_job_path(job, jobs_dir)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, data, ...), got {type(raw).__name__}")
+    raw.setdefault("name", path.stem)
+    for item in env_overrides(environ) + list(overrides or []):
+        keys, value = parse_override(item)
+        _apply(raw, keys, value, item)
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, str(path))) from None
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> JobConfig:
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None

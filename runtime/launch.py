@@ -1,0 +1,268 @@
+"""The driver: turn a JobConfig into a Ray Train ``TorchTrainer`` run.
+
+``python -m runtime train jobs/resnet50.yaml`` (or ``make train JOB=resnet50``)
+ends up in :func:`train`. The driver connects to the cluster, resolves devices,
+builds ``TorchTrainer(train_loop_per_worker, ScalingConfig, RunConfig(storage,
+FailureConfig, CheckpointConfig))``, streams progress from the workers' reports
+and prints where the results are. On SIGTERM it asks the workers to write an
+emergency checkpoint and stop (spot preemption), then exits cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ray.train import UserCallback
+
+from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri
+from runtime.config import JobConfig
+from runtime.errors import ConfigError
+from runtime.loop import PREEMPT_FILE, RunInfo, train_loop_per_worker
+from runtime.progress import Progress
+
+log = logging.getLogger("runtime.launch")
+
+
+@dataclass
+class TrainOutcome:
+    """What a finished run hands back to the CLI, tests and Tune."""
+
+    run_name: str
+    run_dir: str
+    checkpoint_uri: str
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    mlflow_run_id: str | None = None
+    mlflow_uri: str | None = None
+    preempted: bool = False
+    error: str | None = None
+
+
+def connect(address: str | None = None) -> None:
+    """Attach to the cluster (idempotent). ``RAY_ADDRESS=local`` starts a throwaway one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    addr = address or ray_address()
+    ray.init(address=addr, log_to_driver=True, logging_level=logging.WARNING,
+             runtime_env={"env_vars": _worker_env()}, configure_logging=True)
+
+
+def _worker_env() -> dict[str, str]:
+    keep = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_LINGER_S", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI",
+            "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION", "PYTHONPATH")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def resolve_use_gpu(cfg: JobConfig) -> bool:
+    import ray
+
+    want = cfg.distributed.use_gpu
+    gpus = float(ray.cluster_resources().get("GPU", 0))
+    if want == "auto":
+        return gpus >= cfg.distributed.gpus_per_worker
+    if want and gpus < cfg.distributed.gpus_per_worker:
+        raise ConfigError(f"distributed.use_gpu=true but the Ray cluster has {gpus:g} GPUs")
+    return bool(want)
+
+
+def preflight(cfg: JobConfig, use_gpu: bool) -> None:
+    """Refuse combinations torch cannot run, before any worker starts."""
+    if cfg.model.sync_batchnorm and not use_gpu and cfg.distributed.num_workers > 1:
+        raise ConfigError(
+            "model.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU/gloo; "
+            "set model.sync_batchnorm=false or run on a cluster with GPUs"
+        )
+    if cfg.precision.dtype == "fp16" and not use_gpu:
+        raise ConfigError("precision.dtype=fp16 needs GPUs (GradScaler); use bf16 or fp32 on CPU")
+
+
+def storage_paths(cfg: JobConfig, run_name: str) -> tuple[str, str, str]:
+    """(Ray storage_path, our checkpoint URI, local run dir)."""
+    storage = cfg.checkpoint.storage
+    if storage.startswith("s3://"):
+        base = storage.rstrip("/")
+        run_dir = str((Path("runs") / run_name).resolve())
+        return base, f"{base}/{run_name}/checkpoints", run_dir
+    base = str(Path(storage).expanduser().resolve())
+    return base, f"{base}/{run_name}/checkpoints", f"{base}/{run_name}"
+
+
+def _storage_filesystem(cfg: JobConfig) -> Any:
+    """pyarrow S3 filesystem honouring an S3-compatible endpoint (Ray persists through it)."""
+    if not cfg.checkpoint.storage.startswith("s3://"):
+        return None
+    endpoint = cfg.checkpoint.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+        "AWS_ENDPOINT_URL")
+    if not endpoint:
+        return None
+    import pyarrow.fs
+
+    scheme = "https" if endpoint.startswith("https") else "http"
+    return pyarrow.fs.S3FileSystem(endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme,
+                                   region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+
+
+def default_run_name(cfg: JobConfig) -> str:
+    return f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None = None,
+                  mlflow_run_id: str | None = None, for_tune: bool = False) -> tuple[Any, RunInfo]:
+    """The TorchTrainer for this job; shared by `train` and each Tune trial."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    use_gpu = resolve_use_gpu(cfg)
+    preflight(cfg, use_gpu)
+    storage_path, ckpt_uri, run_dir = storage_paths(cfg, run_name)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    d = cfg.distributed
+    resources: dict[str, float] = {"CPU": d.cpus_per_worker, **d.resources_per_worker}
+    if use_gpu:
+        resources["GPU"] = d.gpus_per_worker
+    run = RunInfo(
+        run_name=run_name, job_id=run_name, checkpoint_uri=ckpt_uri, run_dir=run_dir,
+        sd_dir=prometheus_sd_dir(), instance_type=os.environ.get("RT_INSTANCE_TYPE", "local-cpu"),
+    )
+    loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
+                                   "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}}
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        # NCCL on GPUs, gloo on CPUs; the timeout turns a dead peer into a failure, not a hang.
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=d.timeout_s),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=d.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
+            placement_strategy=d.placement_strategy,
+        ),
+        run_config=ray.train.RunConfig(
+            name=run_name,
+            storage_path=storage_path,
+            storage_filesystem=_storage_filesystem(cfg),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
+            # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            callbacks=callbacks or None,
+        ),
+    )
+    return trainer, run
+
+
+def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = None,
+          show_progress: bool = True) -> TrainOutcome:
+    """Run one training job to completion (or preemption) on the Ray cluster."""
+    from ray.util.queue import Queue
+
+    from runtime.tracking import Tracker
+
+    connect(address)
+    run_name = run_name or default_run_name(cfg)
+    tracker = Tracker.for_job(cfg, run_name)
+    queue: Any = Queue(maxsize=10_000)
+    trainer, run = build_trainer(cfg, run_name, callbacks=[ProgressCallback(queue)],
+                                 mlflow_run_id=tracker.run_id if tracker else None)
+    progress = Progress(total=None, enabled=show_progress)
+    outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri, metrics={})
+    result_box: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            result_box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 (re-raised on the main thread)
+            result_box["error"] = e
+
+    t = threading.Thread(target=fit, name="trainer-fit", daemon=True)
+    previous = _install_sigterm(Path(run.run_dir))
+    try:
+        t.start()
+        while t.is_alive() or not queue.empty():
+            try:
+                item = queue.get(timeout=0.5)
+            except Exception:  # queue.Empty: nothing reported this half second
+                continue
+            outcome.history.append(item)
+            outcome.metrics.update(item)
+            progress.update(item)
+            if tracker:
+                tracker.log_step_metrics(item)
+        t.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        progress.close()
+    if "error" in result_box:
+        err = result_box["error"]
+        if tracker:
+            tracker.finish(outcome, status="FAILED")
+        raise err
+    result = result_box.get("result")
+    if result is not None and getattr(result, "error", None):
+        outcome.error = str(result.error)
+    if result is not None and result.metrics:
+        outcome.metrics.update(result.metrics)
+    outcome.preempted = bool(outcome.metrics.get("preempted"))
+    if tracker:
+        tracker.finish(outcome, status="FAILED" if outcome.error else "FINISHED")
+        outcome.mlflow_run_id, outcome.mlflow_uri = tracker.run_id, tracker.uri
+    return outcome
+
+
+def _install_sigterm(run_dir: Path) -> Any:
+    """SIGTERM (e.g. a spot notice) -> marker file: workers checkpoint at the next step and stop."""
+
+    def on_term(_sig: int, _frame: Any) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / PREEMPT_FILE).write_text(f"{socket.gethostname()} {time.time()}\n")
+        log.warning("SIGTERM: asked workers for an emergency checkpoint; waiting for them to stop")
+
+    if threading.current_thread() is not threading.main_thread():
+        return signal.getsignal(signal.SIGTERM)
+    return signal.signal(signal.SIGTERM, on_term)
+
+
+class ProgressCallback(UserCallback):
+    """Runs in the Ray Train controller: forwards rank 0's reports to the driver's queue."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if metrics:
+            item = dict(metrics[0])
+            item["_time"] = time.time()
+            try:
+                self.queue.put_nowait(item)
+            except Exception:  # a full queue must never stall training
+                pass
+
+
+def outcome_summary(outcome: TrainOutcome) -> str:
+    m = outcome.metrics
+    lines = [f"run {outcome.run_name}: " + ("PREEMPTED (resume with --run-name " + outcome.run_name + ")"
+                                          if outcome.preempted else "finished")]
+    keys = ("step", "train/loss", "train/accuracy", "val/loss", "val/accuracy", "train/throughput")
+    lines.append("  " + "  ".join(f"{k}={m[k]:.4g}" if isinstance(m.get(k), float) else f"{k}={m.get(k)}"
+                                  for k in keys if k in m))
+    if m.get("stop_reason"):
+        lines.append(f"  {m['stop_reason']}")
+    lines.append(f"  run folder:   {outcome.run_dir}")
+    lines.append(f"  checkpoints:  {outcome.checkpoint_uri}")
+    if outcome.mlflow_uri:
+        lines.append(f"  MLflow:       {outcome.mlflow_uri} (run {outcome.mlflow_run_id})")
+    return "\n".join(lines)
+
+
+__all__ = ["ClusterError", "TrainOutcome", "build_trainer", "connect", "train"]
