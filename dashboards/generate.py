@@ -171,7 +171,11 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict:
     }
     if panel.kind == "timeseries":
         out["options"] = {
-            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "legend": {
+                "displayMode": "list",
+                "placement": "bottom",
+                "showLegend": True,
+            },
             "tooltip": {"mode": "multi", "sort": "desc"},
         }
     elif panel.kind == "stat":
@@ -187,7 +191,9 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict:
             {"id": "labelsToFields", "options": {}},
             {
                 "id": "organize",
-                "options": {"excludeByName": {"Time": True, "Value": True, "__name__": True}},
+                "options": {
+                    "excludeByName": {"Time": True, "Value": True, "__name__": True}
+                },
             },
         ]
     out.update(panel.extra)
@@ -219,8 +225,14 @@ def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> di
         "templating": {"list": _variables()},
         "annotations": {"list": []},
         "links": [
-            {"type": "dashboards", "tags": ["rt"], "asDropdown": True, "title": "Dashboards",
-             "includeVars": True, "keepTime": True}
+            {
+                "type": "dashboards",
+                "tags": ["rt"],
+                "asDropdown": True,
+                "title": "Dashboards",
+                "includeVars": True,
+                "keepTime": True,
+            }
         ],
         "panels": laid_out,
     }
@@ -238,12 +250,48 @@ def cluster_overview() -> dict:
         "RT / Cluster overview",
         "Nodes, GPUs and running training jobs.",
         [
-            Panel("Nodes up", [T(f"sum({node('up', JOB_NODE)})")], kind="stat", width=4, height=4),
-            Panel("Nodes down", [T(f"sum(1 - {node('up', JOB_NODE)})")], kind="stat", width=4, height=4),
-            Panel("Ray nodes up", [T(f"sum({node('up', JOB_RAY)})")], kind="stat", width=4, height=4),
-            Panel("GPUs (DCGM)", [T(f"count({dcgm('DCGM_FI_DEV_GPU_TEMP')})")], kind="stat", width=4, height=4),
-            Panel("GPUs (runtime)", [T(f"count({rt('rt_gpu_temperature_celsius')})")], kind="stat", width=4, height=4),
-            Panel("Running jobs", [T(f"count({rt('rt_job_info')})")], kind="stat", width=4, height=4),
+            Panel(
+                "Nodes up",
+                [T(f"sum({node('up', JOB_NODE)})")],
+                kind="stat",
+                width=4,
+                height=4,
+            ),
+            Panel(
+                "Nodes down",
+                [T(f"sum(1 - {node('up', JOB_NODE)})")],
+                kind="stat",
+                width=4,
+                height=4,
+            ),
+            Panel(
+                "Ray nodes up",
+                [T(f"sum({node('up', JOB_RAY)})")],
+                kind="stat",
+                width=4,
+                height=4,
+            ),
+            Panel(
+                "GPUs (DCGM)",
+                [T(f"count({dcgm('DCGM_FI_DEV_GPU_TEMP')})")],
+                kind="stat",
+                width=4,
+                height=4,
+            ),
+            Panel(
+                "GPUs (runtime)",
+                [T(f"count({rt('rt_gpu_temperature_celsius')})")],
+                kind="stat",
+                width=4,
+                height=4,
+            ),
+            Panel(
+                "Running jobs",
+                [T(f"count({rt('rt_job_info')})")],
+                kind="stat",
+                width=4,
+                height=4,
+            ),
             Panel(
                 "Jobs",
                 [T(rt("rt_job_info"), instant=True)],
@@ -254,13 +302,23 @@ def cluster_overview() -> dict:
             ),
             Panel(
                 "Job throughput",
-                [T(f"sum by (job_id) ({rt('rt_train_samples_per_second')})", "{{job_id}}")],
+                [
+                    T(
+                        f"sum by (job_id) ({rt('rt_train_samples_per_second')})",
+                        "{{job_id}}",
+                    )
+                ],
                 unit="none",
                 description="Samples per second, summed over the job's ranks.",
             ),
             Panel(
                 "Estimated cost so far",
-                [T(f"sum by (job_id, pricing) ({rt('rt_job_estimated_cost_dollars')})", "{{job_id}} {{pricing}}")],
+                [
+                    T(
+                        f"sum by (job_id, pricing) ({rt('rt_job_estimated_cost_dollars')})",
+                        "{{job_id}} {{pricing}}",
+                    )
+                ],
                 unit="currencyUSD",
             ),
             Panel(
@@ -270,7 +328,12 @@ def cluster_overview() -> dict:
             ),
             Panel(
                 "Seconds since last training step",
-                [T(f"time() - max by (job_id) ({rt('rt_train_last_progress_timestamp_seconds')})", "{{job_id}}")],
+                [
+                    T(
+                        f"time() - max by (job_id) ({rt('rt_train_last_progress_timestamp_seconds')})",
+                        "{{job_id}}",
+                    )
+                ],
                 unit="s",
                 description="TrainingStalled fires when this stays above 10 minutes.",
             ),
@@ -288,8 +351,14 @@ def gpu() -> dict:
             Panel(
                 "GPU utilisation",
                 [
-                    T(f"{dcgm('DCGM_FI_DEV_GPU_UTIL')} / 100", "dcgm {{Hostname}} gpu{{gpu}}"),
-                    T(rt("rt_gpu_utilization_ratio"), "{{node}} gpu{{gpu}} ({{job_id}})"),
+                    T(
+                        f"{dcgm('DCGM_FI_DEV_GPU_UTIL')} / 100",
+                        "dcgm {{Hostname}} gpu{{gpu}}",
+                    ),
+                    T(
+                        rt("rt_gpu_utilization_ratio"),
+                        "{{node}} gpu{{gpu}} ({{job_id}})",
+                    ),
                 ],
                 unit="percentunit",
                 min=0,
@@ -298,8 +367,14 @@ def gpu() -> dict:
             Panel(
                 "GPU memory used",
                 [
-                    T(f"{dcgm('DCGM_FI_DEV_FB_USED')} * {MIB}", "dcgm {{Hostname}} gpu{{gpu}}"),
-                    T(rt("rt_gpu_memory_used_bytes"), "{{node}} gpu{{gpu}} ({{job_id}})"),
+                    T(
+                        f"{dcgm('DCGM_FI_DEV_FB_USED')} * {MIB}",
+                        "dcgm {{Hostname}} gpu{{gpu}}",
+                    ),
+                    T(
+                        rt("rt_gpu_memory_used_bytes"),
+                        "{{node}} gpu{{gpu}} ({{job_id}})",
+                    ),
                 ],
                 unit="bytes",
             ),
@@ -324,7 +399,10 @@ def gpu() -> dict:
                 "GPU temperature",
                 [
                     T(dcgm("DCGM_FI_DEV_GPU_TEMP"), "dcgm {{Hostname}} gpu{{gpu}}"),
-                    T(rt("rt_gpu_temperature_celsius"), "{{node}} gpu{{gpu}} ({{job_id}})"),
+                    T(
+                        rt("rt_gpu_temperature_celsius"),
+                        "{{node}} gpu{{gpu}} ({{job_id}})",
+                    ),
                 ],
                 unit="celsius",
                 description="GpuTemperatureHigh fires above 85 C for 5 minutes.",
@@ -353,7 +431,11 @@ def training() -> dict:
         "RT / Training",
         "Loss, accuracy, throughput, step time and estimated cost per job.",
         [
-            Panel("Loss", [T(f"avg by (job_id) ({rt('rt_train_loss')})", "{{job_id}}")], unit="none"),
+            Panel(
+                "Loss",
+                [T(f"avg by (job_id) ({rt('rt_train_loss')})", "{{job_id}}")],
+                unit="none",
+            ),
             Panel(
                 "Accuracy",
                 [T(f"avg by (job_id) ({rt('rt_train_accuracy')})", "{{job_id}}")],
@@ -363,7 +445,12 @@ def training() -> dict:
             ),
             Panel(
                 "Throughput (job)",
-                [T(f"sum by (job_id) ({rt('rt_train_samples_per_second')})", "{{job_id}}")],
+                [
+                    T(
+                        f"sum by (job_id) ({rt('rt_train_samples_per_second')})",
+                        "{{job_id}}",
+                    )
+                ],
                 unit="none",
                 description="Samples/s summed over ranks. TrainingThroughputDrop fires below half the 1h best.",
             ),
@@ -396,7 +483,12 @@ def training() -> dict:
             ),
             Panel(
                 "Optimizer steps per second",
-                [T(f"sum by (job_id) (rate({rt('rt_train_steps_total')}{RATE}))", "{{job_id}}")],
+                [
+                    T(
+                        f"sum by (job_id) (rate({rt('rt_train_steps_total')}{RATE}))",
+                        "{{job_id}}",
+                    )
+                ],
                 unit="none",
             ),
             Panel(
@@ -411,19 +503,35 @@ def training() -> dict:
             ),
             Panel(
                 "Non-finite steps skipped",
-                [T(f"sum by (job_id) ({rt('rt_train_nonfinite_steps_total')})", "{{job_id}}")],
+                [
+                    T(
+                        f"sum by (job_id) ({rt('rt_train_nonfinite_steps_total')})",
+                        "{{job_id}}",
+                    )
+                ],
                 unit="none",
             ),
             Panel(
                 "Estimated cost",
-                [T(f"sum by (job_id, pricing) ({rt('rt_job_estimated_cost_dollars')})", "{{job_id}} {{pricing}}")],
+                [
+                    T(
+                        f"sum by (job_id, pricing) ({rt('rt_job_estimated_cost_dollars')})",
+                        "{{job_id}} {{pricing}}",
+                    )
+                ],
                 unit="currencyUSD",
             ),
             Panel(
                 "Recoveries and recovery time",
                 [
-                    T(f"sum by (job_id) ({rt('rt_recoveries_total')})", "recoveries {{job_id}}"),
-                    T(f"max by (job_id) ({rt('rt_recovery_seconds')})", "recovery seconds {{job_id}}"),
+                    T(
+                        f"sum by (job_id) ({rt('rt_recoveries_total')})",
+                        "recoveries {{job_id}}",
+                    ),
+                    T(
+                        f"max by (job_id) ({rt('rt_recovery_seconds')})",
+                        "recovery seconds {{job_id}}",
+                    ),
                 ],
                 unit="none",
             ),
@@ -457,7 +565,12 @@ def communication() -> dict:
             ),
             Panel(
                 "All-reduce seconds per second, per rank",
-                [T(f"rate({rt('rt_train_comm_seconds_total')}{RATE})", "{{job_id}} rank {{rank}}")],
+                [
+                    T(
+                        f"rate({rt('rt_train_comm_seconds_total')}{RATE})",
+                        "{{job_id}} rank {{rank}}",
+                    )
+                ],
                 unit="s",
                 description="A rank spending much less time here than the others is the one the others wait for.",
             ),
@@ -525,8 +638,14 @@ def system() -> dict:
             Panel(
                 "Disk I/O",
                 [
-                    T(f"sum by (instance) (rate({node('node_disk_read_bytes_total')}{RATE}))", "read {{instance}}"),
-                    T(f"sum by (instance) (rate({node('node_disk_written_bytes_total')}{RATE}))", "write {{instance}}"),
+                    T(
+                        f"sum by (instance) (rate({node('node_disk_read_bytes_total')}{RATE}))",
+                        "read {{instance}}",
+                    ),
+                    T(
+                        f"sum by (instance) (rate({node('node_disk_written_bytes_total')}{RATE}))",
+                        "write {{instance}}",
+                    ),
                 ],
                 unit="Bps",
             ),
@@ -572,7 +691,12 @@ def checkpoints() -> dict:
             ),
             Panel(
                 "Last committed step",
-                [T(f"max by (job_id) ({rt('rt_checkpoint_last_committed_step')})", "{{job_id}}")],
+                [
+                    T(
+                        f"max by (job_id) ({rt('rt_checkpoint_last_committed_step')})",
+                        "{{job_id}}",
+                    )
+                ],
                 unit="none",
             ),
             Panel(
@@ -593,7 +717,12 @@ def checkpoints() -> dict:
             ),
             Panel(
                 "Failed saves",
-                [T(f"sum by (job_id) ({rt('rt_checkpoint_failures_total')})", "{{job_id}}")],
+                [
+                    T(
+                        f"sum by (job_id) ({rt('rt_checkpoint_failures_total')})",
+                        "{{job_id}}",
+                    )
+                ],
                 unit="none",
                 description="Cumulative failed saves; CheckpointFailing fires on any increase in 15 minutes.",
             ),
@@ -612,7 +741,12 @@ def checkpoints() -> dict:
             ),
             Panel(
                 "Checkpoint storage free bytes",
-                [T(f"min by (job_id, node) ({rt('rt_checkpoint_storage_free_bytes')})", "{{job_id}} {{node}}")],
+                [
+                    T(
+                        f"min by (job_id, node) ({rt('rt_checkpoint_storage_free_bytes')})",
+                        "{{job_id}} {{node}}",
+                    )
+                ],
                 unit="bytes",
             ),
         ],
@@ -631,13 +765,20 @@ DASHBOARDS = {
 
 def render() -> dict[str, str]:
     """File name -> JSON text, exactly as committed."""
-    return {name: json.dumps(build(), indent=2, sort_keys=True) + "\n" for name, build in DASHBOARDS.items()}
+    return {
+        name: json.dumps(build(), indent=2, sort_keys=True) + "\n"
+        for name, build in DASHBOARDS.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail when committed JSON differs")
-    parser.add_argument("--out", type=Path, default=HERE, help="output folder (default: dashboards/)")
+    parser.add_argument(
+        "--check", action="store_true", help="fail when committed JSON differs"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=HERE, help="output folder (default: dashboards/)"
+    )
     args = parser.parse_args(argv)
     stale = []
     for name, text in render().items():

@@ -51,7 +51,9 @@ def substitute(expr: str, variables: dict[str, str]) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1) or match.group(2)
         if name not in values:
-            raise KeyError(f"query uses ${name}, which has no value; known: {sorted(values)} in {expr!r}")
+            raise KeyError(
+                f"query uses ${name}, which has no value; known: {sorted(values)} in {expr!r}"
+            )
         return values[name]
 
     return _VARIABLE.sub(replace, expr)
@@ -77,6 +79,11 @@ def panel_queries(dashboard_json: dict, variables: dict[str, str]) -> list[Panel
             if not expr or target.get("hide"):
                 continue
             out.append(
-                PanelQuery(dashboard_json["uid"], panel["title"], substitute(expr, variables), is_gpu_only(expr))
+                PanelQuery(
+                    dashboard_json["uid"],
+                    panel["title"],
+                    substitute(expr, variables),
+                    is_gpu_only(expr),
+                )
             )
     return out

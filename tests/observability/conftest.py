@@ -36,8 +36,15 @@ def ensure_prometheus_tools() -> None:
     """Unpack the pinned Debian binaries the first time (idempotent, ~10 s)."""
     if PROMETHEUS_BIN.exists() and PROMTOOL_BIN.exists() and NODE_EXPORTER_BIN.exists():
         return
-    done = subprocess.run(["make", "-C", str(ROOT), "prometheus-tools"], capture_output=True, text=True)
-    assert done.returncode == 0, f"`make prometheus-tools` failed:\n{done.stdout}\n{done.stderr}"
+    done = subprocess.run(
+        ["make", "-C", str(ROOT), "prometheus-tools"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, (
+        f"`make prometheus-tools` failed:\n{done.stdout}\n{done.stderr}"
+    )
 
 
 def free_port() -> int:
@@ -50,7 +57,9 @@ def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
         try:
             if requests.get(url, timeout=1).status_code == 200:
                 return
@@ -58,7 +67,9 @@ def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:
             pass
         time.sleep(0.2)
     proc.terminate()
-    raise RuntimeError(f"{url} not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(
+        f"{url} not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}"
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -74,11 +85,19 @@ def _stop(proc: subprocess.Popen) -> None:
 class PrometheusServer:
     """A real Prometheus on 127.0.0.1 with its TSDB in `workdir`."""
 
-    def __init__(self, workdir: Path, scrape_configs: list[dict] | None = None, rule_files: list[str] | None = None,
-                 scrape_interval: str = "1s"):
+    def __init__(
+        self,
+        workdir: Path,
+        scrape_configs: list[dict] | None = None,
+        rule_files: list[str] | None = None,
+        scrape_interval: str = "1s",
+    ):
         self.workdir = workdir
         self.config = {
-            "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+            "global": {
+                "scrape_interval": scrape_interval,
+                "evaluation_interval": scrape_interval,
+            },
             "scrape_configs": scrape_configs or [],
             "rule_files": rule_files or [],
         }
@@ -89,7 +108,7 @@ class PrometheusServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "PrometheusServer":
+    def start(self) -> PrometheusServer:
         config = self.workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config))
         log = self.workdir / "prometheus.log"
@@ -97,10 +116,14 @@ class PrometheusServer:
             self.port = free_port()
             with log.open("w") as out:
                 self.proc = subprocess.Popen(
-                    [str(PROMETHEUS_BIN), f"--config.file={config}",
-                     f"--storage.tsdb.path={self.workdir / 'data'}",
-                     f"--web.listen-address=127.0.0.1:{self.port}"],
-                    stdout=out, stderr=subprocess.STDOUT,
+                    [
+                        str(PROMETHEUS_BIN),
+                        f"--config.file={config}",
+                        f"--storage.tsdb.path={self.workdir / 'data'}",
+                        f"--web.listen-address=127.0.0.1:{self.port}",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
                 )
             try:
                 _wait(f"{self.url}/-/ready", self.proc, log)
@@ -132,7 +155,9 @@ class PrometheusServer:
             if body["status"] == "success" and result:
                 return result
             time.sleep(0.5)
-        raise AssertionError(f"{expr!r} returned nothing within {timeout_s}s (last: {result})")
+        raise AssertionError(
+            f"{expr!r} returned nothing within {timeout_s}s (last: {result})"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +173,9 @@ def prometheus_factory(tmp_path_factory):
     servers: list[PrometheusServer] = []
 
     def start(**kwargs) -> PrometheusServer:
-        server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), **kwargs).start()
+        server = PrometheusServer(
+            tmp_path_factory.mktemp("prometheus"), **kwargs
+        ).start()
         servers.append(server)
         return server
 
@@ -173,7 +200,8 @@ def node_exporter(tmp_path_factory) -> str:
     with log.open("w") as out:
         proc = subprocess.Popen(
             [str(NODE_EXPORTER_BIN), f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=out, stderr=subprocess.STDOUT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         _wait(f"http://127.0.0.1:{port}/metrics", proc, log)

@@ -1,0 +1,269 @@
+"""Alert rules in alerts/: required fields, runbook anchors, named thresholds,
+and promtool's own checks and unit tests (real promtool from .tools).
+
+Run: .venv/bin/python -m pytest tests/observability
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTS_DIR = ROOT / "alerts"
+RULE_FILES = sorted(ALERTS_DIR.glob("*.rules.yml"))
+TEST_FILES = sorted((ALERTS_DIR / "tests").glob("*.test.yml"))
+RUNBOOK = (ALERTS_DIR / "runbook.md").read_text()
+RUNBOOK_PATH = "alerts/runbook.md#"
+EVALUATION_S = 60  # evaluation_interval of every alerts/tests/*.test.yml
+
+
+def load_alerts() -> list[tuple[Path, dict]]:
+    out = []
+    for path in RULE_FILES:
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            out.extend((path, rule) for rule in group["rules"] if "alert" in rule)
+    return out
+
+
+ALERTS = load_alerts()
+ALERT_NAMES = [rule["alert"] for _, rule in ALERTS]
+
+
+def duration_s(text: str) -> int:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    total = sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([smhd])", text))
+    assert re.fullmatch(r"(\d+[smhd])+", text), f"unsupported duration {text!r}"
+    return total
+
+
+def runbook_anchors() -> set[str]:
+    """GitHub-style anchors of the runbook's headings."""
+    anchors = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", RUNBOOK, flags=re.MULTILINE):
+        anchor = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(anchor)
+    return anchors
+
+
+def test_the_expected_alerts_exist_once():
+    expected = {
+        "NodeDown",
+        "RayNodeDown",
+        "GpuTemperatureHigh",
+        "GpuXidErrors",
+        "GpuMemoryNearFull",
+        "GpuUtilizationLow",
+        "TrainingStalled",
+        "TrainingThroughputDrop",
+        "TrainingHighCommunicationShare",
+        "CheckpointFailing",
+        "CheckpointStale",
+        "CheckpointStorageAlmostFull",
+        "CheckpointFilesystemAlmostFull",
+    }
+    assert sorted(ALERT_NAMES) == sorted(expected)
+
+
+@pytest.mark.parametrize("path,rule", ALERTS, ids=ALERT_NAMES)
+def test_alert_has_for_severity_summary_description_and_runbook(path, rule):
+    name = rule["alert"]
+    assert duration_s(rule.get("for", "")) > 0, f"{name}: needs a non-zero `for`"
+    assert rule["labels"]["severity"] in {"warning", "critical"}, name
+    annotations = rule["annotations"]
+    for key in ("summary", "description", "runbook_url"):
+        assert annotations.get(key, "").strip(), f"{name}: missing annotation {key}"
+    assert annotations["runbook_url"].endswith(RUNBOOK_PATH + name.lower()), (
+        annotations["runbook_url"]
+    )
+
+
+def test_every_runbook_url_shares_one_base_and_points_at_an_existing_anchor():
+    bases = set()
+    anchors = runbook_anchors()
+    for _, rule in ALERTS:
+        url = rule["annotations"]["runbook_url"]
+        base, _, anchor = url.partition(RUNBOOK_PATH)
+        bases.add(base)
+        assert anchor in anchors, (
+            f"{rule['alert']}: runbook.md has no section #{anchor}"
+        )
+    assert len(bases) == 1, f"runbook_url bases differ: {bases}"
+
+
+@pytest.mark.parametrize("name", ALERT_NAMES)
+def test_runbook_section_covers_meaning_impact_diagnosis_and_fix(name):
+    match = re.search(
+        rf"^## {name}\n(.*?)(?=^## |\Z)", RUNBOOK, flags=re.MULTILINE | re.DOTALL
+    )
+    assert match, f"runbook.md lacks '## {name}'"
+    for part in ("**Meaning.**", "**Impact.**", "**Diagnosis.**", "**Fix.**"):
+        assert part in match.group(1), f"{name}: runbook section lacks {part}"
+
+
+def test_node_down_runbooks_give_the_replace_node_command():
+    for name in ("NodeDown", "RayNodeDown"):
+        section = re.search(
+            rf"^## {name}\n(.*?)(?=^## |\Z)", RUNBOOK, flags=re.MULTILINE | re.DOTALL
+        ).group(1)
+        assert (
+            "ansible-playbook -i <inventory> ansible/playbooks/replace_node.yml -e node=<name>"
+            in section
+        )
+        assert "make replace-node NODE=<name>" in section
+        assert "docs/operations.md" in section
+
+
+def declared_thresholds(path: Path) -> dict[str, str]:
+    """`#   NAME = value` lines of a rule file's header comment."""
+    return dict(
+        re.findall(
+            r"^#\s+([A-Z][A-Z0-9_]+) = (\"[^\"]*\"|[0-9.]+)",
+            path.read_text(),
+            flags=re.MULTILINE,
+        )
+    )
+
+
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+def test_every_literal_in_an_alert_expression_is_a_named_threshold(path):
+    declared = declared_thresholds(path)
+    used = set()
+    for group in yaml.safe_load(path.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "alert" not in rule:
+                continue
+            for line in rule["expr"].splitlines():
+                code, _, comment = line.partition("#")
+                names = re.findall(r"[A-Z][A-Z0-9_]+", comment)
+                # Numbers outside strings, range selectors and label lists.
+                bare = re.sub(r'"(?:[^"\\]|\\.)*"|\[[^\]]*\]', " ", code)
+                numbers = re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", bare)
+                strings = re.findall(r'"((?:[^"\\]|\\.)*)"', code)
+                if numbers:
+                    assert names, (
+                        f"{rule['alert']}: literal {numbers} without a `# NAME` comment: {line!r}"
+                    )
+                for name in names:
+                    assert name in declared, (
+                        f"{rule['alert']}: {name} is not declared in {path.name}'s header"
+                    )
+                    value = declared[name]
+                    if value.startswith('"'):
+                        assert value.strip('"') in strings, (
+                            f"{rule['alert']}: {name}={value} not in {line!r}"
+                        )
+                    else:
+                        assert float(value) in [float(n) for n in numbers], (
+                            f"{rule['alert']}: {name}={value} not in {line!r}"
+                        )
+                    used.add(name)
+    assert used == set(declared), (
+        f"{path.name}: declared but unused thresholds {set(declared) - used}"
+    )
+
+
+def test_promtool_check_rules_accepts_every_rule_file(promtool):
+    done = subprocess.run(
+        [str(promtool), "check", "rules", *map(str, RULE_FILES)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("SUCCESS") == len(RULE_FILES)
+
+
+def test_promtool_unit_tests_pass(promtool):
+    done = subprocess.run(
+        [str(promtool), "test", "rules", *map(str, TEST_FILES)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def alert_test_evaluations() -> dict[str, list[tuple[int, int, bool]]]:
+    """alertname -> (test group index, eval seconds, fires?) from alerts/tests."""
+    out: dict[str, list] = {}
+    for path in TEST_FILES:
+        spec = yaml.safe_load(path.read_text())
+        for i, test in enumerate(spec["tests"]):
+            for case in test.get("alert_rule_test", []):
+                out.setdefault(case["alertname"], []).append(
+                    (
+                        f"{path.name}#{i}",
+                        duration_s(case["eval_time"]),
+                        bool(case.get("exp_alerts")),
+                    )
+                )
+    return out
+
+
+def test_alert_unit_tests_evaluate_every_minute():
+    for path in TEST_FILES:
+        spec = yaml.safe_load(path.read_text())
+        assert duration_s(spec["evaluation_interval"]) == EVALUATION_S, path.name
+
+
+@pytest.mark.parametrize("name", ALERT_NAMES)
+def test_every_alert_is_tested_not_firing_then_firing_one_evaluation_apart(name):
+    evaluations = alert_test_evaluations().get(name, [])
+    pairs = [
+        (quiet, fire)
+        for group, quiet, fires in evaluations
+        if not fires
+        for group2, fire, fires2 in evaluations
+        if fires2 and group2 == group and fire - quiet == EVALUATION_S
+    ]
+    assert pairs, (
+        f"{name}: no promtool test shows it quiet one evaluation before it fires"
+    )
+
+
+def _mutated_for(
+    tmp_path: Path, name: str, delta_s: int
+) -> subprocess.CompletedProcess:
+    """Copy alerts/ to tmp with `name`'s `for` moved by delta_s, run promtool tests."""
+    work = tmp_path / f"{name}{delta_s:+d}"
+    shutil.copytree(ALERTS_DIR, work)
+    for path in work.glob("*.rules.yml"):
+        text = path.read_text()
+        pattern = re.compile(rf"(- alert: {name}\n(?:.*\n)*?\s+for: )(\w+)")
+        match = pattern.search(text)
+        if match:
+            new = f"{duration_s(match.group(2)) + delta_s}s"
+            path.write_text(text[: match.start(2)] + new + text[match.end(2) :])
+    promtool = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
+    tests = [
+        p
+        for p in sorted((work / "tests").glob("*.test.yml"))
+        if f"alertname: {name}\n" in p.read_text()
+    ]
+    assert tests, f"no promtool test for {name}"
+    return subprocess.run(
+        [str(promtool), "test", "rules", *map(str, tests)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("name", ALERT_NAMES)
+def test_promtool_tests_catch_a_shorter_or_longer_for_window(name, tmp_path, promtool):
+    """The unit tests pin each `for` window from both sides: one evaluation
+    interval (1m) shorter fires too early, one longer fires too late."""
+    shorter = _mutated_for(tmp_path, name, -EVALUATION_S)
+    assert shorter.returncode != 0 and name in shorter.stdout, (
+        f"{name}: a 1m shorter `for` went unnoticed"
+    )
+    longer = _mutated_for(tmp_path, name, EVALUATION_S)
+    assert longer.returncode != 0 and name in longer.stdout, (
+        f"{name}: a 1m longer `for` went unnoticed"
+    )
