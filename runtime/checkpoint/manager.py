@@ -120,7 +120,7 @@ def file_digest(path: str) -> tuple[str, int]:
 
 
 def versions() -> dict[str, str]:
-    """Library versions recorded with every checkpoint (read from metadata: importing ray is slow)."""
+    """Versions recorded with every checkpoint (from package metadata: importing ray is slow)."""
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("ray", "numpy"):
         try:
@@ -538,7 +538,7 @@ class CheckpointManager:
     # ------------------------------------------------------------- sharded
 
     def save_sharded(self, state: dict[str, Any], step: int, meta: dict[str, Any]) -> None:
-        """Every rank calls this with its (FSDP/DTensor) state dict; see runtime.checkpoint.sharded."""
+        """Every rank calls this with its FSDP/DTensor state dict; see the sharded module."""
         from runtime.checkpoint.sharded import ShardedWriter
 
         if self._sharded is None:
