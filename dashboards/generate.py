@@ -191,9 +191,7 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict:
             {"id": "labelsToFields", "options": {}},
             {
                 "id": "organize",
-                "options": {
-                    "excludeByName": {"Time": True, "Value": True, "__name__": True}
-                },
+                "options": {"excludeByName": {"Time": True, "Value": True, "__name__": True}},
             },
         ]
     out.update(panel.extra)
@@ -382,7 +380,8 @@ def gpu() -> dict:
                 "GPU memory used ratio",
                 [
                     T(
-                        f"{dcgm('DCGM_FI_DEV_FB_USED')} / ({dcgm('DCGM_FI_DEV_FB_USED')} + {dcgm('DCGM_FI_DEV_FB_FREE')})",
+                        f"{dcgm('DCGM_FI_DEV_FB_USED')}"
+                        f" / ({dcgm('DCGM_FI_DEV_FB_USED')} + {dcgm('DCGM_FI_DEV_FB_FREE')})",
                         "dcgm {{Hostname}} gpu{{gpu}}",
                     ),
                     T(
@@ -730,7 +729,8 @@ def checkpoints() -> dict:
                 "Checkpoint storage free",
                 [
                     T(
-                        f"min by (job_id, node) ({rt('rt_checkpoint_storage_free_bytes')} / {rt('rt_checkpoint_storage_size_bytes')})",
+                        f"min by (job_id, node) ({rt('rt_checkpoint_storage_free_bytes')}"
+                        f" / {rt('rt_checkpoint_storage_size_bytes')})",
                         "{{job_id}} {{node}}",
                     )
                 ],
@@ -765,20 +765,13 @@ DASHBOARDS = {
 
 def render() -> dict[str, str]:
     """File name -> JSON text, exactly as committed."""
-    return {
-        name: json.dumps(build(), indent=2, sort_keys=True) + "\n"
-        for name, build in DASHBOARDS.items()
-    }
+    return {name: json.dumps(build(), indent=2, sort_keys=True) + "\n" for name, build in DASHBOARDS.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="fail when committed JSON differs"
-    )
-    parser.add_argument(
-        "--out", type=Path, default=HERE, help="output folder (default: dashboards/)"
-    )
+    parser.add_argument("--check", action="store_true", help="fail when committed JSON differs")
+    parser.add_argument("--out", type=Path, default=HERE, help="output folder (default: dashboards/)")
     args = parser.parse_args(argv)
     stale = []
     for name, text in render().items():

@@ -51,9 +51,7 @@ def substitute(expr: str, variables: dict[str, str]) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1) or match.group(2)
         if name not in values:
-            raise KeyError(
-                f"query uses ${name}, which has no value; known: {sorted(values)} in {expr!r}"
-            )
+            raise KeyError(f"query uses ${name}, which has no value; known: {sorted(values)} in {expr!r}")
         return values[name]
 
     return _VARIABLE.sub(replace, expr)

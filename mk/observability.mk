@@ -33,4 +33,6 @@ observability-test: prometheus-tools ## Run the dashboard and alert tests (pytes
 	@test -x "$(PY)" || { echo "$(PY) missing: create the runtime venv first (see README)" >&2; exit 1; }
 	"$(PY)" -m pytest -q "$(ROOT)/tests/observability"
 
-TEST_TARGETS += alerts-check
+# The pytest suite in tests/observability runs in the root Makefile's
+# test-python; observability-test above runs it alone.
+TEST_TARGETS += alerts-check dashboards-check

@@ -10,6 +10,7 @@ here on demand), each server on a free loopback port with its own tmp dir.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +22,13 @@ import requests
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS_BIN = ROOT / ".tools" / "prometheus" / "usr" / "bin"
+# `make test-python` passes RT_PROMETHEUS_BIN=$(PROMETHEUS); promtool and the
+# node exporter sit next to it.
+TOOLS_BIN = (
+    Path(os.environ["RT_PROMETHEUS_BIN"]).parent
+    if os.environ.get("RT_PROMETHEUS_BIN")
+    else ROOT / ".tools" / "prometheus" / "usr" / "bin"
+)
 PROMETHEUS_BIN = TOOLS_BIN / "prometheus"
 PROMTOOL_BIN = TOOLS_BIN / "promtool"
 NODE_EXPORTER_BIN = TOOLS_BIN / "prometheus-node-exporter"
@@ -42,9 +49,7 @@ def ensure_prometheus_tools() -> None:
         capture_output=True,
         text=True,
     )
-    assert done.returncode == 0, (
-        f"`make prometheus-tools` failed:\n{done.stdout}\n{done.stderr}"
-    )
+    assert done.returncode == 0, f"`make prometheus-tools` failed:\n{done.stdout}\n{done.stderr}"
 
 
 def free_port() -> int:
@@ -57,9 +62,7 @@ def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            )
+            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             if requests.get(url, timeout=1).status_code == 200:
                 return
@@ -67,9 +70,7 @@ def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:
             pass
         time.sleep(0.2)
     proc.terminate()
-    raise RuntimeError(
-        f"{url} not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}"
-    )
+    raise RuntimeError(f"{url} not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -155,9 +156,7 @@ class PrometheusServer:
             if body["status"] == "success" and result:
                 return result
             time.sleep(0.5)
-        raise AssertionError(
-            f"{expr!r} returned nothing within {timeout_s}s (last: {result})"
-        )
+        raise AssertionError(f"{expr!r} returned nothing within {timeout_s}s (last: {result})")
 
 
 @pytest.fixture(scope="session")
@@ -173,9 +172,7 @@ def prometheus_factory(tmp_path_factory):
     servers: list[PrometheusServer] = []
 
     def start(**kwargs) -> PrometheusServer:
-        server = PrometheusServer(
-            tmp_path_factory.mktemp("prometheus"), **kwargs
-        ).start()
+        server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), **kwargs).start()
         servers.append(server)
         return server
 

@@ -78,9 +78,7 @@ def test_alert_has_for_severity_summary_description_and_runbook(path, rule):
     annotations = rule["annotations"]
     for key in ("summary", "description", "runbook_url"):
         assert annotations.get(key, "").strip(), f"{name}: missing annotation {key}"
-    assert annotations["runbook_url"].endswith(RUNBOOK_PATH + name.lower()), (
-        annotations["runbook_url"]
-    )
+    assert annotations["runbook_url"].endswith(RUNBOOK_PATH + name.lower()), annotations["runbook_url"]
 
 
 def test_every_runbook_url_shares_one_base_and_points_at_an_existing_anchor():
@@ -90,17 +88,13 @@ def test_every_runbook_url_shares_one_base_and_points_at_an_existing_anchor():
         url = rule["annotations"]["runbook_url"]
         base, _, anchor = url.partition(RUNBOOK_PATH)
         bases.add(base)
-        assert anchor in anchors, (
-            f"{rule['alert']}: runbook.md has no section #{anchor}"
-        )
+        assert anchor in anchors, f"{rule['alert']}: runbook.md has no section #{anchor}"
     assert len(bases) == 1, f"runbook_url bases differ: {bases}"
 
 
 @pytest.mark.parametrize("name", ALERT_NAMES)
 def test_runbook_section_covers_meaning_impact_diagnosis_and_fix(name):
-    match = re.search(
-        rf"^## {name}\n(.*?)(?=^## |\Z)", RUNBOOK, flags=re.MULTILINE | re.DOTALL
-    )
+    match = re.search(rf"^## {name}\n(.*?)(?=^## |\Z)", RUNBOOK, flags=re.MULTILINE | re.DOTALL)
     assert match, f"runbook.md lacks '## {name}'"
     for part in ("**Meaning.**", "**Impact.**", "**Diagnosis.**", "**Fix.**"):
         assert part in match.group(1), f"{name}: runbook section lacks {part}"
@@ -108,13 +102,8 @@ def test_runbook_section_covers_meaning_impact_diagnosis_and_fix(name):
 
 def test_node_down_runbooks_give_the_replace_node_command():
     for name in ("NodeDown", "RayNodeDown"):
-        section = re.search(
-            rf"^## {name}\n(.*?)(?=^## |\Z)", RUNBOOK, flags=re.MULTILINE | re.DOTALL
-        ).group(1)
-        assert (
-            "ansible-playbook -i <inventory> ansible/playbooks/replace_node.yml -e node=<name>"
-            in section
-        )
+        section = re.search(rf"^## {name}\n(.*?)(?=^## |\Z)", RUNBOOK, flags=re.MULTILINE | re.DOTALL).group(1)
+        assert "ansible-playbook -i <inventory> ansible/playbooks/replace_node.yml -e node=<name>" in section
         assert "make replace-node NODE=<name>" in section
         assert "docs/operations.md" in section
 
@@ -146,26 +135,18 @@ def test_every_literal_in_an_alert_expression_is_a_named_threshold(path):
                 numbers = re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", bare)
                 strings = re.findall(r'"((?:[^"\\]|\\.)*)"', code)
                 if numbers:
-                    assert names, (
-                        f"{rule['alert']}: literal {numbers} without a `# NAME` comment: {line!r}"
-                    )
+                    assert names, f"{rule['alert']}: literal {numbers} without a `# NAME` comment: {line!r}"
                 for name in names:
-                    assert name in declared, (
-                        f"{rule['alert']}: {name} is not declared in {path.name}'s header"
-                    )
+                    assert name in declared, f"{rule['alert']}: {name} is not declared in {path.name}'s header"
                     value = declared[name]
                     if value.startswith('"'):
-                        assert value.strip('"') in strings, (
-                            f"{rule['alert']}: {name}={value} not in {line!r}"
-                        )
+                        assert value.strip('"') in strings, f"{rule['alert']}: {name}={value} not in {line!r}"
                     else:
                         assert float(value) in [float(n) for n in numbers], (
                             f"{rule['alert']}: {name}={value} not in {line!r}"
                         )
                     used.add(name)
-    assert used == set(declared), (
-        f"{path.name}: declared but unused thresholds {set(declared) - used}"
-    )
+    assert used == set(declared), f"{path.name}: declared but unused thresholds {set(declared) - used}"
 
 
 def test_promtool_check_rules_accepts_every_rule_file(promtool):
@@ -222,14 +203,10 @@ def test_every_alert_is_tested_not_firing_then_firing_one_evaluation_apart(name)
         for group2, fire, fires2 in evaluations
         if fires2 and group2 == group and fire - quiet == EVALUATION_S
     ]
-    assert pairs, (
-        f"{name}: no promtool test shows it quiet one evaluation before it fires"
-    )
+    assert pairs, f"{name}: no promtool test shows it quiet one evaluation before it fires"
 
 
-def _mutated_for(
-    tmp_path: Path, name: str, delta_s: int
-) -> subprocess.CompletedProcess:
+def _mutated_for(promtool: Path, tmp_path: Path, name: str, delta_s: int) -> subprocess.CompletedProcess:
     """Copy alerts/ to tmp with `name`'s `for` moved by delta_s, run promtool tests."""
     work = tmp_path / f"{name}{delta_s:+d}"
     shutil.copytree(ALERTS_DIR, work)
@@ -240,12 +217,7 @@ def _mutated_for(
         if match:
             new = f"{duration_s(match.group(2)) + delta_s}s"
             path.write_text(text[: match.start(2)] + new + text[match.end(2) :])
-    promtool = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
-    tests = [
-        p
-        for p in sorted((work / "tests").glob("*.test.yml"))
-        if f"alertname: {name}\n" in p.read_text()
-    ]
+    tests = [p for p in sorted((work / "tests").glob("*.test.yml")) if f"alertname: {name}\n" in p.read_text()]
     assert tests, f"no promtool test for {name}"
     return subprocess.run(
         [str(promtool), "test", "rules", *map(str, tests)],
@@ -259,11 +231,7 @@ def _mutated_for(
 def test_promtool_tests_catch_a_shorter_or_longer_for_window(name, tmp_path, promtool):
     """The unit tests pin each `for` window from both sides: one evaluation
     interval (1m) shorter fires too early, one longer fires too late."""
-    shorter = _mutated_for(tmp_path, name, -EVALUATION_S)
-    assert shorter.returncode != 0 and name in shorter.stdout, (
-        f"{name}: a 1m shorter `for` went unnoticed"
-    )
-    longer = _mutated_for(tmp_path, name, EVALUATION_S)
-    assert longer.returncode != 0 and name in longer.stdout, (
-        f"{name}: a 1m longer `for` went unnoticed"
-    )
+    shorter = _mutated_for(promtool, tmp_path, name, -EVALUATION_S)
+    assert shorter.returncode != 0 and name in shorter.stdout, f"{name}: a 1m shorter `for` went unnoticed"
+    longer = _mutated_for(promtool, tmp_path, name, EVALUATION_S)
+    assert longer.returncode != 0 and name in longer.stdout, f"{name}: a 1m longer `for` went unnoticed"

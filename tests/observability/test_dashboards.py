@@ -16,12 +16,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(
-    0, str(ROOT)
-)  # conftest.py does this too; explicit for the import below
+sys.path.insert(0, str(ROOT))  # conftest.py does this too; explicit for the import below
 
-from dashboards import generate
-from dashboards.queries import (
+from dashboards import generate  # noqa: E402
+from dashboards.queries import (  # noqa: E402
     BUILTIN_DEFAULTS,
     load_dashboards,
     panel_queries,
@@ -46,12 +44,7 @@ GPU_FILTER = 'gpu=~"$gpu"'
 INSTANCE_FILTER = 'instance=~"$instance"'
 
 DASHBOARDS = load_dashboards(DASHBOARDS_DIR)
-TARGETS = [
-    (d["uid"], p["title"], t["expr"])
-    for d in DASHBOARDS
-    for p in d["panels"]
-    for t in p.get("targets", [])
-]
+TARGETS = [(d["uid"], p["title"], t["expr"]) for d in DASHBOARDS for p in d["panels"] for t in p.get("targets", [])]
 
 
 def required_filters(metric: str) -> list[str]:
@@ -63,9 +56,7 @@ def required_filters(metric: str) -> list[str]:
         return [INSTANCE_FILTER, GPU_FILTER]
     if metric.startswith("node_") or metric == "up":
         return [INSTANCE_FILTER]
-    raise AssertionError(
-        f"metric {metric} has no filtering rule: add one to generate.py and this test"
-    )
+    raise AssertionError(f"metric {metric} has no filtering rule: add one to generate.py and this test")
 
 
 SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
@@ -89,9 +80,7 @@ def selectors(expr: str) -> list[tuple[str, str]]:
     found = SELECTOR.findall(expr)
     rest = SELECTOR.sub(" ", expr)
     rest = re.sub(r'"(?:[^"\\]|\\.)*"', " ", rest)  # strings
-    rest = re.sub(
-        r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", rest
-    )  # label lists
+    rest = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", rest)  # label lists
     rest = re.sub(r"\[[^\]]*\]", " ", rest)  # range selectors
     for match in re.finditer(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(\s*\()?", rest):
         word, call = match.group(1), match.group(2)
@@ -104,13 +93,9 @@ def selectors(expr: str) -> list[tuple[str, str]]:
 def test_committed_dashboard_json_equals_generator_output():
     rendered = generate.render()
     committed = {p.name for p in DASHBOARDS_DIR.glob("*.json")}
-    assert committed == set(rendered), (
-        "dashboards/*.json and generate.DASHBOARDS disagree"
-    )
+    assert committed == set(rendered), "dashboards/*.json and generate.DASHBOARDS disagree"
     for name, text in rendered.items():
-        assert (DASHBOARDS_DIR / name).read_text() == text, (
-            f"{name} is stale: run `make dashboards`"
-        )
+        assert (DASHBOARDS_DIR / name).read_text() == text, f"{name} is stale: run `make dashboards`"
     check = subprocess.run(
         [sys.executable, str(DASHBOARDS_DIR / "generate.py"), "--check"],
         check=False,
@@ -143,9 +128,7 @@ def test_dashboard_has_datasource_variable_used_by_every_panel_and_target(dash):
     ds = variables["datasource"]
     assert ds["type"] == "datasource" and ds["query"] == "prometheus"
     for panel in dash["panels"]:
-        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, (
-            panel["title"]
-        )
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["targets"], f"panel {panel['title']!r} has no query"
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
@@ -168,45 +151,29 @@ def test_dashboard_has_job_instance_gpu_variables_from_the_datasource(dash):
         assert var["includeAll"] and var["allValue"] == ".*"
 
 
-@pytest.mark.parametrize(
-    "uid,title,expr", TARGETS, ids=[f"{u}:{t}" for u, t, _ in TARGETS]
-)
+@pytest.mark.parametrize("uid,title,expr", TARGETS, ids=[f"{u}:{t}" for u, t, _ in TARGETS])
 def test_every_query_filters_each_metric_by_its_template_variable(uid, title, expr):
     found = selectors(expr)
     assert found, f"{uid}/{title}: no metric selector in {expr!r}"
     for metric, matchers in found:
         for required in required_filters(metric):
-            assert required in matchers, (
-                f"{uid}/{title}: {metric} lacks {required}: {expr!r}"
-            )
+            assert required in matchers, f"{uid}/{title}: {metric} lacks {required}: {expr!r}"
 
 
-@pytest.mark.parametrize(
-    "uid,title,expr", TARGETS, ids=[f"{u}:{t}" for u, t, _ in TARGETS]
-)
+@pytest.mark.parametrize("uid,title,expr", TARGETS, ids=[f"{u}:{t}" for u, t, _ in TARGETS])
 def test_every_metric_is_in_the_metric_contract(uid, title, expr):
     for metric, _ in selectors(expr):
-        base = (
-            re.sub(r"_(bucket|sum|count)$", "", metric)
-            if metric.startswith("rt_")
-            else metric
-        )
+        base = re.sub(r"_(bucket|sum|count)$", "", metric) if metric.startswith("rt_") else metric
         if metric.startswith(("rt_", "DCGM_")):
-            assert f"`{base}`" in METRICS_DOC or base in METRICS_DOC, (
-                f"{metric} is not in docs/metrics.md"
-            )
+            assert f"`{base}`" in METRICS_DOC or base in METRICS_DOC, f"{metric} is not in docs/metrics.md"
 
 
 def test_selector_check_rejects_unfiltered_metrics():
     with pytest.raises(AssertionError, match="bare metric 'rt_train_loss'"):
         selectors("avg by (job_id) (rt_train_loss)")
-    assert selectors('rate(node_load1{instance=~"$instance"}[5m])') == [
-        ("node_load1", 'instance=~"$instance"')
-    ]
+    assert selectors('rate(node_load1{instance=~"$instance"}[5m])') == [("node_load1", 'instance=~"$instance"')]
     with pytest.raises(AssertionError, match="lacks"):
-        test_every_query_filters_each_metric_by_its_template_variable(
-            "u", "t", 'rt_train_loss{rank="0"}'
-        )
+        test_every_query_filters_each_metric_by_its_template_variable("u", "t", 'rt_train_loss{rank="0"}')
 
 
 def test_panel_ids_unique_and_layout_on_the_grid():
@@ -230,17 +197,11 @@ def test_panel_queries_substitutes_every_variable_and_marks_gpu_panels():
             assert "$" not in q.expr, q
             assert q.dashboard_uid == uid
     assert all(q.gpu_only for q in by_uid["rt-gpu"])
-    assert not any(
-        q.gpu_only
-        for q in by_uid["rt-system"] + by_uid["rt-training"] + by_uid["rt-checkpoints"]
-    )
+    assert not any(q.gpu_only for q in by_uid["rt-system"] + by_uid["rt-training"] + by_uid["rt-checkpoints"])
     loss = next(q for q in by_uid["rt-training"] if q.panel_title == "Loss")
     assert loss.expr == 'avg by (job_id) (rt_train_loss{job_id=~"run-1"})'
     assert len(loss) == 4  # (uid, title, expr, gpu_only) tuples
-    assert (
-        substitute("rate(x[$__rate_interval]) + y[${__range}]", {"__range": "1h"})
-        == "rate(x[1m]) + y[1h]"
-    )
+    assert substitute("rate(x[$__rate_interval]) + y[${__range}]", {"__range": "1h"}) == "rate(x[1m]) + y[1h]"
     assert BUILTIN_DEFAULTS["__interval"] in substitute("z[$__interval]", {})
     with pytest.raises(KeyError, match=r"\$nope"):
         substitute('x{a="$nope"}', {})
@@ -256,9 +217,7 @@ def test_every_panel_query_parses_and_evaluates_in_a_real_prometheus(prometheus)
             response = prometheus.query(q.expr, at=0)
             body = response.json()
             if response.status_code != 200 or body["status"] != "success":
-                failures.append(
-                    f"{q.dashboard_uid}/{q.panel_title}: {q.expr}: {body.get('error')}"
-                )
+                failures.append(f"{q.dashboard_uid}/{q.panel_title}: {q.expr}: {body.get('error')}")
     assert count == len(TARGETS)
     assert not failures, "\n".join(failures)
 
@@ -268,9 +227,7 @@ def test_the_prometheus_parse_check_rejects_a_broken_query(prometheus):
     assert response.status_code == 400 and response.json()["errorType"] == "bad_data"
 
 
-def test_system_and_node_queries_return_data_from_a_real_node_exporter(
-    prometheus_factory, node_exporter
-):
+def test_system_and_node_queries_return_data_from_a_real_node_exporter(prometheus_factory, node_exporter):
     """Prometheus scraping a real node exporter (job "node"): every node-only
     panel query must return series once two scrapes have landed."""
     server = prometheus_factory(
@@ -297,20 +254,14 @@ def test_system_and_node_queries_return_data_from_a_real_node_exporter(
         assert body["status"] == "success", (q, body)
         if not body["data"]["result"]:
             empty.append(f"{q.dashboard_uid}/{q.panel_title}: {q.expr}")
-    assert not empty, (
-        "queries with no data against a real node exporter:\n" + "\n".join(empty)
-    )
+    assert not empty, "queries with no data against a real node exporter:\n" + "\n".join(empty)
 
 
 def test_provisioning_points_grafana_at_the_dashboards_and_prometheus():
-    provider = yaml.safe_load(
-        (DASHBOARDS_DIR / "provisioning" / "dashboards" / "rt.yml").read_text()
-    )
+    provider = yaml.safe_load((DASHBOARDS_DIR / "provisioning" / "dashboards" / "rt.yml").read_text())
     assert provider["apiVersion"] == 1
     (p,) = provider["providers"]
     assert p["type"] == "file" and p["options"]["path"]
-    datasources = yaml.safe_load(
-        (DASHBOARDS_DIR / "provisioning" / "datasources" / "prometheus.yml").read_text()
-    )
+    datasources = yaml.safe_load((DASHBOARDS_DIR / "provisioning" / "datasources" / "prometheus.yml").read_text())
     (ds,) = datasources["datasources"]
     assert ds["type"] == "prometheus" and ds["url"].startswith("http")
