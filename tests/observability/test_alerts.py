@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,3 +236,21 @@ def test_promtool_tests_catch_a_shorter_or_longer_for_window(name, tmp_path, pro
     assert shorter.returncode != 0 and name in shorter.stdout, f"{name}: a 1m shorter `for` went unnoticed"
     longer = _mutated_for(promtool, tmp_path, name, EVALUATION_S)
     assert longer.returncode != 0 and name in longer.stdout, f"{name}: a 1m longer `for` went unnoticed"
+
+
+def test_a_real_prometheus_loads_and_evaluates_every_rule_without_errors(prometheus_factory, node_exporter):
+    """Rules loaded by Prometheus itself (as cluster-up and the Ansible role do),
+    evaluated every second against a real node exporter's series."""
+    server = prometheus_factory(
+        rule_files=[str(p) for p in RULE_FILES],
+        scrape_configs=[{"job_name": "node", "static_configs": [{"targets": [node_exporter]}]}],
+    )
+    server.wait_for('count_over_time(up{job="node"}[1m]) >= 3', timeout_s=30)
+    groups = requests.get(f"{server.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert sorted(r["name"] for r in rules if r["type"] == "alerting") == sorted(ALERT_NAMES)
+    for rule in rules:
+        assert rule["health"] == "ok" and not rule.get("lastError"), rule
+    # The node exporter is up, so NodeDown is inactive.
+    node_down = next(r for r in rules if r["name"] == "NodeDown")
+    assert node_down["state"] == "inactive"
