@@ -1,0 +1,54 @@
+# Operations: Ansible roles that turn bare hosts into a GPU Ray cluster, and the
+# nspawn test hosts that prove them (tests/hosts/). Tools live in .venv-ops.
+OPS_VENV      := $(ROOT)/.venv-ops
+OPS_STAMP     := $(OPS_VENV)/.stamp-$(shell sha256sum $(ROOT)/requirements/ops.txt 2>/dev/null | cut -c1-12)
+OPS_BIN       := $(OPS_VENV)/bin
+ANSIBLE_DIR   := $(ROOT)/ansible
+INVENTORY     ?= $(ANSIBLE_DIR)/inventories/local
+NODE          ?=
+OPS_HOST_PKGS := systemd-container debootstrap dpkg-dev apt-utils openssh-client iproute2 util-linux
+HOSTS_PYTEST_ARGS ?=
+export ANSIBLE_CONFIG := $(ANSIBLE_DIR)/ansible.cfg
+
+##@ Operations (Ansible)
+
+$(OPS_STAMP): $(ROOT)/requirements/ops.txt
+	@test -x $(OPS_BIN)/python || $(PYTHON) -m venv $(OPS_VENV)
+	$(OPS_BIN)/pip install --quiet -r $(ROOT)/requirements/ops.txt
+	@rm -f $(OPS_VENV)/.stamp-* && touch $@
+
+.PHONY: ops-setup
+ops-setup: $(OPS_STAMP) ## Create the ops tools venv (.venv-ops: ansible-core, ansible-lint, testinfra).
+
+.PHONY: ops-host-packages
+ops-host-packages: ## Install the Debian packages the test hosts need (systemd-nspawn, debootstrap, dpkg-dev).
+	@missing=""; for p in $(OPS_HOST_PKGS); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1 || apt-get update; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \
+	fi
+
+.PHONY: ansible-lint
+ansible-lint: ops-setup ## Lint roles and playbooks (production profile) and check argument specs against defaults.
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-lint --offline --profile production
+	$(OPS_BIN)/pytest -q -p no:cacheprovider $(ROOT)/tests/ansible
+
+.PHONY: test-hosts
+test-hosts: ops-setup ops-host-packages ## Apply the playbooks to nspawn test hosts and verify them (slow).
+	$(OPS_BIN)/pytest -rs -v -p no:cacheprovider $(ROOT)/tests/hosts $(HOSTS_PYTEST_ARGS)
+
+.PHONY: cluster-up-baremetal
+cluster-up-baremetal: ops-setup ## Bring up a cluster on your hosts: make cluster-up-baremetal INVENTORY=path/to/hosts.yml
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(INVENTORY) playbooks/site.yml
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(INVENTORY) playbooks/health_check.yml
+
+.PHONY: health-check
+health-check: ops-setup ## Run the health gate on every host: make health-check INVENTORY=...
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(INVENTORY) playbooks/health_check.yml
+
+.PHONY: replace-node
+replace-node: ops-setup ## Replace a dead worker: make replace-node NODE=<name> INVENTORY=...
+	@test -n "$(NODE)" || { echo "Set NODE=<inventory name of the worker to replace>"; exit 2; }
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(INVENTORY) playbooks/replace_node.yml -e node=$(NODE)
+
+TEST_TARGETS += ansible-lint test-hosts
