@@ -23,13 +23,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-CLUSTER_DIR = Path(os.environ.get("RT_CLUSTER_DIR", ROOT / ".cluster"))
 STATE_FILE = "state.json"
-RAY_PORT = int(os.environ.get("RT_RAY_PORT", "6379"))
-DASHBOARD_PORT = int(os.environ.get("RT_DASHBOARD_PORT", "8265"))
-MLFLOW_PORT = int(os.environ.get("RT_MLFLOW_PORT", "5000"))
-PROMETHEUS_PORT = int(os.environ.get("RT_PROMETHEUS_PORT", "9090"))
-RAY_METRICS_PORT = int(os.environ.get("RT_RAY_METRICS_PORT", "8080"))
+DEFAULT_PORTS = {"ray": 6379, "dashboard": 8265, "mlflow": 5000, "prometheus": 9090, "ray_metrics": 8080,
+                 "node_exporter": 9100}
+
+
+def default_cluster_dir() -> Path:
+    """Where cluster state lives (RT_CLUSTER_DIR, default .cluster/ in the repository)."""
+    return Path(os.environ.get("RT_CLUSTER_DIR", str(ROOT / ".cluster")))
+
+
+def port(name: str) -> int:
+    """Service port, overridable as RT_<NAME>_PORT (tests run a second cluster beside yours)."""
+    return int(os.environ.get(f"RT_{name.upper()}_PORT", DEFAULT_PORTS[name]))
 
 
 class ClusterError(RuntimeError):
@@ -42,7 +48,8 @@ def _bin(name: str) -> str:
     return str(candidate) if candidate.exists() else (shutil.which(name) or name)
 
 
-def load_state(cluster_dir: Path = CLUSTER_DIR) -> dict[str, Any]:
+def load_state(cdir: Path | None = None) -> dict[str, Any]:
+    cluster_dir = cdir or default_cluster_dir()
     f = cluster_dir / STATE_FILE
     if not f.exists():
         return {}
@@ -83,8 +90,9 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def ray_address(cluster_dir: Path = CLUSTER_DIR) -> str:
+def ray_address(cdir: Path | None = None) -> str:
     """The address to ``ray.init``; raises ClusterError naming `make cluster-up` when there is none."""
+    cluster_dir = cdir or default_cluster_dir()
     env = os.environ.get("RAY_ADDRESS")
     if env:
         return env
@@ -100,8 +108,9 @@ def ray_address(cluster_dir: Path = CLUSTER_DIR) -> str:
     )
 
 
-def tracking_uri(cluster_dir: Path = CLUSTER_DIR) -> str | None:
+def tracking_uri(cdir: Path | None = None) -> str | None:
     """MLflow server of `make cluster-up`, or MLFLOW_TRACKING_URI."""
+    cluster_dir = cdir or default_cluster_dir()
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
@@ -109,7 +118,8 @@ def tracking_uri(cluster_dir: Path = CLUSTER_DIR) -> str | None:
     return str(url) if url else None
 
 
-def prometheus_sd_dir(cluster_dir: Path = CLUSTER_DIR) -> str | None:
+def prometheus_sd_dir(cdir: Path | None = None) -> str | None:
+    cluster_dir = cdir or default_cluster_dir()
     env = os.environ.get("RT_PROMETHEUS_SD_DIR")
     if env:
         return env
@@ -153,26 +163,26 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
     """``ray start --head --block`` in its own process group, so `down` can stop exactly it."""
     host = "127.0.0.1"
     cmd = [
-        _bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={RAY_PORT}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={DASHBOARD_PORT}", "--include-dashboard=true",
-        f"--metrics-export-port={RAY_METRICS_PORT}", "--disable-usage-stats",
+        _bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port("ray")}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={port("dashboard")}", "--include-dashboard=true",
+        f"--metrics-export-port={port("ray_metrics")}", "--disable-usage-stats",
         f"--temp-dir={ray_temp_dir(cluster_dir)}",
     ]
     if num_cpus:
         cmd.append(f"--num-cpus={num_cpus}")
     log = cluster_dir / "logs" / "ray.log"
     pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0"})
-    _wait(lambda: _port_open(host, RAY_PORT) and _alive(pid), "Ray head", 180, log)
-    return {"pid": pid, "address": f"{host}:{RAY_PORT}", "dashboard": f"http://127.0.0.1:{DASHBOARD_PORT}",
-            "metrics_port": RAY_METRICS_PORT}
+    _wait(lambda: _port_open(host, port("ray")) and _alive(pid), "Ray head", 180, log)
+    return {"pid": pid, "address": f"{host}:{port("ray")}", "dashboard": f"http://127.0.0.1:{port("dashboard")}",
+            "metrics_port": port("ray_metrics")}
 
 
 def _mlflow_up(cluster_dir: Path) -> dict[str, Any]:
     store = cluster_dir / "mlflow"
     (store / "artifacts").mkdir(parents=True, exist_ok=True)
-    url = f"http://127.0.0.1:{MLFLOW_PORT}"
+    url = f"http://127.0.0.1:{port("mlflow")}"
     cmd = [
-        _bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(MLFLOW_PORT),
+        _bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(port("mlflow")),
         "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
         "--artifacts-destination", str(store / "artifacts"), "--workers", "1",
     ]
@@ -182,46 +192,55 @@ def _mlflow_up(cluster_dir: Path) -> dict[str, Any]:
     return {"pid": pid, "url": url}
 
 
-def _prometheus_bin() -> Path | None:
-    env = os.environ.get("RT_PROMETHEUS_BIN")
+def _tool_bin(name: str, env_var: str) -> Path | None:
+    """Binaries `make prometheus-tools` unpacks into .tools/ (or the path in env_var)."""
+    env = os.environ.get(env_var)
     candidates = [Path(env)] if env else []
-    candidates.append(ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus")
+    candidates.append(ROOT / ".tools" / "prometheus" / "usr" / "bin" / name)
     return next((c for c in candidates if c.exists()), None)
 
 
-def prometheus_config(cluster_dir: Path, ray_metrics_sd: str | None) -> str:
-    """Scrape config for the local cluster: runtime workers (file_sd), Ray, Prometheus itself."""
+def _node_exporter_up(cluster_dir: Path) -> dict[str, Any] | None:
+    binary = _tool_bin("prometheus-node-exporter", "RT_NODE_EXPORTER_BIN")
+    if binary is None:
+        return None
+    addr = f"127.0.0.1:{port('node_exporter')}"
+    log = cluster_dir / "logs" / "node_exporter.log"
+    pid = _spawn([str(binary), f"--web.listen-address={addr}"], log)
+    _wait(lambda: _http_ok(f"http://{addr}/metrics"), "node exporter", 30, log)
+    return {"pid": pid, "url": f"http://{addr}"}
+
+
+def prometheus_config(cluster_dir: Path, node_exporter: bool) -> str:
+    """Scrape config for the local cluster: runtime workers (file_sd), Ray, node exporter, Prometheus."""
     sd = cluster_dir / "prometheus" / "targets"
     rules = sorted(str(p) for p in (ROOT / "alerts").glob("*.rules.yml"))
     lines = [
         "global:", "  scrape_interval: 5s", "  evaluation_interval: 5s",
         "rule_files:", *[f"  - {r}" for r in rules],
         "scrape_configs:",
-        "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{PROMETHEUS_PORT}']",
+        "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{port("prometheus")}']",
         "  - job_name: training", "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
         "        refresh_interval: 5s",
-        "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{RAY_METRICS_PORT}']",
+        "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{port("ray_metrics")}']",
     ]
-    if ray_metrics_sd:
-        lines += ["    file_sd_configs:", f"      - files: ['{ray_metrics_sd}']"]
-    if os.environ.get("RT_NODE_EXPORTER_PORT"):
-        lines += ["  - job_name: node", "    static_configs:",
-                  f"      - targets: ['127.0.0.1:{os.environ['RT_NODE_EXPORTER_PORT']}']"]
+    if node_exporter:
+        lines += ["  - job_name: node", "    static_configs:", f"      - targets: ['127.0.0.1:{port('node_exporter')}']"]
     return "\n".join(lines) + "\n"
 
 
-def _prometheus_up(cluster_dir: Path) -> dict[str, Any] | None:
-    binary = _prometheus_bin()
+def _prometheus_up(cluster_dir: Path, node_exporter: bool) -> dict[str, Any] | None:
+    binary = _tool_bin("prometheus", "RT_PROMETHEUS_BIN")
     if binary is None:
         return None
     pdir = cluster_dir / "prometheus"
     (pdir / "targets").mkdir(parents=True, exist_ok=True)
     conf = pdir / "prometheus.yml"
-    conf.write_text(prometheus_config(cluster_dir, None))
-    url = f"http://127.0.0.1:{PROMETHEUS_PORT}"
+    conf.write_text(prometheus_config(cluster_dir, node_exporter))
+    url = f"http://127.0.0.1:{port("prometheus")}"
     cmd = [
         str(binary), f"--config.file={conf}", f"--storage.tsdb.path={pdir / 'data'}",
-        f"--web.listen-address=127.0.0.1:{PROMETHEUS_PORT}", "--web.enable-lifecycle",
+        f"--web.listen-address=127.0.0.1:{port("prometheus")}", "--web.enable-lifecycle",
     ]
     log = cluster_dir / "logs" / "prometheus.log"
     pid = _spawn(cmd, log)
@@ -229,18 +248,24 @@ def _prometheus_up(cluster_dir: Path) -> dict[str, Any] | None:
     return {"pid": pid, "url": url, "sd_dir": str(pdir / "targets")}
 
 
-def up(cluster_dir: Path = CLUSTER_DIR, num_cpus: int | None = None, with_mlflow: bool = True,
+def up(cdir: Path | None = None, num_cpus: int | None = None, with_mlflow: bool = True,
        with_prometheus: bool = True) -> dict[str, Any]:
     """Start what is not already running; idempotent."""
+    cluster_dir = cdir or default_cluster_dir()
     state = load_state(cluster_dir)
-    if not (state.get("ray") and _port_open("127.0.0.1", RAY_PORT)):
+    if not (state.get("ray") and _port_open("127.0.0.1", port("ray"))):
         state["ray"] = _ray_up(cluster_dir, num_cpus)
         _save_state(state, cluster_dir)
     if with_mlflow and not (state.get("mlflow") and _alive(state["mlflow"]["pid"])):
         state["mlflow"] = _mlflow_up(cluster_dir)
         _save_state(state, cluster_dir)
+    if with_prometheus and not (state.get("node_exporter") and _alive(state["node_exporter"]["pid"])):
+        ne = _node_exporter_up(cluster_dir)
+        if ne:
+            state["node_exporter"] = ne
+            _save_state(state, cluster_dir)
     if with_prometheus and not (state.get("prometheus") and _alive(state["prometheus"]["pid"])):
-        prom = _prometheus_up(cluster_dir)
+        prom = _prometheus_up(cluster_dir, "node_exporter" in state)
         if prom:
             state["prometheus"] = prom
             _save_state(state, cluster_dir)
@@ -278,11 +303,12 @@ def _kill_group_leftovers(pgid: int) -> None:
             continue
 
 
-def down(cluster_dir: Path = CLUSTER_DIR) -> list[str]:
+def down(cdir: Path | None = None) -> list[str]:
     """Stop what `up` started (and only that); returns what was stopped."""
+    cluster_dir = cdir or default_cluster_dir()
     state = load_state(cluster_dir)
     stopped = []
-    for name in ("prometheus", "mlflow", "ray"):
+    for name in ("prometheus", "node_exporter", "mlflow", "ray"):
         svc = state.get(name)
         if svc and svc.get("pid"):
             _kill(int(svc["pid"]), timeout=60 if name == "ray" else 20)
@@ -292,12 +318,13 @@ def down(cluster_dir: Path = CLUSTER_DIR) -> list[str]:
     return stopped
 
 
-def status(cluster_dir: Path = CLUSTER_DIR) -> dict[str, str]:
+def status(cdir: Path | None = None) -> dict[str, str]:
+    cluster_dir = cdir or default_cluster_dir()
     state = load_state(cluster_dir)
     out = {}
     ray_addr = state.get("ray", {}).get("address")
     out["ray"] = f"up at {ray_addr} (dashboard {state['ray']['dashboard']})" if ray_addr and _port_open(
-        "127.0.0.1", RAY_PORT) else "down"
+        "127.0.0.1", port("ray")) else "down"
     for name, path in (("mlflow", "/health"), ("prometheus", "/-/ready")):
         svc = state.get(name)
         out[name] = f"up at {svc['url']}" if svc and _http_ok(svc["url"] + path) else "down"
