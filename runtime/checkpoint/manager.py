@@ -13,6 +13,7 @@ warning naming the file and the reason, and falls back to the previous valid one
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import io
 import json
@@ -95,9 +96,10 @@ class CheckpointMetrics:
             self.saves += 1
             self.save_seconds, self.bytes = seconds, nbytes
             self.last_committed_step, self.last_committed_timestamp = step, when
-        for cb, arg in ((self.on_save_seconds, seconds), (self.on_bytes, nbytes)):
-            if cb:
-                cb(arg)  # type: ignore[operator]
+        if self.on_save_seconds:
+            self.on_save_seconds(seconds)
+        if self.on_bytes:
+            self.on_bytes(nbytes)
         if self.on_commit:
             self.on_commit(step, when)
 
@@ -238,7 +240,7 @@ class CheckpointManager:
         if fut is None:
             return
         try:
-            ref = fut.result(timeout)
+            fut.result(timeout)
         except FutureTimeout:
             raise CheckpointError(
                 f"checkpoint save to {self.storage.uri} still running after {timeout}s"
@@ -249,7 +251,6 @@ class CheckpointManager:
                 raise
             return  # "continue": _write already logged and counted it
         self._future = None
-        self._last = ref
 
     def _write(
         self, snapshot: dict[str, Any], step: int, meta: dict[str, Any], snap_time: float
@@ -264,8 +265,8 @@ class CheckpointManager:
                 fname = f"{key}.pt"
                 # A Python file object, so ENOSPC surfaces as OSError (torch's own writer
                 # reports only "unexpected pos").
-                with open(staging.local_path(fname), "wb") as f:
-                    torch.save(value, f)
+                with open(staging.local_path(fname), "wb") as out:
+                    torch.save(value, out)
                 files[fname] = self._digest(staging.local_path(fname))
                 staging.finish_file(fname)
             meta_doc = self._meta_doc(step, meta, snap_time)
@@ -292,6 +293,7 @@ class CheckpointManager:
             raise self._failed(name, exc) from exc
         del snapshot
         ref = CheckpointRef(uri=uri, step=step, name=name)
+        self._last = ref  # visible to last_committed() as soon as it is committed
         self._known_good[name] = hashlib.sha256(blob).hexdigest()
         nbytes = sum(f["size"] for f in files.values()) + len(blob)
         seconds = time.monotonic() - t0
@@ -333,7 +335,7 @@ class CheckpointManager:
     # ------------------------------------------------------------- reading
 
     def last_committed(self) -> CheckpointRef | None:
-        """Newest checkpoint committed by this manager (after the last wait/save returned)."""
+        """Newest checkpoint committed by this manager (updated by the writer on commit)."""
         return self._last
 
     def _folders(self) -> dict[str, dict[str, int]]:
@@ -443,7 +445,7 @@ class CheckpointManager:
         """Total bytes per checkpoint folder (for the CLI table)."""
         return {n: sum(files.values()) for n, files in self._folders().items()}
 
-    def latest_valid(self) -> tuple[CheckpointRef | None, list[str]]:
+    def latest_valid(self) -> tuple[CheckpointRef | None, builtins.list[str]]:
         """Newest checkpoint that verifies, plus one warning per newer folder that was skipped."""
         folders = self._folders()
         skipped: list[str] = []
@@ -456,7 +458,7 @@ class CheckpointManager:
             return ref, self._warn(skipped, ref.name)
         return None, self._warn(skipped, None)
 
-    def _warn(self, skipped: list[str], using: str | None) -> list[str]:
+    def _warn(self, skipped: builtins.list[str], using: str | None) -> builtins.list[str]:
         tail = f"using {using}" if using else "no valid checkpoint left"
         warnings = [f"{s}; {tail}" for s in skipped]
         for w in warnings:
@@ -489,7 +491,7 @@ class CheckpointManager:
         """meta.json of a checkpoint (config, versions, timestamps)."""
         return json.load(io.BytesIO(self.storage.get_bytes(f"{ref.name}/{META}")))
 
-    def load_latest(self) -> tuple[CheckpointRef | None, dict[str, Any] | None, list[str]]:
+    def load_latest(self) -> tuple[CheckpointRef | None, dict[str, Any] | None, builtins.list[str]]:
         """Load the newest checkpoint that verifies *and* loads, in one pass over storage.
 
         Cheaper than latest_valid + load on S3 (each file is fetched once).
@@ -506,7 +508,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------- rotation
 
-    def prune(self, keep: int) -> list[CheckpointRef]:
+    def prune(self, keep: int) -> builtins.list[CheckpointRef]:
         """Keep the newest ``keep`` valid checkpoints; delete older ones (valid or not) and
         leftovers of interrupted writes. Folders newer than the newest valid one are kept:
         they may be a save still in flight, and they are evidence.

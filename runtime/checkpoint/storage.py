@@ -8,6 +8,7 @@ uploaded last" for S3 (which has no rename).
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -83,13 +84,13 @@ class Storage(Protocol):
         """Start writing the checkpoint folder ``name``."""
         ...
 
-    def partial_uploads(self) -> list[str]:
+    def partial_uploads(self) -> builtins.list[str]:
         """Leftovers of interrupted writes that are not checkpoint folders (temp dirs, uploads)."""
         ...
 
     def uri_of(self, key: str) -> str: ...
 
-    def clean_partials(self) -> list[str]:
+    def clean_partials(self) -> builtins.list[str]:
         """Remove leftovers of interrupted writes; only safe when no save is in flight."""
         ...
 
@@ -155,7 +156,7 @@ class LocalStorage:
     def stage(self, name: str, fsync: bool = True) -> _LocalStaging:
         return _LocalStaging(self, name, fsync)
 
-    def partial_uploads(self) -> list[str]:
+    def partial_uploads(self) -> builtins.list[str]:
         if not os.path.isdir(self.root):
             return []
         return sorted(d for d in os.listdir(self.root) if d.startswith(TMP_PREFIX))
@@ -163,7 +164,7 @@ class LocalStorage:
     def uri_of(self, key: str) -> str:
         return self._path(key)
 
-    def clean_partials(self) -> list[str]:
+    def clean_partials(self) -> builtins.list[str]:
         partials = self.partial_uploads()
         for name in partials:
             self.delete_prefix(name)
@@ -409,7 +410,7 @@ class S3Storage:
         self.delete_keys([k for k in keys if k not in manifests])
         self.abort_uploads(prefix)
 
-    def abort_uploads(self, prefix: str = "") -> list[str]:
+    def abort_uploads(self, prefix: str = "") -> builtins.list[str]:
         """Abort unfinished multipart uploads (orphans of a killed writer) under ``prefix``."""
         full = self._key(prefix)
 
@@ -428,14 +429,14 @@ class S3Storage:
     def stage(self, name: str, fsync: bool = True) -> _S3Staging:
         return _S3Staging(self, name)
 
-    def partial_uploads(self) -> list[str]:
+    def partial_uploads(self) -> builtins.list[str]:
         def run() -> list[str]:
             resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self._key(""))
             return [u["Key"] for u in resp.get("Uploads", [])]
 
         return self.retry(f"list multipart uploads under {self.uri}", run)
 
-    def clean_partials(self) -> list[str]:
+    def clean_partials(self) -> builtins.list[str]:
         return self.abort_uploads()
 
 
@@ -445,11 +446,11 @@ class _S3Staging:
     def __init__(self, storage: S3Storage, name: str) -> None:
         self.storage = storage
         self.name = name
-        self.spool = tempfile.mkdtemp(prefix=f"ckpt-{name}-", dir=storage.spool_dir)
-        self.uploaded: dict[str, int] = {}  # key -> size
         # Re-saving a step: hide the old folder first so old and new files never mix.
         if storage.exists(f"{name}/{MANIFEST}"):
             storage.delete_prefix(name)
+        self.spool = tempfile.mkdtemp(prefix=f"ckpt-{name}-", dir=storage.spool_dir)
+        self.uploaded: dict[str, int] = {}  # key -> size
 
     def local_path(self, filename: str) -> str:
         return os.path.join(self.spool, filename)
