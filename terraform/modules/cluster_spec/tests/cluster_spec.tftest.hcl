@@ -60,17 +60,19 @@ run "good_spec_renders_inventory_groups_and_host_vars" {
     condition = yamldecode(output.inventory).all.children.gpu_workers.hosts["train-a-a100-00"] == {
       ansible_host            = "10.42.1.11"
       ansible_ssh_common_args = "-o ProxyJump=ubuntu@198.51.100.20 -o StrictHostKeyChecking=accept-new"
-      ray_node_role           = "worker"
-      ray_pool                = "a100"
+      ray_node_ip_address     = "10.42.1.11"
       ray_num_gpus            = 8
       ray_num_cpus            = 96
       ray_resources           = { pool_a100 = 1 }
-      ray_spot                = false
+      ray_environment         = { MLFLOW_TRACKING_URI = "http://10.42.0.10:5000", FI_PROVIDER = "efa" }
       nvidia_driver_enabled   = true
-      nccl_efa_enabled        = true
-      dcgm_exporter_enabled   = true
     }
     error_message = "host vars of train-a-a100-00 differ from the expected set: ${jsonencode(yamldecode(output.inventory).all.children.gpu_workers.hosts["train-a-a100-00"])}"
+  }
+
+  assert {
+    condition     = yamldecode(output.inventory).all.children.head.hosts["train-a-head"].ray_node_ip_address == "10.42.0.10" && yamldecode(output.inventory).all.children.head.hosts["train-a-head"].ray_num_gpus == 0
+    error_message = "the head must advertise its private address to Ray and no GPUs"
   }
 
   assert {
@@ -79,12 +81,12 @@ run "good_spec_renders_inventory_groups_and_host_vars" {
   }
 
   assert {
-    condition     = yamldecode(output.inventory).all.children.monitoring.vars.prometheus_dcgm_exporter_targets == ["10.42.1.11:9400", "10.42.1.12:9400", "10.42.2.13:9400"]
-    error_message = "Prometheus must scrape DCGM on every GPU worker (port 9400) and nowhere else"
+    condition     = yamldecode(output.inventory).all.vars.dcgm_exporter_listen_port == 9400 && yamldecode(output.inventory).all.vars.node_exporter_listen_port == 9100 && yamldecode(output.inventory).all.children.monitoring.vars.prometheus_listen_address == "0.0.0.0:9090"
+    error_message = "exporter and Prometheus ports must be the ones the security group opens (9400, 9100, 9090)"
   }
 
   assert {
-    condition     = yamldecode(output.inventory).all.vars.mlflow_tracking_uri == "http://10.42.0.10:5000" && yamldecode(output.inventory).all.children.monitoring.vars.mlflow_artifacts_destination == "s3://train-a-checkpoints/mlflow"
+    condition     = yamldecode(output.inventory).all.children.gpu_workers.hosts["train-a-spot-00"].ray_environment.MLFLOW_TRACKING_URI == "http://10.42.0.10:5000" && yamldecode(output.inventory).all.children.monitoring.vars.mlflow_artifact_root == "s3://train-a-checkpoints/mlflow"
     error_message = "MLflow must run on the head (port 5000) and keep artifacts in the checkpoint bucket"
   }
 }
