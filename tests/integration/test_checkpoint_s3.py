@@ -213,3 +213,31 @@ def test_cli_module_verifies_an_s3_store_in_a_subprocess(moto: MotoServer) -> No
     )
     assert res.returncode == 0, res.stderr
     assert "step_000000001" in res.stdout
+
+
+def test_prune_aborts_orphan_multipart_uploads(moto: MotoServer) -> None:
+    """A writer killed mid-multipart leaves an invisible upload that still costs money."""
+    client = moto.client()
+    key = "run1/step_000000009/model.pt"
+    up = client.create_multipart_upload(Bucket=BUCKET, Key=key, ServerSideEncryption="AES256")
+    client.upload_part(
+        Bucket=BUCKET, Key=key, UploadId=up["UploadId"], PartNumber=1, Body=b"x" * 1024
+    )
+    with CheckpointManager(f"s3://{BUCKET}/run1", endpoint_url=moto.endpoint) as mgr:
+        assert mgr.storage.partial_uploads() == [key]
+        assert mgr.latest_valid() == (None, [])  # never visible as a checkpoint
+        mgr.save(_state(10.0), step=10, meta={}, blocking=True)  # prunes after the commit
+        assert mgr.storage.partial_uploads() == []
+    assert client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
+
+
+def test_large_state_uses_multipart_upload(moto: MotoServer) -> None:
+    storage = _storage(moto, multipart_mb=5)  # S3's minimum part size
+    with CheckpointManager(storage.uri, storage=storage) as mgr:
+        mgr.save(_state(7.0, mib=12), step=7, meta={}, blocking=True)
+        ref, _ = mgr.latest_valid()
+        assert ref is not None
+        assert torch.equal(mgr.load(ref)["model"]["w"], _state(7.0, mib=12)["model"]["w"])
+    head = moto.client().head_object(Bucket=BUCKET, Key="run1/step_000000007/model.pt")
+    assert head["ETag"].strip('"').endswith("-3")  # 12 MiB in 5 MiB parts
+    assert head["ServerSideEncryption"] == "AES256"
