@@ -1,0 +1,139 @@
+"""Fixtures for the nspawn test hosts: one lab (netns + bridge + 3 nodes) per session.
+
+The golden image and the offline apt repository / wheelhouse are cached under
+.cache/hosts/; the lab itself (netns, nodes, overlays) is torn down in the
+fixture's finalizer whatever the tests did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lab as labmod  # noqa: E402
+
+ANSIBLE_DIR = labmod.ROOT / "ansible"
+OPS_BIN = Path(sys.executable).parent
+TIMINGS: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIMINGS:
+        terminalreporter.section("nspawn lab timings")
+        for key, seconds in TIMINGS.items():
+            terminalreporter.write_line(f"{key:<40} {seconds:7.1f} s")
+
+
+class Ansible:
+    def __init__(self, lab: labmod.Lab, inventory: Path):
+        self.lab = lab
+        self.inventory = inventory
+
+    def playbook(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = dict(os.environ,
+                   ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
+                   ANSIBLE_SSH_CONTROL_PATH_DIR=str(self.lab.workdir / "cp"),
+                   ANSIBLE_FORCE_COLOR="0", ANSIBLE_NOCOLOR="1", ANSIBLE_CALLBACK_RESULT_FORMAT="json",
+                   PATH=f"{OPS_BIN}:{os.environ['PATH']}")
+        cmd = [str(OPS_BIN / "ansible-playbook"), "-i", str(self.inventory),
+               str(ANSIBLE_DIR / "playbooks" / name), *args]
+        proc = subprocess.run(cmd, env=env, cwd=ANSIBLE_DIR, capture_output=True, text=True)
+        log = self.lab.workdir / "ansible.log"
+        with open(log, "a") as fh:
+            fh.write(f"\n\n### {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}")
+        return proc
+
+
+def recap(stdout: str) -> dict[str, dict[str, int]]:
+    """PLAY RECAP lines -> {host: {ok: n, changed: n, ...}}."""
+    out = {}
+    for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", stdout, re.M):
+        out[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return out
+
+
+@pytest.fixture(scope="session")
+def lab():
+    reason = labmod.can_run_nspawn()
+    if reason:
+        pytest.skip(f"nspawn test hosts cannot run on this machine: {reason}")
+    t0 = time.monotonic()
+    image = labmod.build_image()
+    TIMINGS["golden image (build or cache hit)"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    offline = labmod.build_artifacts(image)
+    TIMINGS["offline apt repo + wheelhouse"] = time.monotonic() - t0
+    name = f"lab-{os.getpid()}"
+    workdir = labmod.CACHE / "run" / name
+    the_lab = labmod.Lab(name=name, image=image, offline=offline, workdir=workdir)
+    try:
+        t0 = time.monotonic()
+        the_lab.up()
+        for node, index in labmod.TOPOLOGY.items():
+            the_lab.start_node(node, index)
+        for node in the_lab.nodes.values():
+            the_lab.wait_ssh(node)
+        TIMINGS["3 nodes booted and SSH-reachable"] = time.monotonic() - t0
+        yield the_lab
+    finally:
+        the_lab.down()
+        if os.environ.get("KEEP_LAB_LOGS"):
+            labmod.log(f"lab logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def inventory(lab) -> Path:
+    return labmod.write_inventory(lab, lab.workdir / "inventory.json")
+
+
+@pytest.fixture(scope="session")
+def ansible(lab, inventory) -> Ansible:
+    return Ansible(lab, inventory)
+
+
+@pytest.fixture(scope="session")
+def site_run(ansible) -> subprocess.CompletedProcess:
+    """site.yml applied once to the bare head and two workers."""
+    t0 = time.monotonic()
+    proc = ansible.playbook("site.yml")
+    TIMINGS["site.yml on 3 bare hosts"] = time.monotonic() - t0
+    return proc
+
+
+@pytest.fixture(scope="session")
+def ssh_config(lab) -> Path:
+    path = lab.workdir / "ssh_config"
+    path.write_text(
+        "Host *\n  User root\n"
+        f"  IdentityFile {lab.ssh_key()}\n"
+        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+        "  ConnectTimeout 10\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hosts(lab, ssh_config, site_run):
+    import testinfra
+
+    def get(name: str):
+        address = f"{lab.subnet}.{10 + labmod.TOPOLOGY[name]}"
+        return testinfra.get_host(f"ssh://root@{address}", ssh_config=str(ssh_config))
+    return get
+
+
+def cluster_state(host) -> dict:
+    out = host.check_output("/usr/local/bin/ray-cluster-state")
+    return json.loads(out.strip().splitlines()[-1])
