@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
 import torch
 
@@ -302,7 +302,7 @@ class CheckpointManager:
         if self.keep:
             try:
                 self.prune(self.keep)
-            except Exception as exc:  # noqa: BLE001 (housekeeping never fails a good save)
+            except Exception as exc:  # housekeeping never fails a good save
                 log.warning("pruning %s failed: %s", self.storage.uri, exc)
         return ref
 
@@ -567,7 +567,7 @@ class CheckpointManager:
             self._closed = True
             self._executor.shutdown(wait=True)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -157,7 +157,7 @@ class ShardedWriter:
                     self.manager.storage.put_file(  # type: ignore[attr-defined]
                         f"{name}/{fname}", os.path.join(folder, fname)
                     )
-        except Exception as exc:  # noqa: BLE001 (reported to rank 0 through the gather)
+        except Exception as exc:  # reported to rank 0 through the gather
             error = f"rank {self.rank}: {exc}"
         finally:
             if self.rank != 0 and not isinstance(self.manager.storage, LocalStorage):

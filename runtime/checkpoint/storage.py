@@ -480,7 +480,7 @@ class _S3Staging:
         shutil.rmtree(self.spool, ignore_errors=True)
         try:
             self.storage.delete_keys(self.uploaded)
-        except Exception as exc:  # noqa: BLE001 (server may be gone; prune cleans orphans)
+        except Exception as exc:  # server may be gone; prune cleans orphans
             log.warning(
                 "could not remove partial upload %s: %s", self.storage.uri_of(self.name), exc
             )
