@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg: Any, args: argparse.Namespace) -> int:
-    from runtime.cluster import ClusterError
+    from runtime.cluster import ClusterError, use_cluster_auth
+
+    use_cluster_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
     from runtime.launch import outcome_summary, train
 
     try:

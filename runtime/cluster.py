@@ -159,28 +159,58 @@ def ray_temp_dir(cluster_dir: Path) -> str:
     return f"/tmp/rt-ray-{hashlib.sha1(str(cluster_dir.resolve()).encode()).hexdigest()[:8]}"
 
 
+def auth_env(cluster_dir: Path) -> dict[str, str]:
+    """Ray token authentication for this cluster: a private token file of its own (mode 600)."""
+    token = cluster_dir / "auth_token"
+    if not token.exists():
+        import secrets
+
+        cluster_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
+def use_cluster_auth(cdir: Path | None = None) -> bool:
+    """Clients of the local cluster authenticate with its token, unless one was given explicitly.
+
+    Returns True when this changed the environment (callers refresh Ray's cached config).
+    """
+    cluster_dir = cdir or default_cluster_dir()
+    token = load_state(cluster_dir).get("ray", {}).get("auth_token_path")
+    if not token or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") == str(token):
+        return False
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    return True
+
+
 def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
     """``ray start --head --block`` in its own process group, so `down` can stop exactly it."""
     host = "127.0.0.1"
+    auth = auth_env(cluster_dir)
     cmd = [
-        _bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port("ray")}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={port("dashboard")}", "--include-dashboard=true",
-        f"--metrics-export-port={port("ray_metrics")}", "--disable-usage-stats",
+        _bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port('ray')}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={port('dashboard')}", "--include-dashboard=true",
+        f"--metrics-export-port={port('ray_metrics')}", "--disable-usage-stats",
         f"--temp-dir={ray_temp_dir(cluster_dir)}",
     ]
     if num_cpus:
         cmd.append(f"--num-cpus={num_cpus}")
     log = cluster_dir / "logs" / "ray.log"
-    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0"})
+    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth})
     _wait(lambda: _port_open(host, port("ray")) and _alive(pid), "Ray head", 180, log)
-    return {"pid": pid, "address": f"{host}:{port("ray")}", "dashboard": f"http://127.0.0.1:{port("dashboard")}",
-            "metrics_port": port("ray_metrics")}
+    return {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",
+            "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"]}
 
 
 def _mlflow_up(cluster_dir: Path) -> dict[str, Any]:
     store = cluster_dir / "mlflow"
     (store / "artifacts").mkdir(parents=True, exist_ok=True)
-    url = f"http://127.0.0.1:{port("mlflow")}"
+    url = f"http://127.0.0.1:{port('mlflow')}"
     cmd = [
         _bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(port("mlflow")),
         "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
@@ -219,10 +249,10 @@ def prometheus_config(cluster_dir: Path, node_exporter: bool) -> str:
         "global:", "  scrape_interval: 5s", "  evaluation_interval: 5s",
         "rule_files:", *[f"  - {r}" for r in rules],
         "scrape_configs:",
-        "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{port("prometheus")}']",
+        "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{port('prometheus')}']",
         "  - job_name: training", "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
         "        refresh_interval: 5s",
-        "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{port("ray_metrics")}']",
+        "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{port('ray_metrics')}']",
     ]
     if node_exporter:
         lines += ["  - job_name: node", "    static_configs:", f"      - targets: ['127.0.0.1:{port('node_exporter')}']"]
@@ -237,10 +267,10 @@ def _prometheus_up(cluster_dir: Path, node_exporter: bool) -> dict[str, Any] | N
     (pdir / "targets").mkdir(parents=True, exist_ok=True)
     conf = pdir / "prometheus.yml"
     conf.write_text(prometheus_config(cluster_dir, node_exporter))
-    url = f"http://127.0.0.1:{port("prometheus")}"
+    url = f"http://127.0.0.1:{port('prometheus')}"
     cmd = [
         str(binary), f"--config.file={conf}", f"--storage.tsdb.path={pdir / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port("prometheus")}", "--web.enable-lifecycle",
+        f"--web.listen-address=127.0.0.1:{port('prometheus')}", "--web.enable-lifecycle",
     ]
     log = cluster_dir / "logs" / "prometheus.log"
     pid = _spawn(cmd, log)

@@ -22,7 +22,7 @@ from typing import Any
 
 from ray.train import UserCallback
 
-from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri
+from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
 from runtime.loop import PREEMPT_FILE, RunInfo, train_loop_per_worker
@@ -53,6 +53,8 @@ def connect(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     addr = address or ray_address()
+    if addr != "local":
+        use_cluster_auth()  # effective only if Ray was not imported yet (see runtime/__init__.py)
     ray.init(address=addr, log_to_driver=True, logging_level=logging.WARNING,
              runtime_env={"env_vars": _worker_env()}, configure_logging=True)
 
@@ -243,6 +245,8 @@ class ProgressCallback(UserCallback):
         if metrics:
             item = dict(metrics[0])
             item["_time"] = time.time()
+            if "param_digest" in item:  # final report: every rank's parameter digest
+                item["rank_param_digests"] = [m.get("param_digest") for m in metrics]
             try:
                 self.queue.put_nowait(item)
             except Exception:  # a full queue must never stall training

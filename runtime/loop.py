@@ -463,6 +463,8 @@ class Worker:
         })
         if extra:
             metrics.update(extra)
+        if final:
+            metrics["param_digest"] = self.param_digest()
         if self.metrics and "train/loss" in metrics:
             m = self.metrics
             m.loss.set(metrics["train/loss"])
@@ -489,6 +491,15 @@ class Worker:
         ray.train.report(metrics, checkpoint=checkpoint)
         if tmp is not None:
             tmp.cleanup()
+
+    def param_digest(self) -> str:
+        """sha256 of this rank's parameters: equal on every rank when data parallelism is correct."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for p in self.raw_model.parameters():
+            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def _export_cost(self) -> None:
         if self.rank != 0 or self.metrics is None:
