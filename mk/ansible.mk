@@ -30,7 +30,7 @@ ops-host-packages: ## Install the Debian packages the test hosts need (systemd-n
 
 .PHONY: ansible-lint
 ansible-lint: ops-setup ## Lint roles and playbooks (production profile) and check argument specs against defaults.
-	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-lint --offline --profile production
+	cd $(ANSIBLE_DIR) && PATH=$(OPS_BIN):$$PATH $(OPS_BIN)/ansible-lint --offline --profile production
 	$(OPS_BIN)/pytest -q -p no:cacheprovider $(ROOT)/tests/ansible
 
 .PHONY: test-hosts

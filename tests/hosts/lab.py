@@ -390,13 +390,13 @@ class Lab:
 
 #### Inventory ##############################################################
 
-TOPOLOGY = {"head": 1, "worker1": 2, "worker2": 3}
-GROUPS = {"head": ["head"], "gpu_workers": ["worker1", "worker2"], "monitoring": ["head"]}
+TOPOLOGY = {"ray-head": 1, "worker1": 2, "worker2": 3}
+GROUPS = {"head": ["ray-head"], "gpu_workers": ["worker1", "worker2"], "monitoring": ["ray-head"]}
 
 
 def write_inventory(lab: Lab, path: Path) -> Path:
     """The test inventory: same groups and variable names Terraform renders."""
-    head = f"{lab.subnet}.{10 + TOPOLOGY['head']}"
+    head = f"{lab.subnet}.{10 + TOPOLOGY['ray-head']}"
     inv = {
         "all": {
             "vars": {

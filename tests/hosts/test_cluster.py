@@ -16,7 +16,7 @@ from conftest import TIMINGS, cluster_state, recap
 
 import lab as labmod
 
-HEAD, WORKERS = "head", ["worker1", "worker2"]
+HEAD, WORKERS = "ray-head", ["worker1", "worker2"]
 ALL = [HEAD, *WORKERS]
 
 
@@ -104,6 +104,18 @@ def test_prometheus_scrapes_every_target_up(hosts, lab):
     assert "prometheus" in jobs
 
 
+def test_repository_alert_rules_are_installed_and_loaded(hosts, lab):
+    repo_rules = sorted(p.name for p in (labmod.ROOT / "alerts").glob("*.rules.yml"))
+    head = hosts(HEAD)
+    installed = sorted(head.check_output("ls /etc/prometheus/rules").split())
+    assert installed == repo_rules
+    if repo_rules:
+        url = f"http://{lab.subnet}.11:9090/api/v1/rules"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            groups = json.load(resp)["data"]["groups"]
+        assert {g["file"].rsplit("/", 1)[-1] for g in groups} == set(repo_rules)
+
+
 def test_second_site_run_changes_nothing(ansible, site_run):
     t0 = time.monotonic()
     proc = ansible.playbook("site.yml")
@@ -129,8 +141,8 @@ def test_check_mode_with_forced_gpu_renders_driver_nccl_and_dcgm_config(ansible,
     proc = ansible.playbook(
         "site.yml", "--check", "--diff", "--limit", "worker1",
         "--tags", "nvidia_driver_repository,nvidia_driver_configure,nccl_configure,dcgm_exporter_configure",
-        "-e", "nvidia_driver_force_gpu=true", "-e", "nccl_socket_ifname=host0",
-        "-e", "nccl_ib_disable=true", "-e", "nccl_p2p_level=NVL")
+        "-e", json.dumps({"nvidia_driver_force_gpu": True, "nccl_socket_ifname": "host0",
+                          "nccl_ib_disable": True, "nccl_p2p_level": "NVL"}))
     out = proc.stdout
     # Driver: every driver package pinned to the chosen version, module options rendered.
     assert "+Package: nvidia-* libnvidia-* xserver-xorg-video-nvidia* cuda-drivers* firmware-nvidia-*" in out
