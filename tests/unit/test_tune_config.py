@@ -1,0 +1,121 @@
+"""Bad search definitions are refused before Ray starts, with an error naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from runtime.config import load_job
+from runtime.errors import ConfigError
+from runtime.tune import parse_tune
+
+
+def _job(**tune: Any) -> Any:
+    """digits_tune with its tune section replaced by ``tune`` merged over a valid minimum."""
+    cfg = load_job("digits_tune", environ={})
+    section = {"method": "random", "metric": "train/loss", "mode": "min", "num_samples": 2,
+               "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-1]}}, **tune}
+    return cfg.model_copy(update={"tune": section})
+
+
+def _error(**tune: Any) -> str:
+    with pytest.raises(ConfigError) as e:
+        parse_tune(_job(**tune))
+    return str(e.value)
+
+
+def test_shipped_tuning_jobs_parse() -> None:
+    for name in ("digits_tune", "resnet50_tune"):
+        spec = parse_tune(load_job(name, environ={}))
+        assert spec.tune.params and spec.max_t == spec.job.train.max_steps
+        assert spec.job.tune is None  # trials are plain jobs
+
+
+def test_unknown_distribution_is_named() -> None:
+    msg = _error(space={"optimizer.lr": {"normal": [0, 1]}})
+    assert "tune.space" in msg and "optimizer.lr" in msg and "unknown distribution 'normal'" in msg
+
+
+@pytest.mark.parametrize("kind", ["loguniform", "uniform", "randint"])
+def test_low_not_below_high_is_refused(kind: str) -> None:
+    msg = _error(space={"schedule.warmup_steps" if kind == "randint" else "optimizer.lr": {kind: [5, 5]}})
+    assert "low must be < high" in msg
+
+
+def test_loguniform_needs_positive_low() -> None:
+    assert "low > 0" in _error(space={"optimizer.lr": {"loguniform": [0.0, 0.1]}})
+
+
+@pytest.mark.parametrize("kind", ["choice", "grid"])
+def test_empty_choice_or_grid_is_refused(kind: str) -> None:
+    msg = _error(space={"data.batch_size": {kind: []}})
+    assert "data.batch_size" in msg and "at least one value" in msg
+
+
+def test_metric_the_loop_does_not_report_is_refused() -> None:
+    msg = _error(metric="val/f1")
+    assert "tune.metric" in msg and "not reported by the training loop" in msg and "val/accuracy" in msg
+
+
+def test_unknown_method_and_bad_mode_are_named() -> None:
+    assert "tune.method" in _error(method="bayes")
+    assert "tune.mode" in _error(mode="maximize")
+
+
+def test_num_samples_below_one_is_refused() -> None:
+    assert "tune.num_samples" in _error(num_samples=0)
+
+
+def test_unknown_tune_field_is_refused() -> None:
+    assert "tune.samples" in _error(samples=3)
+
+
+def test_space_key_that_is_not_a_job_field_is_refused() -> None:
+    msg = _error(space={"optimizer.learning_rate": {"uniform": [0.01, 0.1]}})
+    assert "tune.space.optimizer.learning_rate" in msg and "unknown field" in msg
+
+
+def test_space_value_the_job_rejects_is_refused() -> None:
+    msg = _error(space={"optimizer.name": {"choice": ["sgd", "lamb"]}})
+    assert "tune.space.optimizer.name" in msg and "'lamb'" in msg
+
+
+def test_space_cannot_replace_a_whole_section() -> None:
+    assert "tune.space.optimizer" in _error(space={"optimizer": {"choice": ["sgd"]}})
+
+
+def test_grid_method_needs_discrete_values() -> None:
+    msg = _error(method="grid")
+    assert "method=grid" in msg and "optimizer.lr" in msg
+
+
+def test_optuna_refuses_grid_values() -> None:
+    assert "optuna" in _error(method="optuna", space={"data.batch_size": {"grid": [16, 32]}})
+
+
+def test_asha_needs_a_step_budget() -> None:
+    cfg = _job(method="asha")
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": None, "epochs": 2})})
+    with pytest.raises(ConfigError, match="max_steps or tune.max_t"):
+        parse_tune(cfg)
+
+
+def test_yaml_text_exponents_are_read_as_numbers() -> None:
+    spec = parse_tune(_job(space={"optimizer.lr": {"loguniform": ["1e-4", "1e-1"]}}))
+    assert spec.tune.params[0].args == (1e-4, 1e-1)
+
+
+def test_job_without_tune_section_is_refused() -> None:
+    with pytest.raises(ConfigError, match="no tune: section"):
+        parse_tune(load_job("digits_smoke", environ={}))
+
+
+def test_cli_exits_2_on_bad_space_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from runtime.cli import main
+
+    assert main(["tune", "digits_tune", "--set", "tune.metric=val/f1"]) == 2
+    assert "tune.metric" in capsys.readouterr().err
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
