@@ -250,7 +250,7 @@ def prometheus_config(cluster_dir: Path, node_exporter: bool) -> str:
         "rule_files:", *[f"  - {r}" for r in rules],
         "scrape_configs:",
         "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{port('prometheus')}']",
-        "  - job_name: training", "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
+        "  - job_name: training", "    honor_labels: true", "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
         "        refresh_interval: 5s",
         "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{port('ray_metrics')}']",
     ]

@@ -174,6 +174,9 @@ class TrackingConfig(_Strict):
     mlflow_uri: str | None = Field(None, description="MLflow server; None = the local cluster's or a local store.")
     experiment: str | None = Field(None, description="MLflow experiment; default = job name.")
     prometheus: bool = True
+    prometheus_linger_s: float = Field(
+        0.0, ge=0, le=300, description="Keep worker exporters up this long after the run for a final scrape."
+    )
 
 
 class JobConfig(_Strict):

@@ -60,7 +60,7 @@ def connect(address: str | None = None) -> None:
 
 
 def _worker_env() -> dict[str, str]:
-    keep = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_LINGER_S", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI",
+    keep = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI",
             "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
             "AWS_DEFAULT_REGION", "PYTHONPATH")
     env = {k: os.environ[k] for k in keep if k in os.environ}

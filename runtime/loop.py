@@ -567,7 +567,7 @@ class Worker:
             finally:
                 self.ckpt.close()
         if self.metrics is not None:
-            self.metrics.close(linger_s=float(os.environ.get("RT_METRICS_LINGER_S", "0")))
+            self.metrics.close(linger_s=self.cfg.tracking.prometheus_linger_s)
 
 
 class _Window:

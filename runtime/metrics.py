@@ -133,7 +133,8 @@ class WorkerMetrics:
         if not sd_dir:
             return
         host = os.environ.get("RT_METRICS_HOST") or _node_ip()
-        target = [{"targets": [f"{host}:{self.port}"], "labels": {"job_id": job_id, "rank": str(rank)}}]
+        # The series carry job_id/rank/node themselves; target labels would clash (exported_*).
+        target = [{"targets": [f"{host}:{self.port}"], "labels": {}}]
         d = Path(sd_dir)
         d.mkdir(parents=True, exist_ok=True)
         self.sd_file = d / f"training-{job_id}-rank{rank}.json"

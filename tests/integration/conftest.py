@@ -30,7 +30,7 @@ def _free_port() -> int:
 CLUSTER_DIR = Path(tempfile.mkdtemp(prefix="rt-test-cluster-"))
 _PORTS = {**{f"RT_{n.upper()}_PORT": str(_free_port())
                                      for n in ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter")}}
-os.environ.update({**_PORTS, "RT_CLUSTER_DIR": str(CLUSTER_DIR), "RT_METRICS_LINGER_S": "0",
+os.environ.update({**_PORTS, "RT_CLUSTER_DIR": str(CLUSTER_DIR),
                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(CLUSTER_DIR / "auth_token")})
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
