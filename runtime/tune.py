@@ -251,7 +251,8 @@ def search_alg(tc: TuneConfig) -> Any:
         return OptunaSearch(seed=tc.seed)
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    return BasicVariantGenerator(random_state=tc.seed)
+    # A variant generator is not a Searcher: Tune ignores TuneConfig.max_concurrent_trials for it.
+    return BasicVariantGenerator(random_state=tc.seed, max_concurrent=tc.max_concurrent_trials)
 
 
 def scheduler(spec: TuneSpec) -> Any:
@@ -393,7 +394,8 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
                 log.warning("trial %s continues from trial %s at step %d", trial_id, source["trial_id"], step)
     tracker = Tracker.for_job(cfg, run_name, parent_run_id=ctx.parent_run_id,
                               extra_tags={"tune.trial_id": trial_id, "tune.search": ctx.search_name})
-    queue: Any = Queue(maxsize=10_000)
+    # The queue actor lands in the trial's placement group (a sliver of CPU): it must ask for none.
+    queue: Any = Queue(maxsize=10_000, actor_options={"num_cpus": 0})
     trainer, run = build_trainer(cfg, run_name, callbacks=[ProgressCallback(queue)],
                                  mlflow_run_id=tracker.run_id if tracker else None, for_tune=True)
     box: dict[str, Any] = {}
@@ -715,7 +717,8 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
             trainable, param_space=param_space(tc),
             tune_config=rt.TuneConfig(metric=tc.metric, mode=tc.mode, search_alg=search_alg(tc),
                                       scheduler=scheduler(spec), num_samples=tc.num_samples,
-                                      max_concurrent_trials=tc.max_concurrent_trials, reuse_actors=False),
+                                      max_concurrent_trials=tc.max_concurrent_trials if tc.method == "optuna" else None,
+                                      reuse_actors=False),
             run_config=rt.RunConfig(
                 name=name, storage_path=storage, storage_filesystem=fs, stop=stopper,
                 checkpoint_config=rt.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=tc.metric,
