@@ -55,8 +55,9 @@ test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integr
 	RT_PROMETHEUS_BIN=$(PROMETHEUS) $(PY) -m pytest tests/unit tests/integration tests/observability tests/gpu -q $(PYTEST_ARGS)
 
 .PHONY: bench
-bench: setup ## Benchmarks; JSON (and PNG) results under benchmarks/results/.
+bench: setup ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.
 	@mkdir -p benchmarks/results
+	@if [ -z "$$RAY_ADDRESS" ]; then $(MAKE) --no-print-directory cluster-up; fi
 	$(PY) -m benchmarks.run $(BENCH)
 
 ##@ Cluster
