@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from runtime.checkpoint import CheckpointError
 from runtime.config import JobConfig
 from runtime.data import ResumableSampler, build_datasets
 from runtime.errors import ConfigError
@@ -208,7 +209,9 @@ class Worker:
         self.metrics = self._make_metrics()
         self.ckpt = self._make_checkpointer()
         self.recovered = False
+        self._restore_info: dict[str, Any] = {}  # added to the next report, then cleared
         self.stop_reason: str | None = None
+        self.save_failed = False
         self._window = _Window()
 
     # ------------------------------------------------------------------ setup
@@ -294,6 +297,8 @@ class Worker:
         ref, payload, warnings = self.ckpt.load_latest()
         for w in warnings:
             log.warning("rank %d: %s", self.rank, w)
+        # Surfaced in the first report too, so the driver (and tests) see why a checkpoint was skipped.
+        self._restore_info = {"restore_warnings": warnings} if warnings else {}
         ray_ckpt = ray.train.get_checkpoint()
         if ray_ckpt is not None:
             with ray_ckpt.as_directory() as d:
@@ -312,6 +317,7 @@ class Worker:
         if rng is not None and len(payload["rng"]) == self.world:
             restore_rng_state(rng)
         self.recovered = True
+        self._restore_info["resumed_from_step"] = ref.step
         if self.metrics:
             self.metrics.recoveries.inc()
         if self.rank == 0:
@@ -324,9 +330,25 @@ class Worker:
         if self.rank == 0:
             meta = {"config": self.cfg.model_dump(mode="json"), "config_hash": self.cfg.config_hash(),
                     "world_size": self.world, "job_id": self.run.job_id}
-            self.ckpt.save(state, self.state.global_step, meta, blocking=blocking)
+            try:
+                self.ckpt.save(state, self.state.global_step, meta, blocking=blocking)
+            except CheckpointError as e:  # raised only with checkpoint.on_failure=stop
+                self._stop_on_save_failure(e)
             if self.metrics:
                 self.metrics.update_storage(self.run.checkpoint_uri)
+
+    def _stop_on_save_failure(self, e: Exception) -> None:
+        """Rank 0: a failed save with on_failure=stop ends training cleanly (no Ray retry loop)."""
+        self.save_failed = True
+        self.stop_reason = f"stopped: {e} (checkpoint.on_failure=stop)"
+
+    def _flush(self) -> Any:
+        """Rank 0: wait for the save in flight; the newest committed checkpoint of this run."""
+        try:
+            return self.ckpt.wait()
+        except CheckpointError as e:
+            self._stop_on_save_failure(e)
+            return self.ckpt.last_committed()
 
     # ------------------------------------------------------------------ loop
 
@@ -463,6 +485,8 @@ class Worker:
         })
         if extra:
             metrics.update(extra)
+        metrics.update(self._restore_info)
+        self._restore_info = {}
         if final:
             metrics["param_digest"] = self.param_digest()
         if self.metrics and "train/loss" in metrics:
@@ -488,6 +512,7 @@ class Worker:
                 checkpoint = ray.train.Checkpoint.from_directory(tmp.name)
                 self._reported_step = last.step
                 metrics["checkpoint_step"] = last.step
+            metrics["checkpoint_failures"] = self.ckpt.metrics.failures
         ray.train.report(metrics, checkpoint=checkpoint)
         if tmp is not None:
             tmp.cleanup()
@@ -532,7 +557,10 @@ class Worker:
                 self._pending_eval = False
             if self.ckpt is not None and step % self.cfg.checkpoint.interval_steps == 0:
                 self.checkpoint()
-            if self._preempt_agreed():
+            preempt, stop = self._rank0_flags()
+            if stop and self.stop_reason is None:
+                self.stop_reason = "stopped by rank 0"  # e.g. its checkpoint save failed; rank 0 reports why
+            if preempt:
                 self.checkpoint(blocking=True)
                 self.report({**extra, "preempted": True}, final=True)
                 self.stop_reason = "preempted"
@@ -542,23 +570,24 @@ class Worker:
         # End of training: evaluate, commit a final checkpoint, report with it.
         extra = self.evaluate()
         if self.ckpt is not None:
-            last = self.ckpt.wait() if self.rank == 0 else None
-            committed = torch.tensor([float(last.step) if last else -1.0], device=self.device)
+            last = self._flush() if self.rank == 0 else None
+            committed = torch.tensor([float(last.step) if last else -1.0, float(self.save_failed)],
+                                     device=self.device)
             if self.distributed:
                 dist.broadcast(committed, src=0)  # all ranks must agree whether to save again
-            if int(committed.item()) != self.state.global_step:
+            if int(committed[0].item()) != self.state.global_step and not committed[1].item():
                 self.checkpoint(blocking=True)
         if self.stop_reason:
             extra["stop_reason"] = self.stop_reason
         self.report(extra, final=True)
 
-    def _preempt_agreed(self) -> bool:
-        """All ranks must stop at the same step: rank 0's view of the marker wins."""
-        flag = torch.tensor([1.0 if self.preempted() else 0.0])
+    def _rank0_flags(self) -> tuple[bool, bool]:
+        """(preempt, stop): all ranks must stop at the same step, so rank 0's view wins."""
+        flags = torch.tensor([float(self.preempted()), float(self.stop_reason is not None)])
         if self.distributed:
-            flag = flag.to(self.device)
-            dist.broadcast(flag, src=0)
-        return bool(flag.item())
+            flags = flags.to(self.device)
+            dist.broadcast(flags, src=0)
+        return bool(flags[0].item()), bool(flags[1].item())
 
     def close(self) -> None:
         if self.ckpt is not None:
