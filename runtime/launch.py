@@ -132,6 +132,8 @@ def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None 
     preflight(cfg, use_gpu)
     storage_path, ckpt_uri, run_dir = storage_paths(cfg, run_name)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
+    # A marker left by the preempted run we now resume would stop this one at its first step.
+    (Path(run_dir) / PREEMPT_FILE).unlink(missing_ok=True)
     d = cfg.distributed
     resources: dict[str, float] = {"CPU": d.cpus_per_worker, **d.resources_per_worker}
     if use_gpu:
@@ -167,7 +169,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None 
 def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = None,
           show_progress: bool = True) -> TrainOutcome:
     """Run one training job to completion (or preemption) on the Ray cluster."""
-    from ray.util.queue import Queue
+    from ray.util.queue import Empty, Queue
 
     from runtime.tracking import Tracker
 
@@ -194,7 +196,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
         while t.is_alive() or not queue.empty():
             try:
                 item = queue.get(timeout=0.5)
-            except Exception:  # queue.Empty: nothing reported this half second
+            except Empty:  # nothing reported this half second
                 continue
             outcome.history.append(item)
             outcome.metrics.update(item)
