@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROUNDS = 1  # A/B pairs; each pair is ~2 searches of 8 short trials
+ROUNDS = 1  # A/B pairs; each pair is 2 searches of 6 short trials
 OVERRIDES = (
     "tracking.mlflow=false", "tracking.prometheus=false",
     "train.max_steps=90", "train.log_every_steps=5", "checkpoint.interval_steps=30",
-    "tune.num_samples=8", "tune.max_concurrent_trials=2", "tune.seed=7",
+    "tune.num_samples=6", "tune.max_concurrent_trials=2", "tune.seed=7",
     "tune.grace_period=10", "tune.reduction_factor=3",
     "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}, optimizer.name: {choice: [sgd, adamw]}}",
 )

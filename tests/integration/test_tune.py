@@ -1,0 +1,183 @@
+"""Hyperparameter search on the real local cluster: tiny digits trials (1 worker, 30-40 steps).
+
+Each method runs to completion and its report names the trial that really reported the
+best value (checked against Tune's own per-trial progress files); ASHA stops trials
+early; PBT restarts a trial from another trial's checkpoint; MLflow nests trial runs
+under the search's run; an interrupted search resumes with --resume.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from rt_helpers import ROOT, job
+
+pytestmark = pytest.mark.slow
+
+SMALL = ("train.max_steps=30", "train.log_every_steps=5", "checkpoint.interval_steps=5",
+         "tune.num_samples=3", "tune.max_concurrent_trials=3")
+
+
+def _search(storage: str, *overrides: str, name: str) -> Any:
+    from runtime.tune import tune
+
+    return tune(job("digits_tune", storage, *SMALL, *overrides), name, show_progress=False)
+
+
+def _tune_histories(search_dir: str, metric: str) -> dict[str, list[dict[str, Any]]]:
+    """Every trial's results as Tune recorded them (progress.csv), keyed by trial id."""
+    out = {}
+    for progress in Path(search_dir).glob("run_trial_*/progress.csv"):
+        with open(progress) as f:
+            rows = list(csv.DictReader(f))
+        rows = [r for r in rows if r.get(metric) not in (None, "", "nan")]
+        out[rows[0]["trial_id"]] = rows
+    return out
+
+
+def _assert_report_names_true_best(out: Any, mode: str = "min") -> None:
+    hist = _tune_histories(out.search_dir, out.metric)
+    assert len(hist) == len(out.trials) and all(hist.values())
+    best_of = {t: (min if mode == "min" else max)(float(r[out.metric]) for r in rows) for t, rows in hist.items()}
+    true_best = (min if mode == "min" else max)(best_of, key=best_of.__getitem__)
+    report = yaml.safe_load(Path(out.report_files["best"]).read_text())
+    assert report["trial_id"] == true_best
+    assert math.isclose(report["value"], best_of[true_best], rel_tol=1e-9)
+    with open(out.report_files["csv"]) as f:
+        rows = {r["trial_id"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set(hist)
+    for tid, value in best_of.items():
+        assert math.isclose(float(rows[tid][f"best {out.metric}"]), value, rel_tol=1e-9)
+    assert Path(out.report_files["png"]).stat().st_size > 10_000
+    assert report["command"].startswith("make train JOB=digits_tune SET=")
+    assert all(f"{key}=" in report["command"] for key in report["params"])
+
+
+def test_random_search_reports_true_best_and_nests_trials_in_mlflow(cluster: dict[str, Any], storage: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    out = _search(storage, name="random")
+    assert [t.status for t in out.trials] == ["TERMINATED"] * 3
+    assert all(t.steps == 30 for t in out.trials)
+    _assert_report_names_true_best(out)
+
+    client = MlflowClient(cluster["mlflow"]["url"])
+    parent = client.get_run(out.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["tune.best_trial"] == out.best.trial_id
+    artifacts = {a.path for a in client.list_artifacts(out.parent_run_id, "tune_report")}
+    assert {"tune_report/report.csv", "tune_report/report.md", "tune_report/trial_curves.png"} <= artifacts
+    children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{out.parent_run_id}'")
+    assert {c.data.tags["tune.trial_id"] for c in children} == {t.trial_id for t in out.trials}
+    for c in children:
+        trial = next(t for t in out.trials if t.trial_id == c.data.tags["tune.trial_id"])
+        assert float(c.data.params["optimizer.lr"]) == pytest.approx(trial.params["optimizer.lr"])
+        history = client.get_metric_history(c.info.run_id, "train/loss")
+        assert [m.step for m in history] == [5, 10, 15, 20, 25, 30]
+
+    # Retention: Tune keeps best + latest per trial; each trial's own manager keeps tune.trial_keep (2).
+    for trial_dir in Path(out.search_dir).glob("run_trial_*"):
+        assert 1 <= len(list(trial_dir.glob("checkpoint_*"))) <= 2
+    for own in Path(out.search_dir, "runs").glob("*/checkpoints"):
+        assert len(list(own.glob("step_*"))) <= 2
+
+
+def test_grid_search_runs_every_grid_point(cluster: dict[str, Any], storage: str) -> None:
+    out = _search(storage, "tune.method=grid", "tune.num_samples=1",
+                  "tune.space={data.batch_size: {grid: [16, 32]}, optimizer.name: {choice: [sgd, adamw]}}",
+                  name="grid")
+    assert sorted((t.params["data.batch_size"], t.params["optimizer.name"]) for t in out.trials) == [
+        (16, "adamw"), (16, "sgd"), (32, "adamw"), (32, "sgd")]
+    _assert_report_names_true_best(out)
+
+
+def test_optuna_search_completes_with_true_best(cluster: dict[str, Any], storage: str) -> None:
+    out = _search(storage, "tune.method=optuna", "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}}",
+                  name="optuna")
+    assert len(out.trials) == 3 and all(t.status == "TERMINATED" for t in out.trials)
+    _assert_report_names_true_best(out)
+
+
+def test_asha_stops_worse_trials_before_max_steps(cluster: dict[str, Any], storage: str) -> None:
+    # Rungs at 10 and 20 steps (grace 10, factor 2) of 40: the worse trials stop at a rung.
+    out = _search(storage, "tune.method=asha", "train.max_steps=40", "tune.num_samples=4",
+                  "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}}", name="asha")
+    steps = sorted(t.steps for t in out.trials)
+    assert steps[0] < 40 and steps[-1] == 40, steps
+    assert out.best is not None and out.best.steps == 40
+    _assert_report_names_true_best(out)
+
+
+def test_pbt_exploit_restarts_a_trial_from_another_trials_checkpoint(cluster: dict[str, Any], storage: str) -> None:
+    out = _search(storage, "tune.method=pbt", "train.max_steps=40",
+                  "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}}", name="pbt")
+    exploited = [t for t in out.trials if t.restored_from]
+    assert exploited, [(t.trial_id, t.steps) for t in out.trials]
+    for t in exploited:
+        after = [h for h in t.history if h.get("restored_from_trial")]
+        donor, step = after[0]["restored_from_trial"], int(after[0]["restored_step"])
+        assert donor != t.trial_id and donor in {x.trial_id for x in out.trials}
+        assert step > 0
+        # It continued from the donor's step, not from scratch: the next report is one interval later.
+        assert int(after[0]["step"]) == step + 5
+    _assert_report_names_true_best(out)
+
+
+def _cli(storage: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runtime", "tune", "digits_tune", "--no-progress", "--run-name", "resumable",
+            *[a for s in (*SMALL, "tune.max_concurrent_trials=2", f"checkpoint.storage={storage}")
+              for a in ("--set", s)], *extra]
+
+
+def _finished_trials(search_dir: Path) -> set[str]:
+    done = set()
+    for result in search_dir.glob("run_trial_*/result.json"):
+        lines = result.read_text().splitlines()
+        if lines and json.loads(lines[-1]).get("done"):
+            done.add(json.loads(lines[-1])["trial_id"])
+    return done
+
+
+def test_interrupted_search_resumes_and_keeps_finished_trials(cluster: dict[str, Any], storage: str) -> None:
+    search_dir = Path(storage) / "resumable"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(_cli(storage), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 300
+    while not _finished_trials(search_dir) and time.time() < deadline and proc.poll() is None:
+        time.sleep(1)
+    finished_before = _finished_trials(search_dir)
+    assert finished_before, "no trial finished before the deadline"
+    proc.send_signal(signal.SIGINT)  # Ctrl+C: Tune saves the search state and stops
+    first, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, first[-3000:]
+    assert "RESUME=1" in first
+
+    second = subprocess.run(_cli(storage, "--resume"), cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert "make train JOB=digits_tune SET=" in second.stdout
+    with open(search_dir / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 and {r["status"] for r in rows} == {"TERMINATED"}
+    assert all(int(r["steps"]) == 30 for r in rows)
+    # Trials that had finished were not run again: still 7 results each (every 5 of 30 steps + the final one).
+    assert all(int(r["iterations"]) == 7 for r in rows if r["trial_id"] in finished_before)
+
+
+def test_fresh_search_refuses_an_existing_search_folder(cluster: dict[str, Any], storage: str) -> None:
+    from runtime.errors import ConfigError
+    from runtime.tune import tune
+
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        tune(job("digits_tune", storage, *SMALL), "never-ran", resume=True, show_progress=False)
