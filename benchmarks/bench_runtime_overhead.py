@@ -79,9 +79,10 @@ def run(results_dir: Path) -> dict[str, Any]:
     for _ in range(ROUNDS):  # interleaved A B A B: drift hits both variants
         bare.append(bare_loop())
         rt.append(runtime_loop(str(results_dir / "bench-runs")))
-    ratios = [r / b for r, b in zip(rt, bare)]
+    ratios = [r / b for r, b in zip(rt, bare, strict=True)]
     return {
-        "description": f"ResNet-50 32x32, batch {BATCH}, {THREADS} thread(s): runtime via Ray (1 worker) vs bare PyTorch",
+        "description": f"ResNet-50 32x32, batch {BATCH}, {THREADS} thread(s): "
+        "runtime via Ray (1 worker) vs bare PyTorch",
         "bare_samples_per_s": [round(x, 3) for x in bare],
         "runtime_samples_per_s": [round(x, 3) for x in rt],
         "ratio_runtime_over_bare_median": round(statistics.median(ratios), 4),

@@ -156,7 +156,7 @@ def ray_temp_dir(cluster_dir: Path) -> str:
     """Short per-cluster temp dir (Ray's unix socket paths must stay under ~107 bytes)."""
     import hashlib
 
-    return f"/tmp/rt-ray-{hashlib.sha1(str(cluster_dir.resolve()).encode()).hexdigest()[:8]}"
+    return f"/tmp/rt-ray-{hashlib.sha256(str(cluster_dir.resolve()).encode()).hexdigest()[:8]}"
 
 
 def auth_env(cluster_dir: Path) -> dict[str, str]:
@@ -250,12 +250,14 @@ def prometheus_config(cluster_dir: Path, node_exporter: bool) -> str:
         "rule_files:", *[f"  - {r}" for r in rules],
         "scrape_configs:",
         "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{port('prometheus')}']",
-        "  - job_name: training", "    honor_labels: true", "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
+        "  - job_name: training", "    honor_labels: true",
+        "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
         "        refresh_interval: 5s",
         "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{port('ray_metrics')}']",
     ]
     if node_exporter:
-        lines += ["  - job_name: node", "    static_configs:", f"      - targets: ['127.0.0.1:{port('node_exporter')}']"]
+        target = f"127.0.0.1:{port('node_exporter')}"
+        lines += ["  - job_name: node", "    static_configs:", f"      - targets: ['{target}']"]
     return "\n".join(lines) + "\n"
 
 

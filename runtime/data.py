@@ -10,9 +10,10 @@ resumed run continues at the next batch rather than the start of the epoch.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,8 +29,8 @@ CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 @dataclass
 class DataBundle:
-    train: Dataset[Any]
-    val: Dataset[Any]
+    train: Any  # a map-style Dataset with __len__
+    val: Any
     num_classes: int
     in_channels: int
     image_size: int

@@ -16,9 +16,10 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, cast
 
 import numpy as np
 import ray.train
@@ -231,12 +232,14 @@ class Worker:
             # After start_step each worker steps on its own gradients (subgroup of one) and
             # the models are averaged across all workers every `period` steps.
             subgroup, _ = dist.new_subgroups(group_size=1)
-            state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=tc.local_sgd.start_step)
+            state = PostLocalSGDState(
+                process_group=None, subgroup=subgroup, start_localSGD_iter=tc.local_sgd.start_step
+            )
             self.comm = CommTimer(post_localSGD_hook, state)
             self.averager = PeriodicModelAverager(period=tc.local_sgd.period, warmup_steps=tc.local_sgd.start_step)
         else:
             self.comm = CommTimer(default_hooks.allreduce_hook, None)
-        self.model.register_comm_hook(None, self.comm.hook())
+        cast(Any, self.model).register_comm_hook(None, self.comm.hook())
 
     def _make_metrics(self) -> Any:
         if not self.cfg.tracking.prometheus:
@@ -259,7 +262,7 @@ class Worker:
                 on_stall_seconds=m.ckpt_stall.observe,
                 on_bytes=m.ckpt_bytes.set,
                 on_failure=lambda _e: m.ckpt_failures.inc(),
-                on_commit=lambda step, when: (m.ckpt_step.set(step), m.ckpt_time.set(when)),
+                on_commit=lambda step, when: m.ckpt_committed(step, when),
             )
         c = self.cfg.checkpoint
         return CheckpointManager(
@@ -389,7 +392,7 @@ class Worker:
             y = y.to(self.device, non_blocking=True)
             # Gradients are all-reduced only on the last micro-step of the accumulation window.
             sync = micro == accum - 1 or not self.is_ddp
-            ctx = contextlib.nullcontext() if sync else self.model.no_sync()
+            ctx = contextlib.nullcontext() if sync else cast(Any, self.model).no_sync()
             with ctx:
                 with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                     enabled=self.amp_dtype is not None):
@@ -578,7 +581,7 @@ class Worker:
             if int(committed[0].item()) != self.state.global_step and not committed[1].item():
                 self.checkpoint(blocking=True)
         if self.stop_reason:
-            extra["stop_reason"] = self.stop_reason
+            extra["stop_reason"] = self.stop_reason  # type: ignore[assignment]
         self.report(extra, final=True)
 
     def _rank0_flags(self) -> tuple[bool, bool]:

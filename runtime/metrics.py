@@ -126,7 +126,7 @@ class WorkerMetrics:
         self._start(sd_dir, job_id, rank)
 
     def _start(self, sd_dir: str | None, job_id: str, rank: int) -> None:
-        addr = os.environ.get("RT_METRICS_BIND", "0.0.0.0")
+        addr = os.environ.get("RT_METRICS_BIND", "0.0.0.0")  # noqa: S104 (Prometheus scrapes from another node)
         server, _thread = start_http_server(0, addr=addr, registry=self.registry)
         self._server = server
         self.port = server.server_port
@@ -141,6 +141,10 @@ class WorkerMetrics:
         tmp = self.sd_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(target))
         os.replace(tmp, self.sd_file)
+
+    def ckpt_committed(self, step: int, when: float) -> None:
+        self.ckpt_step.set(step)
+        self.ckpt_time.set(when)
 
     def update_storage(self, path: str) -> None:
         if "://" in path:

@@ -160,7 +160,7 @@ def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
         axes[1].plot([v[0] for v in val], [v[2] for v in val], "o-", label="val")
     axes[1].plot(steps, [r["train/accuracy"] for r in rows], label="train")
     axes[2].plot(steps, [r["train/throughput"] for r in rows])
-    for ax, title in zip(axes, ("loss", "accuracy", "samples/s (global)")):
+    for ax, title in zip(axes, ("loss", "accuracy", "samples/s (global)"), strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
