@@ -215,7 +215,9 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     result = result_box.get("result")
     if result is not None and getattr(result, "error", None):
         outcome.error = str(result.error)
-    if result is not None and result.metrics:
+    # Ray keeps the metrics of the last report *with a checkpoint*: older than the final report
+    # when the last saves failed, so they only fill in when no report reached the driver.
+    if result is not None and result.metrics and not outcome.history:
         outcome.metrics.update(result.metrics)
     outcome.preempted = bool(outcome.metrics.get("preempted"))
     if tracker:
