@@ -331,7 +331,7 @@ class Lab:
                  f"--machine={name}", f"--directory={m}",
                  f"--network-bridge={self.bridge}", "--resolv-conf=off",
                  f"--bind-ro={self.offline}:/srv/offline",
-                 f"--bind-ro=/etc/ssl/certs/ca-certificates.crt:/srv/host-ca.crt"],
+                 "--bind-ro=/etc/ssl/certs/ca-certificates.crt:/srv/host-ca.crt"],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         self.nodes[name] = node

@@ -11,10 +11,8 @@ import json
 import time
 import urllib.request
 
-import pytest
-from conftest import TIMINGS, cluster_state, recap
-
 import lab as labmod
+from conftest import TIMINGS, cluster_state, recap
 
 HEAD, WORKERS = "ray-head", ["worker1", "worker2"]
 ALL = [HEAD, *WORKERS]
