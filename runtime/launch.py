@@ -131,6 +131,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None 
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
     storage_path, ckpt_uri, run_dir = storage_paths(cfg, run_name)
+    fs = _storage_filesystem(cfg)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     # A marker left by the preempted run we now resume would stop this one at its first step.
     (Path(run_dir) / PREEMPT_FILE).unlink(missing_ok=True)
@@ -144,6 +145,8 @@ def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None 
     )
     loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
                                    "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}}
+    if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
+        storage_path = storage_path.removeprefix("s3://")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
@@ -156,7 +159,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None 
         run_config=ray.train.RunConfig(
             name=run_name,
             storage_path=storage_path,
-            storage_filesystem=_storage_filesystem(cfg),
+            storage_filesystem=fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
             # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
@@ -205,7 +208,8 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
                 tracker.log_step_metrics(item)
         t.join()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:  # None: not the main thread (e.g. Tune or tests), nothing was installed
+            signal.signal(signal.SIGTERM, previous)
         progress.close()
     if "error" in result_box:
         err = result_box["error"]
@@ -235,7 +239,7 @@ def _install_sigterm(run_dir: Path) -> Any:
         log.warning("SIGTERM: asked workers for an emergency checkpoint; waiting for them to stop")
 
     if threading.current_thread() is not threading.main_thread():
-        return signal.getsignal(signal.SIGTERM)
+        return None  # Python delivers signals to the main thread only
     return signal.signal(signal.SIGTERM, on_term)
 
 
