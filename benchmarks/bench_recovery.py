@@ -94,11 +94,14 @@ def run(results_dir: Path) -> dict[str, Any]:
     started = None
     try:
         if not os.environ.get("RAY_ADDRESS"):
-            from runtime import cluster
-
+            started = tmp / "cluster"
+            # Before Ray is imported: it reads its auth settings once per process (as the test cluster does).
+            os.environ.update({"RT_CLUSTER_DIR": str(started), "RAY_AUTH_MODE": "token",
+                               "RAY_AUTH_TOKEN_PATH": str(started / "auth_token")})
             for name in ("ray", "dashboard", "ray_metrics", "mlflow", "prometheus", "node_exporter"):
                 os.environ[f"RT_{name.upper()}_PORT"] = str(_free_port())
-            started = tmp / "cluster"
+            from runtime import cluster
+
             state = cluster.up(started, num_cpus=4, with_mlflow=False, with_prometheus=False)
             os.environ["RAY_ADDRESS"] = state["ray"]["address"]
         result = _measure(tmp / "runs")
