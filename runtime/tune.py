@@ -480,7 +480,14 @@ class DiskCap:
     def used_bytes(self) -> int:
         if self.search_dir.startswith("s3://"):
             return 0  # object stores bill by the byte but do not fill up; the cap guards local disks
-        return sum(f.stat().st_size for f in Path(self.search_dir).rglob("*") if f.is_file())
+        total = 0
+        for root, _dirs, files in os.walk(self.search_dir):
+            for name in files:
+                try:  # Tune and running trials add and rotate files while we count
+                    total += os.stat(os.path.join(root, name)).st_size
+                except FileNotFoundError:
+                    continue
+        return total
 
     def trial_done(self, trial_id: str) -> int:
         """Record a finished trial and enforce the cap; returns bytes used afterwards."""
