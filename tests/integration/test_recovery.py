@@ -24,7 +24,7 @@ from rt_helpers import ROOT, job
 from s3_server import CREDENTIALS, free_port, start_moto_server, stop_moto_server
 
 from runtime.checkpoint import CheckpointManager, step_name
-from runtime.launch import TrainOutcome, train
+from runtime.launch import TrainOutcome, connect, train
 
 pytestmark = pytest.mark.slow
 
@@ -266,6 +266,7 @@ def run_until_disk_full(disk: Path, policy: str) -> tuple[TrainOutcome, int]:
 def test_disk_full_keeps_older_checkpoints_and_follows_on_failure(
         cluster: dict, small_disk: Callable[[str], Path]) -> None:
     disks = {policy: small_disk(policy) for policy in ("continue", "stop")}
+    connect()  # once, before two threads would both try ray.init
     with ThreadPoolExecutor(2) as pool:  # two 2-worker runs fit the 4-CPU test cluster side by side
         futures = {policy: pool.submit(run_until_disk_full, disk, policy) for policy, disk in disks.items()}
         results = {policy: f.result() for policy, f in futures.items()}
@@ -309,6 +310,7 @@ def test_s3_storage_trains_and_resumes(cluster: dict, tmp_path: Path, monkeypatc
 def test_nonfinite_loss_is_skipped_and_counted_or_stops_the_run(cluster: dict, storage: str) -> None:
     """optimizer.lr=1e30 blows the weights up after the first step: every later loss is non-finite."""
     bad = [*BASE, "optimizer.lr=1e30", "train.max_steps=10", "checkpoint.interval_steps=100"]
+    connect()  # once, before two threads would both try ray.init
     with ThreadPoolExecutor(2) as pool:  # two 2-worker runs fit the 4-CPU test cluster side by side
         skip = pool.submit(train, job("digits_smoke", storage + "/skip", *bad, "train.nonfinite.policy=skip"),
                            "nan-skip", show_progress=False)
