@@ -415,7 +415,6 @@ class Worker:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             bad = bool(flag.item())
         if bad:
-            self.optimizer.zero_grad(set_to_none=True)
             self.state.nonfinite_total += 1
             self.state.nonfinite_in_row += 1
             if self.metrics:
@@ -433,9 +432,13 @@ class Worker:
                 self.scaler.update()
             else:
                 self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
         if self.averager is not None:
-            self.averager.average_parameters(self.model.parameters())  # collective on period steps
+            # Collective on period steps; it averages only parameters that have a .grad, so it runs
+            # before the gradients are cleared (and they are zeroed, not freed, in this mode).
+            if bad:
+                self.optimizer.zero_grad(set_to_none=False)
+            self.averager.average_parameters(self.model.parameters())
+        self.optimizer.zero_grad(set_to_none=self.averager is None)
         self.scheduler.step()
         self.state.global_step += 1
         self.state.samples_seen += n * self.world

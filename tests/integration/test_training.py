@@ -75,8 +75,23 @@ def test_resnet50_job_runs_end_to_end_through_the_cli(cluster: dict, storage: st
     assert ckpts and ckpts[-1] == "step_000000002", ckpts
 
 
-def test_sync_batchnorm_on_cpu_is_refused_before_workers_start(cluster: dict, storage: str) -> None:
+def test_local_sgd_averages_models_so_ranks_agree_after_the_last_average(cluster: dict, storage: str) -> None:
+    """Post-local-SGD: no all-reduce per step after start_step; periodic averaging re-syncs the ranks."""
+    cfg = job("digits_smoke", storage, "train.update_mode=local_sgd", "train.local_sgd.start_step=4",
+              "train.local_sgd.period=4", "train.max_steps=25", "tracking.mlflow=false")
+    out = train(cfg, show_progress=False)
+    digests = out.metrics["rank_param_digests"]
+    # torch's averager counts its own calls from 0: call 24 (our step 25) is (24 - 4) % 4 == 0, an average.
+    assert digests[0] == digests[1]
+    losses = [h["train/loss"] for h in out.history if "train/loss" in h]
+    assert losses[-1] < losses[0]
+
+
+def test_cpu_only_options_are_refused_before_workers_start(cluster: dict, storage: str) -> None:
     from runtime.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="SyncBatchNorm"):
-        train(job("digits_smoke", storage, "model.sync_batchnorm=true"), show_progress=False)
+    for override, message in (("distributed.strategy=fsdp", "strategy=fsdp needs GPUs"),
+                              ("precision.dtype=fp16", "fp16 needs GPUs"),
+                              ("model.sync_batchnorm=true", "SyncBatchNorm")):
+        with pytest.raises(ConfigError, match=message):
+            train(job("digits_smoke", storage, override), show_progress=False)
