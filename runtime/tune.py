@@ -314,16 +314,31 @@ def trial_job(ctx: SearchContext, params: dict[str, Any]) -> JobConfig:
     return apply_params(base, params)
 
 
-def _copy_checkpoint(ckpt_root: str, step: int, dest: str, endpoint_url: str | None) -> None:
-    """Fetch one committed checkpoint folder (local or S3) into ``dest/<step folder>``."""
-    from runtime.checkpoint import open_storage, step_name
+def _copy_checkpoint(ckpt_root: str, step: int, dest: str, endpoint_url: str | None) -> int | None:
+    """Fetch a committed checkpoint folder (local or S3) into ``dest/<step folder>``.
 
-    src = open_storage(ckpt_root, endpoint_url=endpoint_url)
-    name = step_name(step)
-    for key in src.list(name):
-        out = os.path.join(dest, key)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        src.get_file(key, out)
+    The trial's own rotation may already have replaced `step` by a newer commit while the
+    report travelled here: then the newest valid one is copied. Returns the step copied.
+    """
+    from runtime.checkpoint import CheckpointManager, step_name
+
+    mgr = CheckpointManager(ckpt_root, keep=0, endpoint_url=endpoint_url)
+    try:
+        name = step_name(step)
+        keys = mgr.storage.list(name)
+        if not any(k.endswith("manifest.json") for k in keys):
+            ref, _ = mgr.latest_valid()
+            if ref is None:
+                return None
+            step, name = ref.step, ref.name
+            keys = mgr.storage.list(name)
+        for key in keys:
+            out = os.path.join(dest, key)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            mgr.storage.get_file(key, out)
+        return step
+    finally:
+        mgr.close()
 
 
 def install_checkpoint(folder: str, ckpt_root: str, endpoint_url: str | None) -> int:
@@ -438,9 +453,12 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
         if step > relayed_ckpt:
             relayed_ckpt = step
             with tempfile.TemporaryDirectory(prefix="rt-tune-ckpt-") as d:
-                _copy_checkpoint(ckpt_root, step, d, ctx.endpoint_url)
+                copied = _copy_checkpoint(ckpt_root, step, d, ctx.endpoint_url)
+                if copied is None:
+                    rt.report(metrics)
+                    continue
                 Path(d, SOURCE_FILE).write_text(json.dumps({"trial_id": trial_id, "run_name": run_name,
-                                                            "step": step}))
+                                                            "step": copied}))
                 rt.report(metrics, checkpoint=rt.Checkpoint.from_directory(d))
         else:
             rt.report(metrics)
@@ -578,7 +596,9 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
         hist = df.to_dict("records") if df is not None else []
         values = [h[metric] for h in hist if isinstance(h.get(metric), (int, float)) and not math.isnan(h[metric])]
         best = (max(values) if mode == "max" else min(values)) if values else None
-        trial_id = (r.metrics or {}).get("trial_id") or Path(r.path).name
+        # The trial's own progress record names it; r.metrics can be a PBT donor's copied last result.
+        own = [h["trial_id"] for h in hist if h.get("trial_id")]
+        trial_id = own[-1] if own else (r.metrics or {}).get("trial_id") or Path(r.path).name
         timing: dict[str, Any] = {}
         try:
             raw = open_storage(f"{search_dir}/runs/{trial_run_name(search_name, trial_id)}",
@@ -719,7 +739,9 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     else:
         # Tune keeps each trial's best and latest checkpoint (it always keeps the latest); PBT keeps
         # two more so a donor's checkpoint survives until the trial that copies it restarts.
-        keep = 3 if tc.method == "pbt" else 1
+        # PBT may clone any trial's newest checkpoint at any perturbation: Tune must not rotate
+        # them away under it (our own max_disk_mb cap prunes finished trials instead).
+        keep = None if tc.method == "pbt" else 1
         tuner = rt.Tuner(
             trainable, param_space=param_space(tc),
             tune_config=rt.TuneConfig(metric=tc.metric, mode=tc.mode, search_alg=search_alg(tc),
