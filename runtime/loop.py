@@ -313,6 +313,7 @@ class Worker:
         self.raw_model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
+        self._apply_config_hyperparameters()
         if self.scaler is not None and "scaler" in payload:
             self.scaler.load_state_dict(payload["scaler"])
         self.state = TrainerState(**{k: int(v) for k, v in payload["trainer"].items()})
@@ -325,6 +326,26 @@ class Worker:
             self.metrics.recoveries.inc()
         if self.rank == 0:
             log.warning("resumed from %s (step %d, epoch %d)", ref.name, self.state.global_step, self.state.epoch)
+
+    def _apply_config_hyperparameters(self) -> None:
+        """The job's optimizer settings win over the checkpoint's.
+
+        A plain resume changes nothing (same config). When Tune's PBT restarts a trial from
+        another trial's checkpoint with perturbed hyperparameters, this is what makes the
+        new values take effect instead of the donor's saved ones.
+        """
+        o = self.cfg.optimizer
+        lam = self.scheduler.lr_lambdas[0]
+        self.scheduler.base_lrs = [o.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = o.lr
+            group["lr"] = o.lr * lam(self.scheduler.last_epoch)
+            group["weight_decay"] = o.weight_decay
+            if "momentum" in group:
+                group["momentum"] = o.momentum
+            if "betas" in group:
+                group["betas"] = tuple(o.betas)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # what get_last_lr() returns
 
     def checkpoint(self, blocking: bool = False) -> None:
         if self.ckpt is None:

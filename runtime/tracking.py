@@ -143,7 +143,7 @@ class Tracker:
 
 def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
     """Loss/accuracy/throughput against step; False when there is nothing to plot."""
-    rows = [h for h in history if "train/loss" in h]
+    rows = [h for h in history if all(k in h for k in ("step", "train/loss", "train/accuracy", "train/throughput"))]
     if not rows:
         return False
     import matplotlib

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -592,13 +593,12 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
     keys = [p.key for p in spec.tune.params]
     rows = []
     for r in results:
-        df = r.metrics_dataframe
-        hist = df.to_dict("records") if df is not None else []
+        hist = _trial_progress(r)
         values = [h[metric] for h in hist if isinstance(h.get(metric), (int, float)) and not math.isnan(h[metric])]
         best = (max(values) if mode == "max" else min(values)) if values else None
-        # The trial's own progress record names it; r.metrics can be a PBT donor's copied last result.
-        own = [h["trial_id"] for h in hist if h.get("trial_id")]
-        trial_id = own[-1] if own else (r.metrics or {}).get("trial_id") or Path(r.path).name
+        # The trial's folder names it; r.metrics can be a PBT donor's copied last result.
+        named = re.match(r"run_trial_([0-9a-f]+_\d+)_", Path(r.path).name)
+        trial_id = named.group(1) if named else (r.metrics or {}).get("trial_id") or Path(r.path).name
         timing: dict[str, Any] = {}
         try:
             raw = open_storage(f"{search_dir}/runs/{trial_run_name(search_name, trial_id)}",
@@ -615,6 +615,20 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
             restored_from=",".join(restored), history=hist,
         ))
     return sorted(rows, key=lambda t: t.trial_id)
+
+
+def _trial_progress(result: Any) -> list[dict[str, Any]]:
+    """Every result the trial reported: its own progress.csv (complete across PBT restarts)."""
+    progress = Path(result.path) / "progress.csv"
+    if progress.is_file():
+        import pandas as pd
+
+        rows = pd.read_csv(progress).to_dict("records")
+    else:
+        df = result.metrics_dataframe
+        rows = df.to_dict("records") if df is not None else []
+    # Empty cells (a key only some results carry) come back as NaN: make them absent.
+    return [{k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))} for row in rows]
 
 
 def _status(result: Any) -> str:
