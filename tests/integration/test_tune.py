@@ -86,10 +86,14 @@ def test_random_search_reports_true_best_and_nests_trials_in_mlflow(cluster: dic
         assert [m.step for m in history] == [5, 10, 15, 20, 25, 30]
 
     # Retention: Tune keeps best + latest per trial; each trial's own manager keeps tune.trial_keep (2).
-    for trial_dir in Path(out.search_dir).glob("run_trial_*"):
+    trial_dirs = list(Path(out.search_dir).glob("run_trial_*"))
+    assert len(trial_dirs) == len(out.trials)
+    for trial_dir in trial_dirs:
         assert 1 <= len(list(trial_dir.glob("checkpoint_*"))) <= 2
-    for own in Path(out.search_dir, "runs").glob("*/checkpoints"):
-        assert len(list(own.glob("step_*"))) <= 2
+    own_dirs = list(Path(out.search_dir, "runs").glob("*/checkpoints"))
+    assert len(own_dirs) == len(out.trials)
+    for own in own_dirs:
+        assert 1 <= len(list(own.glob("step_*"))) <= 2
 
 
 def test_grid_search_runs_every_grid_point(cluster: dict[str, Any], storage: str) -> None:
