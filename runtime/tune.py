@@ -28,11 +28,11 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -596,9 +596,9 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
         hist = _trial_progress(r)
         values = [h[metric] for h in hist if isinstance(h.get(metric), (int, float)) and not math.isnan(h[metric])]
         best = (max(values) if mode == "max" else min(values)) if values else None
-        # The trial's folder names it; r.metrics can be a PBT donor's copied last result.
-        named = re.match(r"run_trial_([0-9a-f]+_\d+)_", Path(r.path).name)
-        trial_id = named.group(1) if named else (r.metrics or {}).get("trial_id") or Path(r.path).name
+        # The trial's own progress rows name it; r.metrics can be a PBT donor's copied last result.
+        own = Counter(str(h["trial_id"]) for h in hist if h.get("trial_id"))
+        trial_id = own.most_common(1)[0][0] if own else (r.metrics or {}).get("trial_id") or Path(r.path).name
         timing: dict[str, Any] = {}
         try:
             raw = open_storage(f"{search_dir}/runs/{trial_run_name(search_name, trial_id)}",
