@@ -30,11 +30,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import Any, Literal
+from typing import IO, Any, Literal, cast
 
 import torch
 
-from runtime.checkpoint.state import snapshot_to_cpu
+from runtime.checkpoint.state import SnapshotBuffers
 from runtime.checkpoint.storage import (
     MANIFEST,
     CheckpointError,
@@ -121,6 +121,27 @@ def file_digest(path: str) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
+class _HashingWriter:
+    """File wrapper for torch.save that hashes the bytes on their way to disk.
+
+    Saves re-reading every checkpoint file to hash it; load-time verification still reads
+    the bytes back from storage.
+    """
+
+    def __init__(self, out: io.BufferedWriter) -> None:
+        self._out = out
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self._out.write(data)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
 def versions() -> dict[str, str]:
     """Versions recorded with every checkpoint (from package metadata: importing ray is slow)."""
     out = {"python": platform.python_version(), "torch": torch.__version__}
@@ -203,6 +224,7 @@ class CheckpointManager:
         self._known_good: dict[str, str] = {}  # name -> sha256 of a manifest verified/written here
         self._closed = False
         self._sharded: Any = None  # runtime.checkpoint.sharded._ShardedWriter, made on first use
+        self._buffers = SnapshotBuffers()  # reused: safe because save() drains the write first
 
     # ---------------------------------------------------------------- saving
 
@@ -221,7 +243,7 @@ class CheckpointManager:
                 raise ValueError(f"state key {key!r} cannot be a checkpoint file name")
         t0 = time.monotonic()
         self._drain(None)  # back-pressure: at most one save in flight
-        snapshot = snapshot_to_cpu(state)
+        snapshot = self._buffers.snapshot(state)
         self.metrics.record_stall(time.monotonic() - t0)
         self._future = self._executor.submit(self._write, snapshot, step, dict(meta), time.time())
         if blocking:
@@ -264,10 +286,11 @@ class CheckpointManager:
             for key, value in snapshot.items():
                 fname = f"{key}.pt"
                 # A Python file object, so ENOSPC surfaces as OSError (torch's own writer
-                # reports only "unexpected pos").
+                # reports only "unexpected pos"); hashed as written, not read back.
                 with open(staging.local_path(fname), "wb") as out:
-                    torch.save(value, out)
-                files[fname] = self._digest(staging.local_path(fname))
+                    sink = _HashingWriter(out)
+                    torch.save(value, cast(IO[bytes], sink))
+                files[fname] = {"sha256": sink.sha.hexdigest(), "size": sink.size}
                 staging.finish_file(fname)
             meta_doc = self._meta_doc(step, meta, snap_time)
             with open(staging.local_path(META), "w") as f:

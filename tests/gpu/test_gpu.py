@@ -45,3 +45,16 @@ def test_fp16_grad_scaler_step_on_gpu() -> None:
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() > 0
+
+
+def test_cuda_snapshot_lands_in_reused_pinned_buffers_with_the_values_of_the_moment() -> None:
+    from runtime.checkpoint.state import SnapshotBuffers
+
+    bufs = SnapshotBuffers()
+    w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    first = bufs.snapshot({"w": w})
+    w.mul_(0)  # queued after the copy: the snapshot keeps the old values
+    assert first["w"].is_pinned() and first["w"].device.type == "cpu"
+    assert torch.equal(first["w"], torch.arange(1 << 20, dtype=torch.float32))
+    second = bufs.snapshot({"w": w})
+    assert second["w"].data_ptr() == first["w"].data_ptr() and int(second["w"].abs().sum()) == 0

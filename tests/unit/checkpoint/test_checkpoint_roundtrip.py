@@ -109,3 +109,39 @@ def test_meta_manifest_metrics_and_ray_pointer(tmp_path, trainer) -> None:
 
     write_pointer(ref, str(tmp_path / "ray"))
     assert read_pointer(str(tmp_path / "ray")) == ref
+
+
+def test_snapshot_buffers_are_reused_and_independent_of_later_training() -> None:
+    from runtime.checkpoint.state import SnapshotBuffers
+
+    bufs = SnapshotBuffers()
+    w = torch.ones(4, 4)
+    state = {"model": {"w": w}, "opt": [torch.zeros(3), 7]}
+    first = bufs.snapshot(state)
+    w.add_(1)  # the optimizer step after the snapshot must not leak into it
+    assert torch.equal(first["model"]["w"], torch.ones(4, 4)) and first["opt"][1] == 7
+    second = bufs.snapshot(state)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # same memory, no new pages
+    assert torch.equal(second["model"]["w"], torch.full((4, 4), 2.0))
+
+    # A changed shape or dtype gets a fresh buffer; tensors that left the state are released.
+    state["model"]["w"] = torch.ones(2, dtype=torch.float64)
+    del state["opt"]
+    third = bufs.snapshot(state)
+    assert third["model"]["w"].dtype == torch.float64 and third["model"]["w"].shape == (2,)
+    assert set(bufs._bufs) == {("model", "w")}
+
+
+def test_repeated_async_saves_each_hold_the_state_of_their_own_step(tmp_path) -> None:
+    w = torch.zeros(256, 256)
+    with CheckpointManager(str(tmp_path), keep=0) as mgr:
+        for step in range(1, 4):
+            w.fill_(step)
+            mgr.save({"model": {"w": w}}, step=step, meta={})
+            w.fill_(-1)  # training goes on while the write runs
+        mgr.wait()
+        listed = mgr.list()
+        assert [ref.step for ref, _ in listed] == [3, 2, 1]
+        for ref, status in listed:
+            assert status == "valid", status
+            assert torch.equal(mgr.load(ref)["model"]["w"], torch.full((256, 256), float(ref.step)))
