@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,54 +174,74 @@ def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None 
     return trainer, run
 
 
+class StreamingFit:
+    """A TorchTrainer whose ``fit()`` runs on a thread while rank 0's reports stream back.
+
+    Train's ``fit()`` blocks until the run ends, but the driver (or a Tune trial) must show,
+    log and relay every report as it happens; the controller forwards them through a Ray
+    queue (ProgressCallback).
+    """
+
+    def __init__(self, cfg: JobConfig, run_name: str, *, mlflow_run_id: str | None = None,
+                 for_tune: bool = False) -> None:
+        from ray.util.queue import Queue
+
+        # Inside a Tune trial the queue actor lands in the trial's placement group: it asks for no CPU.
+        self._queue: Any = Queue(maxsize=10_000, actor_options={"num_cpus": 0})
+        self.trainer, self.run = build_trainer(cfg, run_name, callbacks=[ProgressCallback(self._queue)],
+                                               mlflow_run_id=mlflow_run_id, for_tune=for_tune)
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def _fit(self) -> None:
+        try:
+            self.result = self.trainer.fit()
+        except BaseException as e:  # noqa: BLE001 (the caller re-raises it on its own thread)
+            self.error = e
+
+    def reports(self) -> Iterator[dict[str, Any]]:
+        """Start fit() and yield each report until the run has ended and the queue is empty."""
+        from ray.util.queue import Empty
+
+        thread = threading.Thread(target=self._fit, name=f"fit-{self.run.run_name}", daemon=True)
+        thread.start()
+        while thread.is_alive() or not self._queue.empty():
+            try:
+                yield self._queue.get(timeout=0.5)
+            except Empty:  # nothing reported this half second
+                continue
+        thread.join()
+
+
 def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = None,
           show_progress: bool = True) -> TrainOutcome:
     """Run one training job to completion (or preemption) on the Ray cluster."""
-    from ray.util.queue import Empty, Queue
-
     from runtime.tracking import Tracker
 
     connect(address)
     run_name = run_name or default_run_name(cfg)
     tracker = Tracker.for_job(cfg, run_name)
-    queue: Any = Queue(maxsize=10_000)
-    trainer, run = build_trainer(cfg, run_name, callbacks=[ProgressCallback(queue)],
-                                 mlflow_run_id=tracker.run_id if tracker else None)
+    fitting = StreamingFit(cfg, run_name, mlflow_run_id=tracker.run_id if tracker else None)
+    run = fitting.run
     progress = Progress(total=None, enabled=show_progress)
     outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri, metrics={})
-    result_box: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            result_box["result"] = trainer.fit()
-        except BaseException as e:  # noqa: BLE001 (re-raised on the main thread)
-            result_box["error"] = e
-
-    t = threading.Thread(target=fit, name="trainer-fit", daemon=True)
     previous = _install_sigterm(Path(run.run_dir))
     try:
-        t.start()
-        while t.is_alive() or not queue.empty():
-            try:
-                item = queue.get(timeout=0.5)
-            except Empty:  # nothing reported this half second
-                continue
+        for item in fitting.reports():
             outcome.history.append(item)
             outcome.metrics.update(item)
             progress.update(item)
             if tracker:
                 tracker.log_step_metrics(item)
-        t.join()
     finally:
         if previous is not None:  # None: not the main thread (e.g. Tune or tests), nothing was installed
             signal.signal(signal.SIGTERM, previous)
         progress.close()
-    if "error" in result_box:
-        err = result_box["error"]
+    if fitting.error is not None:
         if tracker:
             tracker.finish(outcome, status="FAILED")
-        raise err
-    result = result_box.get("result")
+        raise fitting.error
+    result = fitting.result
     if result is not None and getattr(result, "error", None):
         outcome.error = str(result.error)
     # Ray keeps the metrics of the last report *with a checkpoint*: older than the final report

@@ -30,7 +30,6 @@ import math
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -53,7 +52,8 @@ KNOWN_METRICS = (
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
 METHODS = ("random", "grid", "optuna", "asha", "hyperband", "pbt")
 SOURCE_FILE = "tune_source.json"  # in each Tune checkpoint: which trial and step it came from
-TIMING_FILE = "trial_timing.json"  # in each trial's run folder: wall vs. step time
+TIMING_FILE = "trial_timing.json"  # in each trial's run folder, by the trial as its last act: wall vs. step time
+WALL_FILE = "trial_wall.json"  # in each trial's run folder, by the driver: start to end as Tune saw it
 EXIT_INTERRUPTED = 130
 
 
@@ -388,9 +388,8 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
     a copy of it, so PBT and HyperBand can restart trials from it.
     """
     from ray import tune as rt
-    from ray.util.queue import Empty, Queue
 
-    from runtime.launch import ProgressCallback, TrainOutcome, build_trainer
+    from runtime.launch import StreamingFit, TrainOutcome
     from runtime.tracking import Tracker
 
     t_start = time.time()
@@ -410,30 +409,13 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
                 log.warning("trial %s continues from trial %s at step %d", trial_id, source["trial_id"], step)
     tracker = Tracker.for_job(cfg, run_name, parent_run_id=ctx.parent_run_id,
                               extra_tags={"tune.trial_id": trial_id, "tune.search": ctx.search_name})
-    # The queue actor lands in the trial's placement group (a sliver of CPU): it must ask for none.
-    queue: Any = Queue(maxsize=10_000, actor_options={"num_cpus": 0})
-    trainer, run = build_trainer(cfg, run_name, callbacks=[ProgressCallback(queue)],
-                                 mlflow_run_id=tracker.run_id if tracker else None, for_tune=True)
-    box: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            box["result"] = trainer.fit()
-        except BaseException as e:  # noqa: BLE001 (re-raised below, in Tune's thread)
-            box["error"] = e
-
-    thread = threading.Thread(target=fit, name=f"trial-{trial_id}-fit", daemon=True)
-    thread.start()
+    fitting = StreamingFit(cfg, run_name, mlflow_run_id=tracker.run_id if tracker else None, for_tune=True)
     history: list[dict[str, Any]] = []
     last_metric: float | None = None
     prev_step = origin["restored_step"]
     train_s = 0.0
     relayed_ckpt = -1
-    while thread.is_alive() or not queue.empty():
-        try:
-            item = queue.get(timeout=0.5)
-        except Empty:
-            continue
+    for item in fitting.reports():
         history.append(item)
         if tracker:
             tracker.log_step_metrics(item)
@@ -463,16 +445,16 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
                 rt.report(metrics, checkpoint=rt.Checkpoint.from_directory(d))
         else:
             rt.report(metrics)
-    thread.join()
     timing = {"trial_id": trial_id, "wall_seconds": time.time() - t_start, "train_seconds": train_s,
               "steps": prev_step - origin["restored_step"], **origin}
     from runtime.checkpoint import open_storage
 
     open_storage(f"{ctx.search_dir}/runs/{run_name}", endpoint_url=ctx.endpoint_url).put_bytes(
         TIMING_FILE, json.dumps(timing).encode())
-    error = box.get("error") or getattr(box.get("result"), "error", None)
+    error = fitting.error or getattr(fitting.result, "error", None)
     if tracker:
-        outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri,
+        outcome = TrainOutcome(run_name=run_name, run_dir=fitting.run.run_dir,
+                               checkpoint_uri=fitting.run.checkpoint_uri,
                                metrics=history[-1] if history else {}, history=history,
                                error=str(error) if error else None)
         tracker.finish(outcome, status="FAILED" if error else "FINISHED")
@@ -527,15 +509,42 @@ class DiskCap:
         return used
 
 
-def _disk_callback(cap: DiskCap) -> Any:
-    """Driver-side Tune callback enforcing the disk cap as trials finish (pickled with the search)."""
+def _search_callback(cap: DiskCap) -> Any:
+    """Driver-side Tune callback (pickled with the search): disk cap and each trial's wall time.
+
+    The driver times trials because a trial the scheduler stops (ASHA) is killed before it
+    can write its own timing file. A PBT trial's time runs from its first start to its end.
+    """
     from ray.tune import Callback
 
-    class _DiskCapCallback(Callback):
+    class _SearchCallback(Callback):
+        def __init__(self) -> None:
+            self.started: dict[str, float] = {}
+
+        def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+            self.started.setdefault(trial.trial_id, time.time())
+
         def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+            self._ended(trial.trial_id)
             cap.trial_done(trial.trial_id)
 
-    return _DiskCapCallback()
+        def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+            self._ended(trial.trial_id)
+
+        def _ended(self, trial_id: str) -> None:
+            from runtime.checkpoint import open_storage
+
+            start = self.started.pop(trial_id, None)
+            if start is None:
+                return
+            doc = {"trial_id": trial_id, "wall_seconds": time.time() - start}
+            try:
+                open_storage(f"{cap.search_dir}/runs/{trial_run_name(cap.search_name, trial_id)}",
+                             endpoint_url=cap.endpoint_url).put_bytes(WALL_FILE, json.dumps(doc).encode())
+            except Exception as exc:  # bookkeeping never fails the search
+                log.warning("could not record the wall time of trial %s: %s", trial_id, exc)
+
+    return _SearchCallback()
 
 
 @dataclass
@@ -599,13 +608,11 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
         # The trial's own progress rows name it; r.metrics can be a PBT donor's copied last result.
         own = Counter(str(h["trial_id"]) for h in hist if h.get("trial_id"))
         trial_id = own.most_common(1)[0][0] if own else (r.metrics or {}).get("trial_id") or Path(r.path).name
-        timing: dict[str, Any] = {}
-        try:
-            raw = open_storage(f"{search_dir}/runs/{trial_run_name(search_name, trial_id)}",
-                               endpoint_url=spec.job.checkpoint.endpoint_url).get_bytes(TIMING_FILE)
-            timing = json.loads(raw)
-        except Exception:  # trials stopped early (ASHA) or killed never write it
-            timing = {}
+        folder = open_storage(f"{search_dir}/runs/{trial_run_name(search_name, trial_id)}",
+                              endpoint_url=spec.job.checkpoint.endpoint_url)
+        timing = {**_read_json(folder, TIMING_FILE), **_read_json(folder, WALL_FILE)}
+        if "train_seconds" not in timing:  # stopped early (ASHA): its last report says how long it trained
+            timing["train_seconds"] = max((h.get("trial/train_seconds", 0.0) for h in hist), default=None)
         restored = sorted({str(h.get("restored_from_trial")) for h in hist if h.get("restored_from_trial")})
         rows.append(TrialRow(
             trial_id=trial_id, status=_status(r),
@@ -617,13 +624,24 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
     return sorted(rows, key=lambda t: t.trial_id)
 
 
+def _read_json(storage: Any, name: str) -> dict[str, Any]:
+    """A small JSON document from storage, or {} when it is not there (yet)."""
+    try:
+        return dict(json.loads(storage.get_bytes(name)))
+    except Exception:
+        return {}
+
+
 def _trial_progress(result: Any) -> list[dict[str, Any]]:
     """Every result the trial reported: its own progress.csv (complete across PBT restarts)."""
     progress = Path(result.path) / "progress.csv"
     if progress.is_file():
         import pandas as pd
 
-        rows = pd.read_csv(progress).to_dict("records")
+        # Ids are text even when every character is a digit ("00399867" is a trial id, not a number).
+        text = {"trial_id", "restored_from_trial", "trial/run_name", "mlflow_run_id", "checkpoint_dir_name",
+                "date", "hostname", "node_ip"}
+        rows = pd.read_csv(progress, dtype=dict.fromkeys(text, str)).to_dict("records")
     else:
         df = result.metrics_dataframe
         rows = df.to_dict("records") if df is not None else []
@@ -767,7 +785,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
                 checkpoint_config=rt.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=tc.metric,
                                                       checkpoint_score_order=tc.mode),
                 failure_config=rt.FailureConfig(max_failures=tc.max_failures),
-                callbacks=[_disk_callback(cap)], verbose=1 if show_progress else 0,
+                callbacks=[_search_callback(cap)], verbose=1 if show_progress else 0,
             ),
         )
     results = tuner.fit()
