@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-REPEATS = 5
+REPEATS = 9
 BLOCK = 4 * 1024 * 1024
 
 

@@ -69,11 +69,16 @@ class SnapshotBuffers:
     before), and that copy is the training stall of an async save. The price is one
     resident copy of the state in host memory between saves. The caller must not take a
     new snapshot while the previous one is still being written (the manager drains first).
-    CUDA tensors land in pinned buffers with asynchronous copies, synchronised once.
+    Buffers are matched by visiting order (a state's structure is the same from step to
+    step; a tensor whose shape, strides or dtype changed gets a new one), which keeps the
+    per-tensor bookkeeping to a list index. CUDA tensors land in pinned buffers with
+    asynchronous copies, synchronised once.
     """
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._bufs: list[tuple[tuple[Any, ...], torch.Tensor]] = []  # (source layout, buffer)
+        self._next = 0
+        self._cuda = False
 
     def snapshot(self, obj: Any) -> Any:
         """Deep copy of nested dicts/lists/tuples with every tensor copied to CPU.
@@ -81,35 +86,45 @@ class SnapshotBuffers:
         Runs on the training thread so the background writer never sees parameters that
         the next optimizer step is already changing.
         """
-        seen: set[tuple[Any, ...]] = set()
-        cuda = [False]
-        out = self._copy(obj, (), seen, cuda)
-        for key in set(self._bufs) - seen:  # the state's structure changed: free what left it
-            del self._bufs[key]
-        if cuda[0]:
+        self._next, self._cuda = 0, False
+        out = self._copy(obj)
+        del self._bufs[self._next:]  # the state shrank: release what it no longer holds
+        if self._cuda:
             torch.cuda.synchronize()
         return out
 
-    def _copy(self, obj: Any, path: tuple[Any, ...], seen: set[tuple[Any, ...]], cuda: list[bool]) -> Any:
+    def _buffer_for(self, t: torch.Tensor) -> torch.Tensor:
+        i = self._next
+        self._next += 1
+        layout = (t.shape, t.stride(), t.dtype)
+        if i < len(self._bufs) and self._bufs[i][0] == layout:
+            return self._bufs[i][1]
+        # empty_like keeps dense strides (channels_last stays a plain memcpy).
+        buf = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
+        if i < len(self._bufs):
+            self._bufs[i] = (layout, buf)
+        else:
+            self._bufs.append((layout, buf))
+        return buf
+
+    def _copy(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             if type(t) is not torch.Tensor or t.layout != torch.strided:
                 # Subclasses (DTensor) and sparse tensors: a one-off copy, no reuse.
                 return t.to("cpu").contiguous() if t.device.type != "cpu" else t.clone()
-            buf = self._bufs.get(path)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-                self._bufs[path] = buf
+            buf = self._buffer_for(t)
             buf.copy_(t, non_blocking=t.is_cuda)
-            cuda[0] = cuda[0] or t.is_cuda
-            seen.add(path)
+            self._cuda = self._cuda or t.is_cuda
             return buf
+        if isinstance(obj, (int, float, str, bool, type(None))):
+            return obj  # immutable: nothing to copy
         if isinstance(obj, OrderedDict):
-            return OrderedDict((k, self._copy(v, (*path, k), seen, cuda)) for k, v in obj.items())
+            return OrderedDict((k, self._copy(v)) for k, v in obj.items())
         if isinstance(obj, dict):
-            return {k: self._copy(v, (*path, k), seen, cuda) for k, v in obj.items()}
+            return {k: self._copy(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            items = [self._copy(v, (*path, i), seen, cuda) for i, v in enumerate(obj)]
+            items = [self._copy(v) for v in obj]
             return items if isinstance(obj, list) else tuple(items)
         return copy.deepcopy(obj)
 

@@ -129,7 +129,7 @@ def test_snapshot_buffers_are_reused_and_independent_of_later_training() -> None
     del state["opt"]
     third = bufs.snapshot(state)
     assert third["model"]["w"].dtype == torch.float64 and third["model"]["w"].shape == (2,)
-    assert set(bufs._bufs) == {("model", "w")}
+    assert len(bufs._bufs) == 1
 
 
 def test_repeated_async_saves_each_hold_the_state_of_their_own_step(tmp_path) -> None:
