@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 KILL_AFTER = (10, 30, 50)  # checkpoint steps (interval 10) after which a worker is killed
-POLL_S = "0.25"
+POLL_S = 0.25  # distributed.poll_interval_s: how soon Ray Train notices the dead worker
 
 
 def _free_port() -> int:
@@ -52,7 +52,7 @@ def _measure(storage: Path) -> dict[str, Any]:
     cfg = load_job("digits_smoke", [
         f"checkpoint.storage={storage}", "model.name=mlp", "train.max_steps=60", "train.log_every_steps=1",
         "checkpoint.interval_steps=10", "checkpoint.max_failures=5", "distributed.timeout_s=10",
-        "tracking.mlflow=false", "tracking.prometheus=false"], environ={})
+        "tracking.mlflow=false", "tracking.prometheus=false", f"distributed.poll_interval_s={POLL_S}"], environ={})
     ckpts = storage / run / "checkpoints"
     kills: list[float] = []
 
@@ -89,7 +89,6 @@ def _measure(storage: Path) -> dict[str, Any]:
 
 
 def run(results_dir: Path) -> dict[str, Any]:
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = POLL_S
     tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir=results_dir))
     started = None
     try:
@@ -105,7 +104,7 @@ def run(results_dir: Path) -> dict[str, Any]:
             state = cluster.up(started, num_cpus=4, with_mlflow=False, with_prometheus=False)
             os.environ["RAY_ADDRESS"] = state["ray"]["address"]
         result = _measure(tmp / "runs")
-        result["ray_train_health_check_interval_s"] = float(POLL_S)
+        result["poll_interval_s"] = POLL_S
         return result
     finally:
         if started is not None:

@@ -140,6 +140,10 @@ class DistributedConfig(_Strict):
     resources_per_worker: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     timeout_s: int = Field(120, ge=5, description="Collective timeout: a dead peer fails the step, not hangs.")
+    poll_interval_s: float = Field(
+        0.5, gt=0, le=60,
+        description="How often Ray Train's controller polls the workers: checkpoint registrations, the end "
+                    "of a run and dead workers are noticed at this period (Ray's own default is 2 s).")
 
     @field_validator("resources_per_worker")
     @classmethod

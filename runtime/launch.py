@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ray.train import UserCallback
-
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
@@ -127,9 +125,12 @@ def default_run_name(cfg: JobConfig) -> str:
     return f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None = None,
+def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
                   mlflow_run_id: str | None = None, for_tune: bool = False) -> tuple[Any, RunInfo]:
-    """The TorchTrainer for this job; shared by `train` and each Tune trial."""
+    """The TorchTrainer for this job; shared by `train` and each Tune trial.
+
+    ``progress``: a ray.util.queue.Queue that rank 0 streams every report to.
+    """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -149,7 +150,9 @@ def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None 
         sd_dir=prometheus_sd_dir(), instance_type=os.environ.get("RT_INSTANCE_TYPE", "local-cpu"),
     )
     loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
-                                   "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}}
+                                   "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}, "progress": progress}
+    # Read by TorchTrainer.fit() here and handed to its controller (Ray propagates RAY_TRAIN_* settings).
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
     if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
         storage_path = storage_path.removeprefix("s3://")
     trainer = TorchTrainer(
@@ -168,7 +171,6 @@ def build_trainer(cfg: JobConfig, run_name: str, *, callbacks: list[Any] | None 
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
             # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            callbacks=callbacks or None,
         ),
     )
     return trainer, run
@@ -178,8 +180,7 @@ class StreamingFit:
     """A TorchTrainer whose ``fit()`` runs on a thread while rank 0's reports stream back.
 
     Train's ``fit()`` blocks until the run ends, but the driver (or a Tune trial) must show,
-    log and relay every report as it happens; the controller forwards them through a Ray
-    queue (ProgressCallback).
+    log and relay every report as it happens: rank 0 puts them on a Ray queue actor.
     """
 
     def __init__(self, cfg: JobConfig, run_name: str, *, mlflow_run_id: str | None = None,
@@ -188,7 +189,7 @@ class StreamingFit:
 
         # Inside a Tune trial the queue actor lands in the trial's placement group: it asks for no CPU.
         self._queue: Any = Queue(maxsize=10_000, actor_options={"num_cpus": 0})
-        self.trainer, self.run = build_trainer(cfg, run_name, callbacks=[ProgressCallback(self._queue)],
+        self.trainer, self.run = build_trainer(cfg, run_name, progress=self._queue,
                                                mlflow_run_id=mlflow_run_id, for_tune=for_tune)
         self.result: Any = None
         self.error: BaseException | None = None
@@ -266,24 +267,6 @@ def _install_sigterm(run_dir: Path) -> Any:
     if threading.current_thread() is not threading.main_thread():
         return None  # Python delivers signals to the main thread only
     return signal.signal(signal.SIGTERM, on_term)
-
-
-class ProgressCallback(UserCallback):
-    """Runs in the Ray Train controller: forwards rank 0's reports to the driver's queue."""
-
-    def __init__(self, queue: Any) -> None:
-        self.queue = queue
-
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if metrics:
-            item = dict(metrics[0])
-            item["_time"] = time.time()
-            if "param_digest" in item:  # final report: every rank's parameter digest
-                item["rank_param_digests"] = [m.get("param_digest") for m in metrics]
-            try:
-                self.queue.put_nowait(item)
-            except Exception:  # a full queue must never stall training
-                pass
 
 
 def outcome_summary(outcome: TrainOutcome) -> str:

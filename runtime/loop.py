@@ -140,9 +140,11 @@ class CommTimer:
 class Worker:
     """One rank's training state and loop."""
 
-    def __init__(self, cfg: JobConfig, run: RunInfo) -> None:
+    def __init__(self, cfg: JobConfig, run: RunInfo, progress: Any = None) -> None:
         self.t_start = time.time()
         self.cfg, self.run = cfg, run
+        self.progress = progress  # the driver's ray.util.queue.Queue: rank 0 streams every report to it
+        self._reported_step: int | None = None  # newest checkpoint registered with Ray Train
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         tc = cfg.train
@@ -496,8 +498,15 @@ class Worker:
         count = max(totals[2].item(), 1.0)
         return {"val/loss": totals[0].item() / count, "val/accuracy": totals[1].item() / count}
 
-    def report(self, extra: dict[str, Any] | None = None, final: bool = False) -> None:
-        """All ranks call this (Ray Train requires it); rank 0 attaches the checkpoint pointer."""
+    def report(self, extra: dict[str, Any] | None = None, final: bool = False, *, to_ray: bool = False) -> None:
+        """All ranks call this together (the window is reduced across them).
+
+        Rank 0 streams the result to the driver's queue without waiting. Ray Train gets only
+        reports that register a checkpoint (``to_ray``: rank 0 has a new commit, which all
+        ranks agreed on) and the final one: Train V2 lets a worker have one report in flight
+        and the controller takes it every health-check interval (2 s), so metric-only
+        reports through Ray would stall fast training loops for up to 2 s each.
+        """
         metrics = self._window.reduce(self.distributed, self.device, self.world)
         metrics.update({
             "step": self.state.global_step,
@@ -515,7 +524,14 @@ class Worker:
         metrics.update(self._restore_info)
         self._restore_info = {}
         if final:
-            metrics["param_digest"] = self.param_digest()
+            digest = self.param_digest()
+            metrics["param_digest"] = digest
+            if self.distributed:  # every rank's digest, to prove data parallelism kept them equal
+                digests: list[Any] = [None] * self.world
+                dist.all_gather_object(digests, digest)
+                metrics["rank_param_digests"] = digests
+            else:
+                metrics["rank_param_digests"] = [digest]
         if self.metrics and "train/loss" in metrics:
             m = self.metrics
             m.loss.set(metrics["train/loss"])
@@ -529,9 +545,9 @@ class Worker:
             self._export_cost()
         checkpoint = None
         tmp: tempfile.TemporaryDirectory[str] | None = None
-        if self.rank == 0 and self.ckpt is not None:
+        if self.rank == 0 and self.ckpt is not None and (to_ray or final):
             last = self.ckpt.last_committed()
-            if last is not None and last.step != getattr(self, "_reported_step", None):
+            if last is not None and last.step != self._reported_step:
                 from runtime.checkpoint import write_pointer
 
                 tmp = tempfile.TemporaryDirectory(prefix="rt-pointer-")
@@ -539,10 +555,34 @@ class Worker:
                 checkpoint = ray.train.Checkpoint.from_directory(tmp.name)
                 self._reported_step = last.step
                 metrics["checkpoint_step"] = last.step
+        if self.rank == 0 and self.ckpt is not None:
             metrics["checkpoint_failures"] = self.ckpt.metrics.failures
-        ray.train.report(metrics, checkpoint=checkpoint)
+        if self.rank == 0 and self.progress is not None:
+            self._stream(metrics, wait=final)
+        if to_ray or final:
+            ray.train.report(metrics, checkpoint=checkpoint)
         if tmp is not None:
             tmp.cleanup()
+
+    def _stream(self, metrics: dict[str, Any], wait: bool) -> None:
+        """Hand a result to the driver's queue actor; only the final one waits for delivery.
+
+        Calls from one caller to one actor run in order, so the final result, delivered
+        before Ray Train hears of it, arrives after every earlier one.
+        """
+        item = {**metrics, "_time": time.time()}
+        try:
+            if wait:
+                self.progress.put(item, timeout=30)
+            else:
+                self.progress.actor.put_nowait.remote(item)
+        except Exception as e:  # the driver's progress view must never stop training
+            log.warning("could not stream step %s to the driver: %s", metrics.get("step"), e)
+
+    def has_new_commit(self) -> bool:
+        """Rank 0: a checkpoint committed since the last one registered with Ray Train."""
+        last = self.ckpt.last_committed() if self.ckpt is not None else None
+        return last is not None and last.step != self._reported_step
 
     def param_digest(self) -> str:
         """sha256 of this rank's parameters: equal on every rank when data parallelism is correct."""
@@ -584,7 +624,7 @@ class Worker:
                 self._pending_eval = False
             if self.ckpt is not None and step % self.cfg.checkpoint.interval_steps == 0:
                 self.checkpoint()
-            preempt, stop = self._rank0_flags()
+            preempt, stop, commit = self._rank0_flags()
             if stop and self.stop_reason is None:
                 self.stop_reason = "stopped by rank 0"  # e.g. its checkpoint save failed; rank 0 reports why
             if preempt:
@@ -593,7 +633,8 @@ class Worker:
                 self.stop_reason = "preempted"
                 return
             if step % tc.log_every_steps == 0 or extra:
-                self.report(extra)
+                # A commit waits for the next report: has_new_commit stays true until it is registered.
+                self.report(extra, to_ray=commit)
         # End of training: evaluate, commit a final checkpoint, report with it.
         extra = self.evaluate()
         if self.ckpt is not None:
@@ -608,13 +649,15 @@ class Worker:
             extra["stop_reason"] = self.stop_reason  # type: ignore[assignment]
         self.report(extra, final=True)
 
-    def _rank0_flags(self) -> tuple[bool, bool]:
-        """(preempt, stop): all ranks must stop at the same step, so rank 0's view wins."""
-        flags = torch.tensor([float(self.preempted()), float(self.stop_reason is not None)])
+    def _rank0_flags(self) -> tuple[bool, bool, bool]:
+        """(preempt, stop, new commit): rank 0's view, so that all ranks stop, and call
+        ray.train.report, at the same step."""
+        flags = torch.tensor([float(self.preempted()), float(self.stop_reason is not None),
+                              float(self.rank == 0 and self.has_new_commit())])
         if self.distributed:
             flags = flags.to(self.device)
             dist.broadcast(flags, src=0)
-        return bool(flags[0].item()), bool(flags[1].item())
+        return bool(flags[0].item()), bool(flags[1].item()), bool(flags[2].item())
 
     def close(self) -> None:
         if self.ckpt is not None:
@@ -677,7 +720,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Train logs every report at INFO
     cfg = JobConfig.model_validate(config["job"])
     run = RunInfo(**config["run"])
-    worker = Worker(cfg, run)
+    worker = Worker(cfg, run, progress=config.get("progress"))
     monitor = None
     if worker.rank == 0:  # rank 0 samples its node's CPU/memory/disk/network (and GPU) into MLflow
         from runtime.tracking import attach_system_metrics

@@ -7,7 +7,7 @@ multi-worker ``TorchTrainer`` run launched from a Tune *function trainable* (Ray
 Train workers take the resources of the job's ``distributed`` section.
 
 Reports reach Tune through :func:`run_trial`, which relays rank 0's reports
-(runtime.launch.ProgressCallback) rather than Ray's ``TuneReportCallback``: that
+(streamed to runtime.launch.StreamingFit's queue) rather than Ray's ``TuneReportCallback``: that
 callback forwards metrics only (the checkpoint becomes a path string), while PBT
 exploits and HyperBand pauses need a real Tune checkpoint. So every relayed
 result that follows a newly committed checkpoint carries a copy of that verified
@@ -415,7 +415,10 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
     prev_step = origin["restored_step"]
     train_s = 0.0
     relayed_ckpt = -1
+    first_report: tuple[float, float] | None = None  # (arrival, train seconds in it): start-up ends there
+    last_report_at = t_start
     for item in fitting.reports():
+        last_report_at = time.time()
         history.append(item)
         if tracker:
             tracker.log_step_metrics(item)
@@ -423,6 +426,7 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
         if "time/step_s" in metrics:  # mean step time of the window x steps in it = time inside steps
             train_s += metrics["time/step_s"] * max(0, int(metrics["step"]) - prev_step)
             prev_step = int(metrics["step"])
+            first_report = first_report or (time.time(), train_s)
         if ctx.metric in metrics:
             last_metric = metrics[ctx.metric]
         elif item.get("final") and last_metric is not None:
@@ -445,8 +449,14 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
                 rt.report(metrics, checkpoint=rt.Checkpoint.from_directory(d))
         else:
             rt.report(metrics)
-    timing = {"trial_id": trial_id, "wall_seconds": time.time() - t_start, "train_seconds": train_s,
+    t_end = time.time()
+    timing = {"trial_id": trial_id, "wall_seconds": t_end - t_start, "train_seconds": train_s,
               "steps": prev_step - origin["restored_step"], **origin}
+    if first_report is not None and history:
+        # Where a trial's time outside training steps goes: Train start-up before the first
+        # step, and shutdown after the last report (the rest is evaluation and checkpoints).
+        timing["startup_seconds"] = first_report[0] - t_start - first_report[1]
+        timing["teardown_seconds"] = t_end - last_report_at
     from runtime.checkpoint import open_storage
 
     open_storage(f"{ctx.search_dir}/runs/{run_name}", endpoint_url=ctx.endpoint_url).put_bytes(
@@ -559,6 +569,8 @@ class TrialRow:
     wall_seconds: float | None
     train_seconds: float | None
     restored_from: str
+    startup_seconds: float | None = None  # trial start -> first training step (Train start-up)
+    teardown_seconds: float | None = None  # last report -> trial end
     history: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
 
@@ -620,6 +632,7 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
             steps=int(max((h.get("step", 0) for h in hist), default=0)), iterations=len(hist),
             wall_seconds=timing.get("wall_seconds"), train_seconds=timing.get("train_seconds"),
             restored_from=",".join(restored), history=hist,
+            startup_seconds=timing.get("startup_seconds"), teardown_seconds=timing.get("teardown_seconds"),
         ))
     return sorted(rows, key=lambda t: t.trial_id)
 
@@ -673,9 +686,10 @@ def write_report(out: SearchOutcome, spec: TuneSpec, job: str) -> dict[str, str]
     folder.mkdir(parents=True, exist_ok=True)
     keys = [p.key for p in spec.tune.params]
     header = ["trial_id", "status", *keys, f"best {out.metric}", f"last {out.metric}", "steps", "iterations",
-              "wall_s", "train_s", "restored_from"]
+              "wall_s", "train_s", "startup_s", "teardown_s", "restored_from"]
     table = [[t.trial_id, t.status, *[t.params.get(k) for k in keys], t.best, t.last, t.steps, t.iterations,
-              _round(t.wall_seconds), _round(t.train_seconds), t.restored_from] for t in out.trials]
+              _round(t.wall_seconds), _round(t.train_seconds), _round(t.startup_seconds),
+              _round(t.teardown_seconds), t.restored_from] for t in out.trials]
     files = {"csv": str(folder / "report.csv"), "md": str(folder / "report.md"),
              "png": str(folder / "trial_curves.png"), "best": str(folder / "best.yaml")}
     with open(files["csv"], "w", newline="") as f:

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 def observed_run(cluster: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One 2-worker digits run shared by the MLflow and Prometheus checks."""
     storage = str(tmp_path_factory.mktemp("obs") / "runs")
-    cfg = job("digits_smoke", storage, "train.max_steps=60", "train.log_every_steps=5",
-              "tracking.prometheus_linger_s=8", "checkpoint.interval_steps=20")
+    # ~20 ms a step: 600 steps span several 5 s scrapes, so rate() panels have data.
+    cfg = job("digits_smoke", storage, "train.max_steps=600", "train.log_every_steps=10",
+              "tracking.prometheus_linger_s=8", "checkpoint.interval_steps=100")
     t0 = time.time()
     out = train(cfg, show_progress=False)
     return {"outcome": out, "start": t0, "end": time.time(), "cluster": cluster}
