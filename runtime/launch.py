@@ -150,7 +150,8 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
         sd_dir=prometheus_sd_dir(), instance_type=os.environ.get("RT_INSTANCE_TYPE", "local-cpu"),
     )
     loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
-                                   "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}, "progress": progress}
+                                   "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}, "progress": progress,
+                                   "progress_lockstep": for_tune}
     # Read by TorchTrainer.fit() here and handed to its controller (Ray propagates RAY_TRAIN_* settings).
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
     if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
@@ -188,7 +189,8 @@ class StreamingFit:
         from ray.util.queue import Queue
 
         # Inside a Tune trial the queue actor lands in the trial's placement group: it asks for no CPU.
-        self._queue: Any = Queue(maxsize=10_000, actor_options={"num_cpus": 0})
+        # A trial's queue has one slot: rank 0 runs in lockstep with Tune (runtime.loop.Worker._stream).
+        self._queue: Any = Queue(maxsize=1 if for_tune else 10_000, actor_options={"num_cpus": 0})
         self.trainer, self.run = build_trainer(cfg, run_name, progress=self._queue,
                                                mlflow_run_id=mlflow_run_id, for_tune=for_tune)
         self.result: Any = None

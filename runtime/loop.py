@@ -140,10 +140,11 @@ class CommTimer:
 class Worker:
     """One rank's training state and loop."""
 
-    def __init__(self, cfg: JobConfig, run: RunInfo, progress: Any = None) -> None:
+    def __init__(self, cfg: JobConfig, run: RunInfo, progress: Any = None, lockstep: bool = False) -> None:
         self.t_start = time.time()
         self.cfg, self.run = cfg, run
         self.progress = progress  # the driver's ray.util.queue.Queue: rank 0 streams every report to it
+        self.lockstep = lockstep  # a Tune trial: wait until the trial takes each report (see _stream)
         self._reported_step: int | None = None  # newest checkpoint registered with Ray Train
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
@@ -568,11 +569,17 @@ class Worker:
         """Hand a result to the driver's queue actor; only the final one waits for delivery.
 
         Calls from one caller to one actor run in order, so the final result, delivered
-        before Ray Train hears of it, arrives after every earlier one.
+        before Ray Train hears of it, arrives after every earlier one. In a Tune trial
+        (lockstep, a one-slot queue) every put waits for the trial to take the previous
+        result, and the trial waits in tune.report until Tune wants the next one: a
+        scheduler's stop or pause (ASHA, PBT, HyperBand) lands at the step it judged,
+        instead of a fast loop training on past it.
         """
         item = {**metrics, "_time": time.time()}
         try:
-            if wait:
+            if self.lockstep:
+                self.progress.put(item, timeout=None)
+            elif wait:
                 self.progress.put(item, timeout=30)
             else:
                 self.progress.actor.put_nowait.remote(item)
@@ -720,7 +727,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Train logs every report at INFO
     cfg = JobConfig.model_validate(config["job"])
     run = RunInfo(**config["run"])
-    worker = Worker(cfg, run, progress=config.get("progress"))
+    worker = Worker(cfg, run, progress=config.get("progress"), lockstep=bool(config.get("progress_lockstep")))
     monitor = None
     if worker.rank == 0:  # rank 0 samples its node's CPU/memory/disk/network (and GPU) into MLflow
         from runtime.tracking import attach_system_metrics

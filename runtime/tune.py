@@ -70,6 +70,8 @@ class PBTConfig(_Strict):
     perturbation_interval: int = Field(20, ge=1, description="Steps between exploit/explore decisions.")
     quantile_fraction: float = Field(0.25, gt=0, le=0.5, description="Bottom fraction copies the top fraction.")
     resample_probability: float = Field(0.25, ge=0, le=1, description="Explore: resample instead of perturbing.")
+    synch: bool = Field(False, description="Trials wait at each interval for the whole population (paused and "
+                                           "restarted from their checkpoint): every decision compares all trials.")
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,7 @@ def scheduler(spec: TuneSpec) -> Any:
         return PopulationBasedTraining(
             time_attr="step", perturbation_interval=tc.pbt.perturbation_interval, hyperparam_mutations=mutations,
             quantile_fraction=tc.pbt.quantile_fraction, resample_probability=tc.pbt.resample_probability,
+            synch=tc.pbt.synch,
         )
     return None
 

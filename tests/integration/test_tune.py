@@ -123,9 +123,10 @@ def test_asha_stops_worse_trials_before_max_steps(cluster: dict[str, Any], stora
 
 
 def test_pbt_exploit_restarts_a_trial_from_another_trials_checkpoint(cluster: dict[str, Any], storage: str) -> None:
-    # Trials must overlap in time for PBT to compare them: long enough to outlast start-up stagger.
-    out = _search(storage, "tune.method=pbt", "train.max_steps=600", "checkpoint.interval_steps=25",
-                  "tune.pbt.perturbation_interval=50",
+    # Synchronous PBT: the population meets at step 50 whatever the trials' start-up stagger, so the
+    # bottom trial always exploits the top one (asynchronous PBT needs trials that overlap in time).
+    out = _search(storage, "tune.method=pbt", "train.max_steps=100", "checkpoint.interval_steps=25",
+                  "tune.pbt.perturbation_interval=50", "tune.pbt.synch=true",
                   "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}}", name="pbt")
     exploited = [t for t in out.trials if t.restored_from]
     assert exploited, [(t.trial_id, t.steps) for t in out.trials]
