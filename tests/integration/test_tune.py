@@ -86,14 +86,10 @@ def test_random_search_reports_true_best_and_nests_trials_in_mlflow(cluster: dic
         assert [m.step for m in history] == [5, 10, 15, 20, 25, 30]
 
     # Retention: Tune keeps best + latest per trial; each trial's own manager keeps tune.trial_keep (2).
-    trial_dirs = list(Path(out.search_dir).glob("run_trial_*"))
-    assert len(trial_dirs) == len(out.trials)
-    for trial_dir in trial_dirs:
-        assert 1 <= len(list(trial_dir.glob("checkpoint_*"))) <= 2
-    own_dirs = list(Path(out.search_dir, "runs").glob("*/checkpoints"))
-    assert len(own_dirs) == len(out.trials)
-    for own in own_dirs:
-        assert 1 <= len(list(own.glob("step_*"))) <= 2
+    tune_kept = {d.name: len(list(d.glob("checkpoint_*"))) for d in Path(out.search_dir).glob("run_trial_*")}
+    assert len(tune_kept) == len(out.trials) and all(1 <= n <= 2 for n in tune_kept.values()), tune_kept
+    own_kept = {d.parent.name: len(list(d.glob("step_*"))) for d in Path(out.search_dir, "runs").glob("*/checkpoints")}
+    assert len(own_kept) == len(out.trials) and all(1 <= n <= 2 for n in own_kept.values()), own_kept
 
 
 def test_grid_search_runs_every_grid_point(cluster: dict[str, Any], storage: str) -> None:
