@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from runtime.checkpoint import CheckpointError
+from runtime.checkpoint import CheckpointError, CheckpointRef
 from runtime.config import JobConfig
 from runtime.data import ResumableSampler, build_datasets
 from runtime.errors import ConfigError
@@ -502,7 +502,7 @@ class Worker:
     def report(self, extra: dict[str, Any] | None = None, final: bool = False, *, to_ray: bool = False) -> None:
         """All ranks call this together (the window is reduced across them).
 
-        Rank 0 streams the result to the driver's queue without waiting. Ray Train gets only
+        Rank 0 streams the result to the driver's queue (see _stream). Ray Train gets only
         reports that register a checkpoint (``to_ray``: rank 0 has a new commit, which all
         ranks agreed on) and the final one: Train V2 lets a worker have one report in flight
         and the controller takes it every health-check interval (2 s), so metric-only
@@ -546,9 +546,9 @@ class Worker:
             self._export_cost()
         checkpoint = None
         tmp: tempfile.TemporaryDirectory[str] | None = None
-        if self.rank == 0 and self.ckpt is not None and (to_ray or final):
-            last = self.ckpt.last_committed()
-            if last is not None and last.step != self._reported_step:
+        if self.rank == 0 and self.ckpt is not None:
+            last = self.unregistered_commit() if to_ray or final else None
+            if last is not None:
                 from runtime.checkpoint import write_pointer
 
                 tmp = tempfile.TemporaryDirectory(prefix="rt-pointer-")
@@ -556,7 +556,6 @@ class Worker:
                 checkpoint = ray.train.Checkpoint.from_directory(tmp.name)
                 self._reported_step = last.step
                 metrics["checkpoint_step"] = last.step
-        if self.rank == 0 and self.ckpt is not None:
             metrics["checkpoint_failures"] = self.ckpt.metrics.failures
         if self.rank == 0 and self.progress is not None:
             self._stream(metrics, wait=final)
@@ -586,10 +585,10 @@ class Worker:
         except Exception as e:  # the driver's progress view must never stop training
             log.warning("could not stream step %s to the driver: %s", metrics.get("step"), e)
 
-    def has_new_commit(self) -> bool:
-        """Rank 0: a checkpoint committed since the last one registered with Ray Train."""
+    def unregistered_commit(self) -> CheckpointRef | None:
+        """Rank 0: the newest commit if Ray Train has not been handed it yet, else None."""
         last = self.ckpt.last_committed() if self.ckpt is not None else None
-        return last is not None and last.step != self._reported_step
+        return last if last is not None and last.step != self._reported_step else None
 
     def param_digest(self) -> str:
         """sha256 of this rank's parameters: equal on every rank when data parallelism is correct."""
@@ -640,7 +639,7 @@ class Worker:
                 self.stop_reason = "preempted"
                 return
             if step % tc.log_every_steps == 0 or extra:
-                # A commit waits for the next report: has_new_commit stays true until it is registered.
+                # A commit waits for the next report: it stays unregistered until then.
                 self.report(extra, to_ray=commit)
         # End of training: evaluate, commit a final checkpoint, report with it.
         extra = self.evaluate()
@@ -660,7 +659,7 @@ class Worker:
         """(preempt, stop, new commit): rank 0's view, so that all ranks stop, and call
         ray.train.report, at the same step."""
         flags = torch.tensor([float(self.preempted()), float(self.stop_reason is not None),
-                              float(self.rank == 0 and self.has_new_commit())])
+                              float(self.rank == 0 and self.unregistered_commit() is not None)])
         if self.distributed:
             flags = flags.to(self.device)
             dist.broadcast(flags, src=0)
