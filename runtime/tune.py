@@ -146,6 +146,11 @@ class TuneConfig(_Strict):
     max_disk_mb: float = Field(4096, gt=0, description="Cap on the search folder; finished trials are pruned.")
     trial_cpus: float = Field(0.01, gt=0, description="CPU of the trial driver itself (its workers ask more).")
     max_failures: int = Field(0, ge=-1, description="Restarts of a failed trial (Train retries workers itself).")
+    trial_poll_interval_s: float = Field(
+        0.1, gt=0, le=60,
+        description="Ray Train's poll period inside each trial (replaces distributed.poll_interval_s): the end "
+                    "of a trial is noticed this much later, and every trial pays it; trials are small, so "
+                    "polling often costs little.")
 
     _params: list[Param] = PrivateAttr(default_factory=list)
 
@@ -302,6 +307,7 @@ class SearchContext:
     parent_run_id: str | None
     mlflow_uri: str | None
     endpoint_url: str | None = None
+    poll_interval_s: float = 0.1
 
 
 def trial_run_name(search_name: str, trial_id: str) -> str:
@@ -312,6 +318,7 @@ def trial_job(ctx: SearchContext, params: dict[str, Any]) -> JobConfig:
     """The trial's job: base + hyperparameters, checkpoints under the search folder, its own MLflow run."""
     base = copy.deepcopy(ctx.base)
     base["checkpoint"].update(storage=f"{ctx.search_dir}/runs", keep=ctx.trial_keep)
+    base["distributed"]["poll_interval_s"] = ctx.poll_interval_s
     base["tracking"]["experiment"] = base["tracking"].get("experiment") or base["name"]
     if ctx.mlflow_uri:
         base["tracking"]["mlflow_uri"] = ctx.mlflow_uri
@@ -778,7 +785,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     ctx = SearchContext(search_name=name, search_dir=search_dir, base=spec.base, metric=tc.metric,
                         trial_keep=tc.trial_keep, parent_run_id=parent.run_id if parent else None,
                         mlflow_uri=parent.uri if parent else (cfg.tracking.mlflow_uri or tracking_uri()),
-                        endpoint_url=cfg.checkpoint.endpoint_url)
+                        endpoint_url=cfg.checkpoint.endpoint_url, poll_interval_s=tc.trial_poll_interval_s)
     trainable = rt.with_resources(rt.with_parameters(run_trial, ctx=ctx), {"CPU": tc.trial_cpus})
     cap = DiskCap(search_dir, name, int(tc.max_disk_mb * 2**20), cfg.checkpoint.endpoint_url)
     t0 = time.time()

@@ -119,3 +119,19 @@ def test_cli_exits_2_on_bad_space_before_starting_ray(capsys: pytest.CaptureFixt
     assert main(["tune", "digits_tune", "--set", "tune.metric=val/f1"]) == 2
     assert "tune.metric" in capsys.readouterr().err
     assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+
+
+def test_trials_use_the_search_poll_period_and_keep_their_hyperparameters() -> None:
+    from runtime.tune import SearchContext, trial_job
+
+    spec = parse_tune(_job(trial_poll_interval_s=0.2))
+    assert spec.job.distributed.poll_interval_s == 0.5  # the job's own default, for plain training
+    ctx = SearchContext(search_name="s", search_dir="/tmp/s", base=spec.base, metric="train/loss", trial_keep=1,
+                        parent_run_id=None, mlflow_uri=None, poll_interval_s=spec.tune.trial_poll_interval_s)
+    trial = trial_job(ctx, {"optimizer.lr": 0.003})
+    assert trial.distributed.poll_interval_s == 0.2
+    assert trial.optimizer.lr == 0.003 and trial.checkpoint.storage == "/tmp/s/runs"
+
+
+def test_trial_poll_period_must_be_positive() -> None:
+    assert "trial_poll_interval_s" in _error(trial_poll_interval_s=0)
