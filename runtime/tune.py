@@ -144,8 +144,16 @@ class TuneConfig(_Strict):
     pbt: PBTConfig = PBTConfig()
     trial_keep: int = Field(2, ge=1, description="Checkpoints each trial's own manager keeps.")
     max_disk_mb: float = Field(4096, gt=0, description="Cap on the search folder; finished trials are pruned.")
-    trial_cpus: float = Field(0.01, gt=0, description="CPU of the trial driver itself (its workers ask more).")
-    max_failures: int = Field(0, ge=-1, description="Restarts of a failed trial (Train retries workers itself).")
+    trial_cpus: float = Field(
+        0, ge=0,
+        description="CPU reserved for each trial's driver process (its workers ask their own). 0: none, so "
+                    "that max_concurrent_trials x workers fill the workers' CPUs exactly.")
+    trial_memory_mb: float = Field(
+        512, gt=0, description="Memory reserved for each trial's driver process (Tune needs it to ask for something).")
+    max_failures: int = Field(
+        2, ge=-1,
+        description="Restarts of a failed trial from its newest checkpoint. Worker failures count too: Ray Train's "
+                    "own restarts are off inside trials (see docs/tune.md).")
     trial_poll_interval_s: float = Field(
         0.1, gt=0, le=60,
         description="Ray Train's poll period inside each trial (replaces distributed.poll_interval_s): the end "
@@ -310,6 +318,11 @@ class SearchContext:
     poll_interval_s: float = 0.1
 
 
+def trial_resources(tc: TuneConfig) -> dict[str, float]:
+    """What a trial's driver process reserves (its Train workers reserve their own)."""
+    return {"CPU": tc.trial_cpus, "memory": tc.trial_memory_mb * 2**20}
+
+
 def trial_run_name(search_name: str, trial_id: str) -> str:
     return f"{search_name}-{trial_id}"
 
@@ -319,6 +332,10 @@ def trial_job(ctx: SearchContext, params: dict[str, Any]) -> JobConfig:
     base = copy.deepcopy(ctx.base)
     base["checkpoint"].update(storage=f"{ctx.search_dir}/runs", keep=ctx.trial_keep)
     base["distributed"]["poll_interval_s"] = ctx.poll_interval_s
+    # Tune, not Train, restarts a failed trial: a Train controller that restarts its workers while
+    # Tune is stopping the trial (ASHA, PBT) creates a placement group nobody removes (Ray 2.60),
+    # and the search then waits for CPUs forever.
+    base["checkpoint"]["max_failures"] = 0
     base["tracking"]["experiment"] = base["tracking"].get("experiment") or base["name"]
     if ctx.mlflow_uri:
         base["tracking"]["mlflow_uri"] = ctx.mlflow_uri
@@ -786,7 +803,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
                         trial_keep=tc.trial_keep, parent_run_id=parent.run_id if parent else None,
                         mlflow_uri=parent.uri if parent else (cfg.tracking.mlflow_uri or tracking_uri()),
                         endpoint_url=cfg.checkpoint.endpoint_url, poll_interval_s=tc.trial_poll_interval_s)
-    trainable = rt.with_resources(rt.with_parameters(run_trial, ctx=ctx), {"CPU": tc.trial_cpus})
+    trainable = rt.with_resources(rt.with_parameters(run_trial, ctx=ctx), trial_resources(tc))
     cap = DiskCap(search_dir, name, int(tc.max_disk_mb * 2**20), cfg.checkpoint.endpoint_url)
     t0 = time.time()
     if resume:

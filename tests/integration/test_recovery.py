@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from rt_helpers import ROOT, job
+from rt_helpers import ROOT, job, train_worker_pids, wait_for
 from s3_server import CREDENTIALS, free_port, start_moto_server, stop_moto_server
 
 from runtime.checkpoint import CheckpointManager, step_name
@@ -49,22 +49,6 @@ def ckpt_dir(storage: str, run: str) -> Path:
 def committed_steps(storage: str, run: str) -> list[int]:
     """Steps whose manifest exists (the commit marker), oldest first."""
     return sorted(int(p.parent.name.split("_")[1]) for p in ckpt_dir(storage, run).glob("step_*/manifest.json"))
-
-
-def wait_for(pred: Callable[[], bool], what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up waiting for {what}")
-        time.sleep(0.05)
-
-
-def train_worker_pids() -> list[int]:
-    """PIDs of the live Ray Train workers on this test cluster (never processes of other clusters)."""
-    from ray.util.state import list_actors
-
-    actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    return sorted(a.pid for a in actors)
 
 
 def restarts(history: list[dict[str, Any]]) -> list[tuple[int, int, float]]:

@@ -15,13 +15,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from rt_helpers import ROOT, job
+from rt_helpers import ROOT, job, train_worker_pids, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -116,6 +117,39 @@ def test_asha_stops_worse_trials_before_max_steps(cluster: dict[str, Any], stora
     assert steps[0] < 40 and steps[-1] == 40, steps
     assert out.best is not None and out.best.steps == 40
     _assert_report_names_true_best(out)
+
+
+def test_trial_whose_worker_dies_is_restarted_by_tune_from_its_newest_checkpoint(
+        cluster: dict[str, Any], storage: str) -> None:
+    # 28x28 digits: ~45 ms a step, so the kill after the first commit lands mid-run.
+    search_dir = Path(storage) / "worker-kill"
+    killed: list[int] = []  # newest committed step when the worker was killed
+
+    def killer() -> None:
+        def committed() -> list[int]:
+            manifests = search_dir.glob("runs/*/checkpoints/step_*/manifest.json")
+            return sorted(int(m.parent.name.split("_")[1]) for m in manifests)
+
+        wait_for(lambda: bool(committed()) and bool(train_worker_pids()), "a committed checkpoint", timeout=300)
+        killed.append(committed()[-1])
+        os.kill(train_worker_pids()[-1], signal.SIGKILL)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    out = _search(storage, "tune.num_samples=1", "tune.max_concurrent_trials=1", "train.max_steps=120",
+                  "data.image_size=28", "checkpoint.interval_steps=20", name="worker-kill")
+    t.join(timeout=5)
+    assert killed, "the worker was never killed"
+    (trial,) = out.trials
+    assert trial.status == "TERMINATED"
+    rows = _tune_histories(out.search_dir, out.metric)[trial.trial_id]
+    steps = [int(r["step"]) for r in rows]
+    since = [int(r["iterations_since_restore"]) for r in rows]  # Tune's count, from 1 again in each attempt
+    restarts = [i for i in range(1, len(rows)) if since[i] <= since[i - 1]]
+    assert len(restarts) == 1, f"expected one Tune restart: {list(zip(steps, since))}"
+    first = steps[restarts[0]]  # first report after the restart
+    assert first > killed[0], f"resumed before the newest commit ({killed[0]}): {steps}"
+    assert steps[-1] == 120
 
 
 def test_pbt_exploit_restarts_a_trial_from_another_trials_checkpoint(cluster: dict[str, Any], storage: str) -> None:

@@ -131,6 +131,18 @@ def test_trials_use_the_search_poll_period_and_keep_their_hyperparameters() -> N
     trial = trial_job(ctx, {"optimizer.lr": 0.003})
     assert trial.distributed.poll_interval_s == 0.2
     assert trial.optimizer.lr == 0.003 and trial.checkpoint.storage == "/tmp/s/runs"
+    assert spec.job.checkpoint.max_failures == 3 and trial.checkpoint.max_failures == 0  # Tune restarts trials
+
+
+def test_trial_driver_reserves_memory_but_no_cpu_by_default() -> None:
+    from ray.tune.execution.placement_groups import PlacementGroupFactory
+
+    from runtime.tune import trial_resources
+
+    pgf = PlacementGroupFactory([trial_resources(parse_tune(_job()).tune)])
+    assert pgf.required_resources.get("CPU", 0) == 0  # two 1-CPU trials fit on 2 CPUs
+    assert pgf.required_resources["memory"] == 512 * 2**20
+    assert PlacementGroupFactory([trial_resources(parse_tune(_job(trial_cpus=1)).tune)]).required_resources["CPU"] == 1
 
 
 def test_trial_poll_period_must_be_positive() -> None:
