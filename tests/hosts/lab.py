@@ -416,8 +416,8 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 "ray_head_address": f"{head}:6379",
                 "ray_dashboard_host": "0.0.0.0",
                 "ray_object_store_memory": 200 * 1024 * 1024,
-                # No Grafana package is reachable offline; MLflow's ~420 MB install is
-                # covered by the check-mode test rather than a real install here.
+                # No Grafana package is reachable offline, and MLflow's ~420 MB install
+                # would cost minutes: both roles are linted and spec-checked, not applied here.
                 "grafana_enabled": False,
                 "mlflow_enabled": False,
             },

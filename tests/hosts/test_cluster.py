@@ -160,6 +160,28 @@ def test_check_mode_with_forced_gpu_renders_driver_nccl_and_dcgm_config(ansible,
     assert not host.file("/etc/modprobe.d/nvidia-cluster.conf").exists
 
 
+def test_check_mode_renders_mlflow_and_grafana_config_on_the_monitoring_host(ansible, hosts, site_run):
+    # The lab runs without both (no Grafana package offline; MLflow's install costs minutes on
+    # 2 cores): check mode shows what their configure phase writes from the real inventory.
+    proc = ansible.playbook(
+        "site.yml", "--check", "--diff", "--limit", HEAD, "--tags", "mlflow_configure,grafana_configure",
+        "-e", json.dumps({"mlflow_enabled": True, "grafana_enabled": True,
+                          "grafana_admin_password": "check-mode-only"}))
+    out = proc.stdout
+    # MLflow: the unit serves the configured backend store and artifact root on its port.
+    assert ("--port 5000 --workers 2 --backend-store-uri sqlite:////var/lib/mlflow/mlflow.db "
+            "--artifacts-destination /var/lib/mlflow/artifacts --serve-artifacts") in out
+    # Grafana: Prometheus on this host as the default datasource, and every repository dashboard.
+    assert "+    url: http://127.0.0.1:9090" in out
+    assert "+    uid: prometheus" in out
+    assert "+      path: /var/lib/grafana/dashboards/cluster" in out  # the provider reads the copied files
+    for dashboard in sorted((labmod.ROOT / "dashboards").glob("*.json")):
+        assert f"/dashboards/{dashboard.name})" in out, dashboard.name  # one copy item per dashboard
+    # Check mode wrote nothing.
+    assert not hosts(HEAD).file("/etc/systemd/system/mlflow.service").exists
+    assert not hosts(HEAD).file("/etc/grafana/provisioning/datasources/cluster.yml").exists
+
+
 def test_health_check_passes_on_the_cluster(ansible, site_run):
     proc = ansible.playbook("health_check.yml")
     assert "has no NVIDIA GPU: skipping nvidia-smi, dcgmi diag and nccl-tests" in proc.stdout
