@@ -314,8 +314,8 @@ class SearchContext:
     trial_keep: int
     parent_run_id: str | None
     mlflow_uri: str | None
+    poll_interval_s: float  # tune.trial_poll_interval_s
     endpoint_url: str | None = None
-    poll_interval_s: float = 0.1
 
 
 def trial_resources(tc: TuneConfig) -> dict[str, float]:

@@ -31,3 +31,8 @@ def train_worker_pids() -> list[int]:
 
     actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     return sorted(a.pid for a in actors)
+
+
+def committed_steps(checkpoints: Path) -> list[int]:
+    """Steps committed in a run's checkpoint folder (a manifest is the commit marker), oldest first."""
+    return sorted(int(p.parent.name.split("_")[1]) for p in checkpoints.glob("step_*/manifest.json"))

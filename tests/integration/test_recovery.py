@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from rt_helpers import ROOT, job, train_worker_pids, wait_for
+from rt_helpers import ROOT, committed_steps, job, train_worker_pids, wait_for
 from s3_server import CREDENTIALS, free_port, start_moto_server, stop_moto_server
 
 from runtime.checkpoint import CheckpointManager, step_name
@@ -44,11 +44,6 @@ BASE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", 
 
 def ckpt_dir(storage: str, run: str) -> Path:
     return Path(storage) / run / "checkpoints"
-
-
-def committed_steps(storage: str, run: str) -> list[int]:
-    """Steps whose manifest exists (the commit marker), oldest first."""
-    return sorted(int(p.parent.name.split("_")[1]) for p in ckpt_dir(storage, run).glob("step_*/manifest.json"))
 
 
 def restarts(history: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
@@ -101,11 +96,11 @@ def test_worker_kills_redo_at_most_one_interval_and_end_bit_identical(
         newest = 0
         for sig in (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM):
             # Each kill hits a worker group that has committed a checkpoint since the last restart.
-            wait_for(lambda n=newest: (committed_steps(storage, run) or [0])[-1] > n
+            wait_for(lambda n=newest: (committed_steps(ckpt_dir(storage, run)) or [0])[-1] > n
                      and len(train_worker_pids()) == 2, f"a checkpoint after step {newest}")
             time.sleep(0.1)  # a few steps past the checkpoint, so some work is really redone
             pids = train_worker_pids()
-            newest = committed_steps(storage, run)[-1]
+            newest = committed_steps(ckpt_dir(storage, run))[-1]
             kills.append((time.time(), newest, sig))
             os.kill(pids[-1], sig)
 
@@ -138,7 +133,7 @@ def test_driver_sigterm_commits_emergency_checkpoint_and_resume_loses_no_steps(
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # The run has reported step 25 once its checkpoint commits; stop it a few steps later.
-        wait_for(lambda: 25 in committed_steps(storage, run) or proc.poll() is not None, "checkpoint 25")
+        wait_for(lambda: 25 in committed_steps(ckpt_dir(storage, run)) or proc.poll() is not None, "checkpoint 25")
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         stdout, _ = proc.communicate(timeout=180)
@@ -147,7 +142,7 @@ def test_driver_sigterm_commits_emergency_checkpoint_and_resume_loses_no_steps(
             proc.kill()
     assert proc.returncode == 0, stdout[-4000:]
     assert "PREEMPTED" in stdout and f"--run-name {run}" in stdout, stdout[-4000:]
-    preempted_at = committed_steps(storage, run)[-1]
+    preempted_at = committed_steps(ckpt_dir(storage, run))[-1]
     assert 25 < preempted_at < MAX_STEPS, f"emergency checkpoint at {preempted_at}"
     with CheckpointManager(str(ckpt_dir(storage, run))) as mgr:
         assert mgr.list()[0][1] == "valid"
@@ -170,7 +165,7 @@ def test_resume_skips_corrupt_checkpoints_and_says_why(cluster: dict, storage: s
               "checkpoint.keep=5")
     train(cfg, run, show_progress=False)
     d = ckpt_dir(storage, run)
-    assert committed_steps(storage, run) == [5, 10, 15, 20, 25]
+    assert committed_steps(ckpt_dir(storage, run)) == [5, 10, 15, 20, 25]
     (d / step_name(25) / "manifest.json").unlink()
     model = d / step_name(20) / "model.pt"
     model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
@@ -231,9 +226,9 @@ def run_until_disk_full(disk: Path, policy: str) -> tuple[TrainOutcome, int]:
     filled: list[int] = []
 
     def filler() -> None:
-        wait_for(lambda: 10 in committed_steps(storage, run), "checkpoint 10")
+        wait_for(lambda: 10 in committed_steps(ckpt_dir(storage, run)), "checkpoint 10")
         fill(disk, leave_bytes=32 * 1024)  # a checkpoint is ~100 KB: the next save hits ENOSPC
-        filled.append(committed_steps(storage, run)[-1])
+        filled.append(committed_steps(ckpt_dir(storage, run))[-1])
 
     t = threading.Thread(target=filler, daemon=True)
     t.start()

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from rt_helpers import ROOT, job, train_worker_pids, wait_for
+from rt_helpers import ROOT, committed_steps, job, train_worker_pids, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -126,9 +126,8 @@ def test_trial_whose_worker_dies_is_restarted_by_tune_from_its_newest_checkpoint
     killed: list[int] = []  # newest committed step when the worker was killed
 
     def killer() -> None:
-        def committed() -> list[int]:
-            manifests = search_dir.glob("runs/*/checkpoints/step_*/manifest.json")
-            return sorted(int(m.parent.name.split("_")[1]) for m in manifests)
+        def committed() -> list[int]:  # the trial's run name holds its id, unknown until it starts
+            return sorted(step for d in search_dir.glob("runs/*/checkpoints") for step in committed_steps(d))
 
         wait_for(lambda: bool(committed()) and bool(train_worker_pids()), "a committed checkpoint", timeout=300)
         killed.append(committed()[-1])
