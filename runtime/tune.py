@@ -633,20 +633,28 @@ def _better(a: float, b: float, mode: str) -> bool:
     return a > b if mode == "max" else a < b
 
 
-def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: str) -> list[TrialRow]:
+def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: str,
+                   storage_filesystem: Any) -> list[TrialRow]:
     """One row per trial from Tune's results (its metric history is Tune's own progress record)."""
     from runtime.checkpoint import open_storage
 
     metric, mode = spec.tune.metric, spec.tune.mode
     keys = [p.key for p in spec.tune.params]
+    records: dict[str, Any] | None = None
     rows = []
     for r in results:
+        config, record = r.config, None
+        if config is None:  # interrupted (Ctrl+C) before its first report: no result carries its config
+            records = records if records is not None else _trial_records(search_dir, storage_filesystem)
+            record = records.get(r.path)
+            config = record.config if record is not None else {}
         hist = _trial_progress(r)
         values = [h[metric] for h in hist if isinstance(h.get(metric), (int, float)) and not math.isnan(h[metric])]
         best = (max(values) if mode == "max" else min(values)) if values else None
         # The trial's own progress rows name it; r.metrics can be a PBT donor's copied last result.
         own = Counter(str(h["trial_id"]) for h in hist if h.get("trial_id"))
-        trial_id = own.most_common(1)[0][0] if own else (r.metrics or {}).get("trial_id") or Path(r.path).name
+        trial_id = (own.most_common(1)[0][0] if own else (r.metrics or {}).get("trial_id")
+                    or (record.trial_id if record is not None else Path(r.path).name))
         folder = open_storage(f"{search_dir}/runs/{trial_run_name(search_name, trial_id)}",
                               endpoint_url=spec.job.checkpoint.endpoint_url)
         timing = {**_read_json(folder, TIMING_FILE), **_read_json(folder, WALL_FILE)}
@@ -655,13 +663,22 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
         restored = sorted({str(h.get("restored_from_trial")) for h in hist if h.get("restored_from_trial")})
         rows.append(TrialRow(
             trial_id=trial_id, status=_status(r),
-            params={k: r.config.get(k) for k in keys}, best=best, last=values[-1] if values else None,
+            params={k: config.get(k) for k in keys}, best=best, last=values[-1] if values else None,
             steps=int(max((h.get("step", 0) for h in hist), default=0)), iterations=len(hist),
             wall_seconds=timing.get("wall_seconds"), train_seconds=timing.get("train_seconds"),
             restored_from=",".join(restored), history=hist,
             startup_seconds=timing.get("startup_seconds"), teardown_seconds=timing.get("teardown_seconds"),
         ))
     return sorted(rows, key=lambda t: t.trial_id)
+
+
+def _trial_records(search_dir: str, storage_filesystem: Any) -> dict[str, Any]:
+    """Tune's trial records from the saved search state, by trial folder: they hold the id and
+    hyperparameters of trials that were pending or had just started when the search stopped."""
+    from ray.tune import ExperimentAnalysis
+
+    analysis = ExperimentAnalysis(search_dir, storage_filesystem=storage_filesystem)
+    return {t.path: t for t in analysis.trials if t.path}
 
 
 def _read_json(storage: Any, name: str) -> dict[str, Any]:
@@ -763,7 +780,8 @@ def plot_trials(trials: list[TrialRow], metric: str, best_id: str | None, out: P
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if axes[0].lines:  # a search stopped before any report has no curve to name
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
@@ -830,7 +848,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
             ),
         )
     results = tuner.fit()
-    rows = collect_trials(results, spec, name, search_dir)
+    rows = collect_trials(results, spec, name, search_dir, fs)
     out = SearchOutcome(name=name, search_dir=search_dir, metric=tc.metric, mode=tc.mode, trials=rows,
                         best=pick_best(rows, tc.mode), interrupted=any(t.status == "UNFINISHED" for t in rows),
                         report_files={}, parent_run_id=ctx.parent_run_id, mlflow_uri=ctx.mlflow_uri,

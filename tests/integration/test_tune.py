@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ray.tune import Stopper
 from rt_helpers import ROOT, committed_steps, job, train_worker_pids, wait_for
 
 pytestmark = pytest.mark.slow
@@ -209,6 +210,37 @@ def test_interrupted_search_resumes_and_keeps_finished_trials(cluster: dict[str,
     assert all(int(r["steps"]) == 30 for r in rows)
     # Trials that had finished were not run again: still 7 results each (every 5 of 30 steps + the final one).
     assert all(int(r["iterations"]) == 7 for r in rows if r["trial_id"] in finished_before)
+
+
+class _StopOnceAllTrialsStarted(Stopper):
+    """A Tune stopper that ends the search, as Ctrl+C does, once every trial has its folder."""
+
+    def __init__(self, search_dir: Path, trials: int) -> None:
+        self.search_dir, self.trials = search_dir, trials
+
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        return False
+
+    def stop_all(self) -> bool:
+        return len(list(self.search_dir.glob("run_trial_*"))) >= self.trials
+
+
+def test_search_stopped_before_any_trial_reported_still_reports_every_trials_params(
+        cluster: dict[str, Any], storage: str) -> None:
+    from runtime.tune import tune
+
+    search_dir = Path(storage) / "stopped-early"
+    stopper = _StopOnceAllTrialsStarted(search_dir, 3)
+    out = tune(job("digits_tune", storage, *SMALL), "stopped-early", show_progress=False, stopper=stopper)
+    assert out.interrupted and out.best is None
+    assert len(out.trials) == 3 and len({t.trial_id for t in out.trials}) == 3
+    unreported = [t for t in out.trials if t.iterations == 0]
+    assert unreported, [(t.trial_id, t.iterations) for t in out.trials]
+    for t in out.trials:
+        assert t.status == "UNFINISHED" and t.trial_id in next(search_dir.glob(f"run_trial_{t.trial_id}_*")).name
+        assert all(v is not None for v in t.params.values()) and t.params
+    with open(out.report_files["csv"]) as f:
+        assert {r["trial_id"] for r in csv.DictReader(f)} == {t.trial_id for t in out.trials}
 
 
 def test_fresh_search_refuses_an_existing_search_folder(cluster: dict[str, Any], storage: str) -> None:
