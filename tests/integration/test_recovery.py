@@ -46,6 +46,17 @@ def ckpt_dir(storage: str, run: str) -> Path:
     return Path(storage) / run / "checkpoints"
 
 
+def newest_commit_time(checkpoints: Path) -> float:
+    """When the newest checkpoint was committed (its manifest is written last), 0 before any."""
+    times = []
+    for manifest in checkpoints.glob("step_*/manifest.json"):
+        try:
+            times.append(manifest.stat().st_mtime)
+        except FileNotFoundError:  # pruned since the listing
+            pass
+    return max(times, default=0.0)
+
+
 def restarts(history: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
     """(last step reported before the restart, step resumed from, time of the first report after)."""
     out, last = [], 0
@@ -93,15 +104,20 @@ def test_worker_kills_redo_at_most_one_interval_and_end_bit_identical(
     kills: list[tuple[float, int, int]] = []  # (time, newest committed step, signal)
 
     def killer() -> None:
-        newest = 0
+        killed_group: set[int] = set()
         for sig in (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM):
-            # Each kill hits a worker group that has committed a checkpoint since the last restart.
-            wait_for(lambda n=newest: (committed_steps(ckpt_dir(storage, run)) or [0])[-1] > n
-                     and len(train_worker_pids()) == 2, f"a checkpoint after step {newest}")
+            # Each kill hits a new worker group (Train stops the old one before starting it) once that
+            # group has committed a checkpoint, so it is training and its restart shows in the history;
+            # a kill while the group is still starting would leave no trace there.
+            wait_for(lambda: len(p := train_worker_pids()) == 2 and not set(p) & killed_group,
+                     "a new worker group")
+            started = time.time()
+            wait_for(lambda: newest_commit_time(ckpt_dir(storage, run)) > started,
+                     "a checkpoint committed by the new worker group")
             time.sleep(0.1)  # a few steps past the checkpoint, so some work is really redone
             pids = train_worker_pids()
-            newest = committed_steps(ckpt_dir(storage, run))[-1]
-            kills.append((time.time(), newest, sig))
+            kills.append((time.time(), committed_steps(ckpt_dir(storage, run))[-1], sig))
+            killed_group = set(pids)
             os.kill(pids[-1], sig)
 
     t = threading.Thread(target=killer, daemon=True)
