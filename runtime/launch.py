@@ -126,10 +126,11 @@ def default_run_name(cfg: JobConfig) -> str:
 
 
 def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
-                  mlflow_run_id: str | None = None, for_tune: bool = False) -> tuple[Any, RunInfo]:
+                  mlflow_run_id: str | None = None, lockstep: bool = False) -> tuple[Any, RunInfo]:
     """The TorchTrainer for this job; shared by `train` and each Tune trial.
 
-    ``progress``: a ray.util.queue.Queue that rank 0 streams every report to.
+    ``progress``: a ray.util.queue.Queue that rank 0 streams every report to; ``lockstep``:
+    rank 0 waits for each report to be taken (runtime.loop.Worker._stream).
     """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -151,7 +152,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     )
     loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
                                    "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}, "progress": progress,
-                                   "progress_lockstep": for_tune}
+                                   "progress_lockstep": lockstep}
     # Read by TorchTrainer.fit() here and handed to its controller (Ray propagates RAY_TRAIN_* settings).
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
     if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
@@ -185,14 +186,14 @@ class StreamingFit:
     """
 
     def __init__(self, cfg: JobConfig, run_name: str, *, mlflow_run_id: str | None = None,
-                 for_tune: bool = False) -> None:
+                 lockstep: bool = False) -> None:
         from ray.util.queue import Queue
 
         # Inside a Tune trial the queue actor lands in the trial's placement group: it asks for no CPU.
-        # A trial's queue has one slot: rank 0 runs in lockstep with Tune (runtime.loop.Worker._stream).
-        self._queue: Any = Queue(maxsize=1 if for_tune else 10_000, actor_options={"num_cpus": 0})
+        # In lockstep (a trial under a scheduler) the queue has one slot (runtime.loop.Worker._stream).
+        self._queue: Any = Queue(maxsize=1 if lockstep else 10_000, actor_options={"num_cpus": 0})
         self.trainer, self.run = build_trainer(cfg, run_name, progress=self._queue,
-                                               mlflow_run_id=mlflow_run_id, for_tune=for_tune)
+                                               mlflow_run_id=mlflow_run_id, lockstep=lockstep)
         self.result: Any = None
         self.error: BaseException | None = None
 

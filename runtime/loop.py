@@ -568,11 +568,11 @@ class Worker:
         """Hand a result to the driver's queue actor; only the final one waits for delivery.
 
         Calls from one caller to one actor run in order, so the final result, delivered
-        before Ray Train hears of it, arrives after every earlier one. In a Tune trial
-        (lockstep, a one-slot queue) every put waits for the trial to take the previous
-        result, and the trial waits in tune.report until Tune wants the next one: a
-        scheduler's stop or pause (ASHA, PBT, HyperBand) lands at the step it judged,
-        instead of a fast loop training on past it.
+        before Ray Train hears of it, arrives after every earlier one. In a Tune trial under
+        a scheduler (lockstep, a one-slot queue) every put waits for the trial to take the
+        previous result, and the trial waits in tune.report until Tune wants the next one: a
+        stop or pause (ASHA, PBT, HyperBand) lands at the step it judged, instead of a fast
+        loop training on past it. Searches without one (random, grid, Optuna) do not wait.
         """
         item = {**metrics, "_time": time.time()}
         try:

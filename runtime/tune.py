@@ -44,6 +44,9 @@ from runtime.errors import ConfigError
 
 log = logging.getLogger("runtime.tune")
 
+# Methods whose scheduler acts on every intermediate result (stops, pauses or clones trials).
+SCHEDULERS = ("asha", "hyperband", "pbt")
+
 # What the loop reports (runtime/loop.py Worker.report / evaluate): the only valid search metrics.
 KNOWN_METRICS = (
     "train/loss", "train/accuracy", "train/throughput", "train/learning_rate", "train/grad_norm",
@@ -234,7 +237,7 @@ def parse_tune(cfg: JobConfig) -> TuneSpec:
             except ConfigError as e:
                 raise ConfigError(f"tune.space.{p.key}: value {value!r} does not make a valid job:\n{e}") from None
     max_t = tc.max_t or cfg.train.max_steps
-    if tc.method in ("asha", "hyperband", "pbt") and not max_t:
+    if tc.method in SCHEDULERS and not max_t:
         raise ConfigError(f"tune.method={tc.method} needs train.max_steps or tune.max_t (steps a trial may run)")
     if tc.grace_period and max_t and tc.grace_period > max_t:
         raise ConfigError(f"tune.grace_period={tc.grace_period} exceeds the {max_t} steps a trial runs")
@@ -315,6 +318,7 @@ class SearchContext:
     parent_run_id: str | None
     mlflow_uri: str | None
     poll_interval_s: float  # tune.trial_poll_interval_s
+    lockstep: bool  # a scheduler acts on every result: rank 0 waits for Tune (Worker._stream)
     endpoint_url: str | None = None
 
 
@@ -436,7 +440,11 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
                 log.warning("trial %s continues from trial %s at step %d", trial_id, source["trial_id"], step)
     tracker = Tracker.for_job(cfg, run_name, parent_run_id=ctx.parent_run_id,
                               extra_tags={"tune.trial_id": trial_id, "tune.search": ctx.search_name})
-    fitting = StreamingFit(cfg, run_name, mlflow_run_id=tracker.run_id if tracker else None, for_tune=True)
+    # Ray Train's preemption watcher is one more actor process per run, for an API
+    # (ray.train.get_preemption_info) the loop does not use: a trial's start-up is cheaper without.
+    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    fitting = StreamingFit(cfg, run_name, mlflow_run_id=tracker.run_id if tracker else None,
+                           lockstep=ctx.lockstep)
     history: list[dict[str, Any]] = []
     last_metric: float | None = None
     prev_step = origin["restored_step"]
@@ -820,7 +828,8 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     ctx = SearchContext(search_name=name, search_dir=search_dir, base=spec.base, metric=tc.metric,
                         trial_keep=tc.trial_keep, parent_run_id=parent.run_id if parent else None,
                         mlflow_uri=parent.uri if parent else (cfg.tracking.mlflow_uri or tracking_uri()),
-                        endpoint_url=cfg.checkpoint.endpoint_url, poll_interval_s=tc.trial_poll_interval_s)
+                        endpoint_url=cfg.checkpoint.endpoint_url, poll_interval_s=tc.trial_poll_interval_s,
+                        lockstep=tc.method in SCHEDULERS)
     trainable = rt.with_resources(rt.with_parameters(run_trial, ctx=ctx), trial_resources(tc))
     cap = DiskCap(search_dir, name, int(tc.max_disk_mb * 2**20), cfg.checkpoint.endpoint_url)
     t0 = time.time()

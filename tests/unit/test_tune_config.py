@@ -127,7 +127,8 @@ def test_trials_use_the_search_poll_period_and_keep_their_hyperparameters() -> N
     spec = parse_tune(_job(trial_poll_interval_s=0.2))
     assert spec.job.distributed.poll_interval_s == 0.5  # the job's own default, for plain training
     ctx = SearchContext(search_name="s", search_dir="/tmp/s", base=spec.base, metric="train/loss", trial_keep=1,
-                        parent_run_id=None, mlflow_uri=None, poll_interval_s=spec.tune.trial_poll_interval_s)
+                        parent_run_id=None, mlflow_uri=None, poll_interval_s=spec.tune.trial_poll_interval_s,
+                        lockstep=False)
     trial = trial_job(ctx, {"optimizer.lr": 0.003})
     assert trial.distributed.poll_interval_s == 0.2
     assert trial.optimizer.lr == 0.003 and trial.checkpoint.storage == "/tmp/s/runs"
