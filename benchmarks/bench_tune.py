@@ -28,7 +28,8 @@ from typing import Any
 COMMON = ("tracking.mlflow=false", "tracking.prometheus=false", "tune.seed=7")
 # 12 configurations; digits at 28x28 (the MNIST size: ~45 ms a step on one core), 36 epochs
 # each (~100 s of training with two trials at once, about 6x a trial's fixed cost, see docs/tune.md);
-# rungs at 180, 540 and 1620 steps (4, 12 and 36 epochs). Trials are judged on held-out loss,
+# rungs at 180, 540 and 1620 steps (an epoch is 44 steps: see docs/tune.md for where evaluations
+# land against them). Trials are judged on held-out loss,
 # evaluated every 4 epochs so that every rung sees a fresh value.
 ASHA = (
     *COMMON, "data.image_size=28", "train.max_steps=1620", "train.log_every_steps=20", "train.eval_every_epochs=4",
