@@ -36,7 +36,7 @@ ASHA = (
     "tune.grace_period=180", "tune.reduction_factor=3",
     "tune.space={optimizer.lr: {loguniform: [1.0e-4, 3.0e-1]}, optimizer.name: {choice: [sgd, adamw]}}",
 )
-# Two trials that each train for about four minutes, one at a time (no contention on 2 cores). An
+# Two trials that each train for four to five minutes, one at a time (no contention on 2 cores). An
 # epoch of digits is 11 steps here, so evaluation runs every 100 epochs (~20 s of training), not
 # every few seconds.
 LONG = (

@@ -181,7 +181,7 @@ def test_resume_skips_corrupt_checkpoints_and_says_why(cluster: dict, storage: s
               "checkpoint.keep=5")
     train(cfg, run, show_progress=False)
     d = ckpt_dir(storage, run)
-    assert committed_steps(ckpt_dir(storage, run)) == [5, 10, 15, 20, 25]
+    assert committed_steps(d) == [5, 10, 15, 20, 25]
     (d / step_name(25) / "manifest.json").unlink()
     model = d / step_name(20) / "model.pt"
     model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
