@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -115,6 +115,10 @@ class TrainConfig(_Strict):
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Max global grad norm; None = no clipping.")
     log_every_steps: int = Field(10, ge=1, description="Report metrics to Ray every N optimizer steps.")
     eval_every_epochs: int = Field(1, ge=1)
+    eval_at_steps: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description="Also evaluate right after these optimizer steps: where a Tune scheduler judges trials "
+                    "on a val/ metric (runtime.tune sets them to the ASHA rungs).")
     seed: int = 0
     deterministic: bool = Field(False, description="torch.use_deterministic_algorithms (bit-exact resume).")
     update_mode: Literal["sync", "local_sgd"] = Field(

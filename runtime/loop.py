@@ -620,12 +620,13 @@ class Worker:
     def fit(self) -> None:
         tc = self.cfg.train
         self._pending_eval = False
+        eval_steps = set(tc.eval_at_steps)
         it = self.batches()
         while not self.done() and self.stop_reason is None:
             self.train_step(it)
             step = self.state.global_step
             extra: dict[str, Any] = {}
-            if self._pending_eval:
+            if self._pending_eval or step in eval_steps:
                 extra.update(self.evaluate())
                 self._pending_eval = False
             if self.ckpt is not None and step % self.cfg.checkpoint.interval_steps == 0:

@@ -274,14 +274,34 @@ def search_alg(tc: TuneConfig) -> Any:
     return BasicVariantGenerator(random_state=tc.seed, max_concurrent=tc.max_concurrent_trials)
 
 
+def asha_grace(spec: TuneSpec) -> int:
+    tc = spec.tune
+    return tc.grace_period or max(1, int(spec.max_t / tc.reduction_factor**2))
+
+
+def decision_steps(spec: TuneSpec) -> list[int]:
+    """Steps before max_t at which the scheduler judges trials: ASHA's rungs or PBT's perturbation
+    points. A ``val/`` metric is evaluated there too (train.eval_at_steps), so a rung compares fresh
+    held-out values and a trial it stops has trained exactly to the rung, not on to the next
+    scheduled evaluation (the final step is always evaluated)."""
+    tc = spec.tune
+    if tc.method == "asha":
+        # ASHAScheduler's rungs (ray.tune.schedulers.async_hyperband._Bracket, bracket 0).
+        grace, rf = asha_grace(spec), tc.reduction_factor
+        count = int(math.log(spec.max_t / grace) / math.log(rf) + 1)
+        return sorted({m for k in range(count) if (m := math.ceil(grace * rf**k)) < spec.max_t})
+    if tc.method == "pbt":
+        return list(range(tc.pbt.perturbation_interval, spec.max_t, tc.pbt.perturbation_interval))
+    return []
+
+
 def scheduler(spec: TuneSpec) -> Any:
     """Early stopping (ASHA, HyperBand) or PBT, all on the loop's ``step`` so budgets are in compute."""
     tc = spec.tune
     if tc.method == "asha":
         from ray.tune.schedulers import ASHAScheduler
 
-        grace = tc.grace_period or max(1, int(spec.max_t / tc.reduction_factor**2))
-        return ASHAScheduler(time_attr="step", max_t=spec.max_t, grace_period=grace,
+        return ASHAScheduler(time_attr="step", max_t=spec.max_t, grace_period=asha_grace(spec),
                              reduction_factor=tc.reduction_factor)
     if tc.method == "hyperband":
         from ray.tune.schedulers import HyperBandScheduler
@@ -329,6 +349,15 @@ def trial_resources(tc: TuneConfig) -> dict[str, float]:
 
 def trial_run_name(search_name: str, trial_id: str) -> str:
     return f"{search_name}-{trial_id}"
+
+
+def trial_base(spec: TuneSpec) -> dict[str, Any]:
+    """The job every trial starts from: a ``val/`` metric is also evaluated where the scheduler decides."""
+    base = spec.base
+    if spec.tune.metric.startswith("val/"):
+        train = base["train"]
+        train["eval_at_steps"] = sorted({*train.get("eval_at_steps", []), *decision_steps(spec)})
+    return base
 
 
 def trial_job(ctx: SearchContext, params: dict[str, Any]) -> JobConfig:
@@ -825,7 +854,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
                           "or a new --run-name")
     parent = Tracker.for_job(spec.job, name, extra_tags={"tune.method": tc.method, "tune.metric": tc.metric,
                                                          "tune.mode": tc.mode, "tune.search_dir": search_dir})
-    ctx = SearchContext(search_name=name, search_dir=search_dir, base=spec.base, metric=tc.metric,
+    ctx = SearchContext(search_name=name, search_dir=search_dir, base=trial_base(spec), metric=tc.metric,
                         trial_keep=tc.trial_keep, parent_run_id=parent.run_id if parent else None,
                         mlflow_uri=parent.uri if parent else (cfg.tracking.mlflow_uri or tracking_uri()),
                         endpoint_url=cfg.checkpoint.endpoint_url, poll_interval_s=tc.trial_poll_interval_s,

@@ -110,12 +110,17 @@ def test_optuna_search_completes_with_true_best(cluster: dict[str, Any], storage
     _assert_report_names_true_best(out)
 
 
-def test_asha_stops_worse_trials_before_max_steps(cluster: dict[str, Any], storage: str) -> None:
-    # Rungs at 10 and 20 steps (grace 10, factor 2) of 40: the worse trials stop at a rung.
-    out = _search(storage, "tune.method=asha", "train.max_steps=40", "tune.num_samples=4",
+def test_asha_stops_worse_trials_at_a_rung_judged_on_held_out_loss_evaluated_there(
+        cluster: dict[str, Any], storage: str) -> None:
+    # Rungs at 10 and 20 steps (grace 10, factor 2) of 40. An epoch is 44 steps, so only the
+    # rung evaluations (train.eval_at_steps, set by the search) give ASHA val/loss before the end.
+    out = _search(storage, "tune.method=asha", "train.max_steps=40", "tune.num_samples=4", "tune.metric=val/loss",
                   "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}}", name="asha")
     steps = sorted(t.steps for t in out.trials)
     assert steps[0] < 40 and steps[-1] == 40, steps
+    assert set(steps) <= {10, 20, 40}, steps  # a stopped trial trained exactly to its rung
+    for t in out.trials:
+        assert [h["step"] for h in t.history if "val/loss" in h] == [10, 20, 40][:[10, 20, 40].index(t.steps) + 1]
     assert out.best is not None and out.best.steps == 40
     _assert_report_names_true_best(out)
 

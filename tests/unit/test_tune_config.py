@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -148,3 +149,23 @@ def test_trial_driver_reserves_memory_but_no_cpu_by_default() -> None:
 
 def test_trial_poll_period_must_be_positive() -> None:
     assert "trial_poll_interval_s" in _error(trial_poll_interval_s=0)
+
+
+@pytest.mark.parametrize(("max_t", "grace", "rf"), [(1620, 180, 3), (40, 10, 2), (100, None, 3), (1000, 7, 2.5)])
+def test_asha_decision_steps_are_the_rungs_ray_builds(max_t: int, grace: int | None, rf: float) -> None:
+    from runtime.tune import decision_steps, scheduler
+
+    spec = parse_tune(_job(method="asha", max_t=max_t, grace_period=grace, reduction_factor=rf))
+    rungs = scheduler(spec)._brackets[0]._rungs  # Ray's own milestones, highest first
+    assert decision_steps(spec) == sorted(math.ceil(m) for m, _ in rungs if m < max_t)  # max_t: final evaluation
+
+
+def test_val_metric_is_evaluated_where_the_scheduler_decides_train_metric_is_not() -> None:
+    from runtime.tune import trial_base
+
+    asha_val = parse_tune(_job(method="asha", metric="val/loss", max_t=40, grace_period=10, reduction_factor=2))
+    assert trial_base(asha_val)["train"]["eval_at_steps"] == [10, 20]
+    pbt_val = parse_tune(_job(method="pbt", metric="val/loss", pbt={"perturbation_interval": 15}))
+    assert trial_base(pbt_val)["train"]["eval_at_steps"] == [15, 30]  # max_steps 40
+    assert trial_base(parse_tune(_job(method="asha", max_t=40)))["train"]["eval_at_steps"] == []  # train/loss
+    assert trial_base(parse_tune(_job(metric="val/loss")))["train"]["eval_at_steps"] == []  # random: no decisions
