@@ -31,7 +31,7 @@ COMMON = ("tracking.mlflow=false", "tracking.prometheus=false", "tune.seed=7")
 # (~36 epochs of 44 steps, ~100 s of training with two trials at once, about 6x a trial's fixed
 # cost, see docs/tune.md). ASHA rungs at 100 and 400 steps (grace 100, reduction factor 4): held-out
 # loss on digits swings up to 2x between epochs, and these rungs kept the full search's best in
-# ~90 % of simulated replays of recorded full curves (docs/tune.md). Trials are judged on
+# 84-88 % of simulated replays of recorded full curves (docs/tune.md). Trials are judged on
 # val/loss, evaluated at the rungs (runtime.tune.trial_base) and every 4 epochs.
 ASHA = (
     *COMMON, "data.image_size=28", "train.max_steps=1600", "train.log_every_steps=20", "train.eval_every_epochs=4",
