@@ -118,7 +118,7 @@ class TrainConfig(_Strict):
     eval_at_steps: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=list,
         description="Also evaluate right after these optimizer steps: where a Tune scheduler judges trials "
-                    "on a val/ metric (runtime.tune sets them to the ASHA rungs).")
+                    "on a val/ metric (runtime.tune adds ASHA's rungs or PBT's perturbation points).")
     seed: int = 0
     deterministic: bool = Field(False, description="torch.use_deterministic_algorithms (bit-exact resume).")
     update_mode: Literal["sync", "local_sgd"] = Field(
