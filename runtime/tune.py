@@ -275,6 +275,7 @@ def search_alg(tc: TuneConfig) -> Any:
 
 
 def asha_grace(spec: TuneSpec) -> int:
+    """ASHA's first rung: tune.grace_period, else max_t / rf^2 (three rungs, the last at max_t)."""
     tc = spec.tune
     return tc.grace_period or max(1, int(spec.max_t / tc.reduction_factor**2))
 
@@ -481,6 +482,24 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
     relayed_ckpt = -1
     first_report: tuple[float, float] | None = None  # (arrival, train seconds in it): start-up ends there
     last_report_at = t_start
+    final: tuple[dict[str, Any], dict[str, Any]] | None = None
+
+    def relay(item: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """Report to Tune, with a copy of the newest committed checkpoint when there is a new one."""
+        nonlocal relayed_ckpt
+        step = int(item.get("checkpoint_step", relayed_ckpt))
+        if step <= relayed_ckpt:
+            rt.report(metrics)
+            return
+        relayed_ckpt = step
+        with tempfile.TemporaryDirectory(prefix="rt-tune-ckpt-") as d:
+            copied = _copy_checkpoint(ckpt_root, step, d, ctx.endpoint_url)
+            if copied is None:
+                rt.report(metrics)
+                return
+            Path(d, SOURCE_FILE).write_text(json.dumps({"trial_id": trial_id, "run_name": run_name, "step": copied}))
+            rt.report(metrics, checkpoint=rt.Checkpoint.from_directory(d))
+
     for item in fitting.reports():
         last_report_at = time.time()
         history.append(item)
@@ -500,19 +519,12 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
         metrics.update(origin, **{"trial/train_seconds": train_s, "trial/wall_seconds": time.time() - t_start,
                                   "trial/run_name": run_name,
                                   "mlflow_run_id": tracker.run_id if tracker else ""})
-        step = int(item.get("checkpoint_step", relayed_ckpt))
-        if step > relayed_ckpt:
-            relayed_ckpt = step
-            with tempfile.TemporaryDirectory(prefix="rt-tune-ckpt-") as d:
-                copied = _copy_checkpoint(ckpt_root, step, d, ctx.endpoint_url)
-                if copied is None:
-                    rt.report(metrics)
-                    continue
-                Path(d, SOURCE_FILE).write_text(json.dumps({"trial_id": trial_id, "run_name": run_name,
-                                                            "step": copied}))
-                rt.report(metrics, checkpoint=rt.Checkpoint.from_directory(d))
+        if item.get("final"):
+            # Relayed after the trial's own bookkeeping: a scheduler may stop the trial on this
+            # result (ASHA does at max_t), and nothing after rt.report would run then.
+            final = (item, metrics)
         else:
-            rt.report(metrics)
+            relay(item, metrics)
     t_end = time.time()
     timing = {"trial_id": trial_id, "wall_seconds": t_end - t_start, "train_seconds": train_s,
               "steps": prev_step - origin["restored_step"], **origin}
@@ -532,6 +544,8 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
                                metrics=history[-1] if history else {}, history=history,
                                error=str(error) if error else None)
         tracker.finish(outcome, status="FAILED" if error else "FINISHED")
+    if final is not None:
+        relay(*final)
     if error:
         raise error if isinstance(error, BaseException) else RuntimeError(str(error))
 
@@ -680,11 +694,16 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
     records: dict[str, Any] | None = None
     rows = []
     for r in results:
-        config, record = r.config, None
-        if config is None:  # interrupted (Ctrl+C) before its first report: no result carries its config
+        config, record, status = r.config, None, _status(r)
+        # Interrupted (Ctrl+C) before its first report, no result carries its config; or ended
+        # before a restore, its restored last result may lack Tune's `done` (Tune sets it on the
+        # trial's final result in memory only): Tune's saved search state has both.
+        if config is None or status == "UNFINISHED":
             records = records if records is not None else _trial_records(search_dir, storage_filesystem)
             record = records.get(r.path)
-            config = record.config if record is not None else {}
+            config = config if config is not None else (record.config if record is not None else {})
+            if record is not None and record.status == "TERMINATED" and (record.last_result or {}).get("step"):
+                status = "TERMINATED"
         hist = _trial_progress(r)
         values = [h[metric] for h in hist if isinstance(h.get(metric), (int, float)) and not math.isnan(h[metric])]
         best = (max(values) if mode == "max" else min(values)) if values else None
@@ -699,7 +718,7 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
             timing["train_seconds"] = max((h.get("trial/train_seconds", 0.0) for h in hist), default=None)
         restored = sorted({str(h.get("restored_from_trial")) for h in hist if h.get("restored_from_trial")})
         rows.append(TrialRow(
-            trial_id=trial_id, status=_status(r),
+            trial_id=trial_id, status=status,
             params={k: config.get(k) for k in keys}, best=best, last=values[-1] if values else None,
             steps=int(max((h.get("step", 0) for h in hist), default=0)), iterations=len(hist),
             wall_seconds=timing.get("wall_seconds"), train_seconds=timing.get("train_seconds"),

@@ -123,6 +123,18 @@ def test_asha_stops_worse_trials_at_a_rung_judged_on_held_out_loss_evaluated_the
         assert [h["step"] for h in t.history if "val/loss" in h] == [10, 20, 40][:[10, 20, 40].index(t.steps) + 1]
     assert out.best is not None and out.best.steps == 40
     _assert_report_names_true_best(out)
+    # ASHA stops a trial on its final result too (at max_t): the trial's own bookkeeping (timing
+    # file, MLflow run) comes before that result; runs the scheduler cut short end KILLED.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cluster["mlflow"]["url"])
+    parent = client.get_run(out.parent_run_id)
+    children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{out.parent_run_id}'")
+    status = {c.data.tags["tune.trial_id"]: (c.info.status, c.data.tags["tune.stopped_early"]) for c in children}
+    for t in out.trials:
+        expected = ("FINISHED", "false") if t.steps == 40 else ("KILLED", "true")
+        assert status[t.trial_id] == expected, (t.trial_id, t.steps, status)
+        assert (t.startup_seconds is not None) == (t.steps == 40), t
 
 
 def test_trial_whose_worker_dies_is_restarted_by_tune_from_its_newest_checkpoint(
@@ -182,10 +194,10 @@ def _cli(storage: str, *extra: str) -> list[str]:
 
 
 def _finished_trials(search_dir: Path) -> set[str]:
-    """Trials whose function returned: each writes its timing file as its last act."""
-    from runtime.tune import TIMING_FILE
+    """Trials Tune has marked complete: the search's callback writes their wall time then."""
+    from runtime.tune import WALL_FILE
 
-    return {json.loads(p.read_text())["trial_id"] for p in search_dir.glob(f"runs/*/{TIMING_FILE}")}
+    return {json.loads(p.read_text())["trial_id"] for p in search_dir.glob(f"runs/*/{WALL_FILE}")}
 
 
 def test_interrupted_search_resumes_and_keeps_finished_trials(cluster: dict[str, Any], storage: str) -> None:
