@@ -357,7 +357,7 @@ def trial_base(spec: TuneSpec) -> dict[str, Any]:
     base = spec.base
     if spec.tune.metric.startswith("val/"):
         train = base["train"]
-        train["eval_at_steps"] = sorted({*train.get("eval_at_steps", []), *decision_steps(spec)})
+        train["eval_at_steps"] = sorted({*train["eval_at_steps"], *decision_steps(spec)})
     return base
 
 
@@ -702,7 +702,8 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
             records = records if records is not None else _trial_records(search_dir, storage_filesystem)
             record = records.get(r.path)
             config = config if config is not None else (record.config if record is not None else {})
-            if record is not None and record.status == "TERMINATED" and (record.last_result or {}).get("step"):
+            if (status == "UNFINISHED" and record is not None and record.status == "TERMINATED"
+                    and (record.last_result or {}).get("step")):
                 status = "TERMINATED"
         hist = _trial_progress(r)
         values = [h[metric] for h in hist if isinstance(h.get(metric), (int, float)) and not math.isnan(h[metric])]
