@@ -27,11 +27,10 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
 
 from runtime.checkpoint import CheckpointError, CheckpointRef
 from runtime.config import JobConfig
-from runtime.data import ResumableSampler, build_datasets
+from runtime.data import build_loaders
 from runtime.errors import ConfigError
 from runtime.models import build_model
 
@@ -162,29 +161,16 @@ class Worker:
         self.amp_dtype = resolve_precision(cfg.precision.dtype, self.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
 
-        # Data: each rank reads its own shard; the sampler can resume mid-epoch.
-        bundle = build_datasets(cfg.data)
+        # Data: each rank reads its own shard; the loader can resume mid-epoch.
         on_gpu = self.device.type == "cuda"
-        lw = cfg.data.loader_workers
-        n_workers = (4 if on_gpu else 0) if lw == "auto" else int(lw)
-        self.sampler = ResumableSampler(bundle.train, self.world, self.rank, shuffle=True, seed=cfg.data.seed)
-        val_sampler = ResumableSampler(bundle.val, self.world, self.rank, shuffle=False, seed=cfg.data.seed)
-        common: dict[str, Any] = {"batch_size": cfg.data.batch_size, "num_workers": n_workers, "pin_memory": on_gpu}
-        if n_workers:
-            common["persistent_workers"] = True
-        if len(self.sampler) < cfg.data.batch_size:
-            raise ConfigError(
-                f"data: {len(bundle.train)} training samples give each of {self.world} workers fewer than "
-                f"data.batch_size={cfg.data.batch_size}; add data or lower the batch size"
-            )
-        loader = DataLoader(bundle.train, sampler=self.sampler, drop_last=True, **common)
-        val_loader = DataLoader(bundle.val, sampler=val_sampler, **common) if len(bundle.val) else None
-        # Our own sampler already shards; prepare_data_loader only moves batches to the device.
-        self.loader = ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False)
-        self.val_loader = (
-            ray.train.torch.prepare_data_loader(val_loader, add_dist_sampler=False) if val_loader else None
-        )
-        self.batches_per_epoch = len(self.sampler) // cfg.data.batch_size
+        loaders = build_loaders(cfg.data, self.world, self.rank, on_gpu)
+        bundle = loaders.bundle
+        self.train_loader, self.val_loader = loaders.train, loaders.val
+        self.batches_per_epoch = loaders.batches_per_epoch
+        # uint8 sources: mean/std in 0..255 units, so normalising is one subtract and one divide.
+        mean, std = bundle.mean or (0.0,) * bundle.in_channels, bundle.std or (1.0,) * bundle.in_channels
+        self._mean = torch.tensor([255.0 * m for m in mean], device=self.device).view(1, -1, 1, 1)
+        self._std = torch.tensor([255.0 * v for v in std], device=self.device).view(1, -1, 1, 1)
         steps_per_epoch = max(1, self.batches_per_epoch // tc.grad_accum_steps)
         self.total_steps = tc.max_steps or steps_per_epoch * (tc.epochs or 1)
         if tc.max_steps and tc.epochs:
@@ -382,12 +368,19 @@ class Worker:
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless micro-batches; epochs advance the sampler, resumes start mid-epoch."""
         while True:
-            skip = self.state.batch_in_epoch * self.cfg.data.batch_size
-            self.sampler.set_position(self.state.epoch, skip)
-            for batch in self.loader:
+            self.train_loader.set_position(self.state.epoch, self.state.batch_in_epoch)
+            for batch in self.train_loader:
                 self.state.batch_in_epoch += 1
                 yield batch
             self.end_epoch()
+
+    def to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move a host batch to the device; uint8 images are normalised there (see DataBundle)."""
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        if x.dtype == torch.uint8:
+            x = (x.float() - self._mean) / self._std
+        return x.contiguous(memory_format=self.memory_format), y
 
     def end_epoch(self) -> None:
         self.state.epoch += 1
@@ -412,8 +405,7 @@ class Worker:
             td = time.perf_counter()
             x, y = next(it)
             data_wait += time.perf_counter() - td
-            x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
-            y = y.to(self.device, non_blocking=True)
+            x, y = self.to_device(x, y)
             # Gradients are all-reduced only on the last micro-step of the accumulation window.
             sync = micro == accum - 1 or not self.is_ddp
             ctx = contextlib.nullcontext() if sync else cast(Any, self.model).no_sync()
@@ -485,8 +477,8 @@ class Worker:
         self.model.eval()
         totals = torch.zeros(3, device=self.device)
         with torch.no_grad():
-            for x, y in self.val_loader:
-                x = x.to(self.device, memory_format=self.memory_format)
+            for xb, yb in self.val_loader:
+                x, y = self.to_device(xb, yb)
                 with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                     enabled=self.amp_dtype is not None):
                     out = self.model(x)
