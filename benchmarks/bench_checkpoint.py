@@ -28,11 +28,12 @@ BLOCK = 4 * 1024 * 1024
 
 
 def job_state() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(state, meta) as runtime.loop.Worker.state_dict builds it for jobs/resnet50.yaml."""
+    """(state, meta) as runtime.train.resume.build_payload builds it for jobs/resnet50.yaml."""
     from runtime.checkpoint import capture_rng_state
     from runtime.config import load_job
-    from runtime.loop import TrainerState, build_optimizer, lr_lambda
     from runtime.models import build_model
+    from runtime.train.resume import TrainerState
+    from runtime.train.setup import build_optimizer, lr_lambda
 
     cfg = load_job("resnet50", [], environ={})
     model = build_model(cfg.model, cfg.data.num_classes, 3, cfg.data.image_size)

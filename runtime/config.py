@@ -41,6 +41,12 @@ class ModelConfig(_Strict):
         False, description="Recompute activations in backward to save memory (torch.utils.checkpoint)."
     )
     sync_batchnorm: bool = Field(False, description="Convert BatchNorm to SyncBatchNorm (GPU/NCCL only).")
+    compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile the model (after DDP wrapping): auto = on with CUDA, off on CPU "
+                            "(CPU compile costs minutes on small machines for little gain).")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode. default uses no CUDA graphs (DDP with CUDA graphs has open "
+                               "upstream bugs); reduce-overhead and max-autotune add them.")
 
 
 class DataConfig(_Strict):
@@ -127,6 +133,9 @@ class TrainConfig(_Strict):
     local_sgd: LocalSGDConfig = LocalSGDConfig()
     nonfinite: NonFiniteConfig = NonFiniteConfig()
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads per worker.")
+    sync_debug: bool = Field(
+        False, description="CUDA only: raise on any host sync inside a steady-state step "
+                           "(torch.cuda.set_sync_debug_mode('error')); for tests and performance work.")
 
     @model_validator(mode="after")
     def _some_length(self) -> TrainConfig:

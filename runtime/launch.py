@@ -17,32 +17,18 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
-from runtime.loop import PREEMPT_FILE, RunInfo, train_loop_per_worker
 from runtime.progress import Progress
+from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
+from runtime.train.trainer import train_loop_per_worker
 
 log = logging.getLogger("runtime.launch")
-
-
-@dataclass
-class TrainOutcome:
-    """What a finished run hands back to the CLI, tests and Tune."""
-
-    run_name: str
-    run_dir: str
-    checkpoint_uri: str
-    metrics: dict[str, Any]
-    history: list[dict[str, Any]] = field(default_factory=list)
-    mlflow_run_id: str | None = None
-    mlflow_uri: str | None = None
-    preempted: bool = False
-    error: str | None = None
 
 
 def connect(address: str | None = None) -> None:
@@ -130,7 +116,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     """The TorchTrainer for this job; shared by `train` and each Tune trial.
 
     ``progress``: a ray.util.queue.Queue that rank 0 streams every report to; ``lockstep``:
-    rank 0 waits for each report to be taken (runtime.loop.Worker._stream).
+    rank 0 waits for each report to be taken (runtime.train.reporter.Reporter._stream).
     """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -190,7 +176,7 @@ class StreamingFit:
         from ray.util.queue import Queue
 
         # Inside a Tune trial the queue actor lands in the trial's placement group: it asks for no CPU.
-        # In lockstep (a trial under a scheduler) the queue has one slot (runtime.loop.Worker._stream).
+        # In lockstep (a trial under a scheduler) the queue has one slot (runtime.train.reporter.Reporter._stream).
         self._queue: Any = Queue(maxsize=1 if lockstep else 10_000, actor_options={"num_cpus": 0})
         self.trainer, self.run = build_trainer(cfg, run_name, progress=self._queue,
                                                mlflow_run_id=mlflow_run_id, lockstep=lockstep)

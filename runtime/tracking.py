@@ -25,7 +25,7 @@ from runtime.cluster import ROOT, tracking_uri
 from runtime.config import JobConfig
 
 if TYPE_CHECKING:
-    from runtime.launch import TrainOutcome
+    from runtime.train.run import TrainOutcome
 
 log = logging.getLogger("runtime.tracking")
 

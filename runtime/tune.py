@@ -47,7 +47,7 @@ log = logging.getLogger("runtime.tune")
 # Methods whose scheduler acts on every intermediate result (stops, pauses or clones trials).
 SCHEDULERS = ("asha", "hyperband", "pbt")
 
-# What the loop reports (runtime/loop.py Worker.report / evaluate): the only valid search metrics.
+# What the loop reports (runtime/train/trainer.py Trainer.report / evaluate): the only valid search metrics.
 KNOWN_METRICS = (
     "train/loss", "train/accuracy", "train/throughput", "train/learning_rate", "train/grad_norm",
     "time/step_s", "time/data_s", "val/loss", "val/accuracy",
@@ -450,8 +450,9 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
     """
     from ray import tune as rt
 
-    from runtime.launch import StreamingFit, TrainOutcome
+    from runtime.launch import StreamingFit
     from runtime.tracking import Tracker
+    from runtime.train.run import TrainOutcome
 
     t_start = time.time()
     trial_id = rt.get_context().get_trial_id()
@@ -921,7 +922,7 @@ def _finish_parent(parent: Any, out: SearchOutcome, spec: TuneSpec) -> None:
     """Parent run: report artifacts, the best trial's curves and model; close trials Tune stopped early."""
     from mlflow.entities import Metric
 
-    from runtime.launch import TrainOutcome
+    from runtime.train.run import TrainOutcome
 
     client = parent.client
     for path in out.report_files.values():

@@ -1,0 +1,111 @@
+"""Where a report goes: the driver's progress queue, Ray Train, Prometheus gauges, cost.
+
+Rank 0 publishes job-level results; every rank exports its own gauges. Ray Train gets
+only reports that register a checkpoint and the final one: Train V2 lets a worker have
+one report in flight and takes it at its poll period, so metric-only reports through Ray
+would stall fast loops. Everything else streams to the driver's queue actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray.train
+
+from runtime.checkpoint import CheckpointRef
+from runtime.train.run import RunInfo
+
+log = logging.getLogger("runtime.train")
+PRICES = Path(__file__).resolve().parents[2] / "prices" / "instances.yaml"
+
+
+class Reporter:
+    def __init__(self, rank: int, world: int, run: RunInfo, progress: Any, lockstep: bool, gauges: Any,
+                 checkpoints: Any, report_fn: Callable[..., None]) -> None:
+        self.rank, self.world, self.run = rank, world, run
+        self.progress = progress  # the driver's ray.util.queue.Queue: rank 0 streams every report to it
+        self.lockstep = lockstep  # a Tune trial under a scheduler: wait until the trial takes each report
+        self.gauges = gauges  # runtime.metrics.WorkerMetrics or None
+        self.checkpoints = checkpoints  # CheckpointManager or None
+        self._reported_step: int | None = None  # newest checkpoint registered with Ray Train
+        self._comm_exported = 0.0
+        self.report_fn = report_fn  # ray.train.report inside Ray Train
+
+    def unregistered_commit(self) -> CheckpointRef | None:
+        """Rank 0: the newest commit if Ray Train has not been handed it yet, else None."""
+        last = self.checkpoints.last_committed() if self.checkpoints is not None else None
+        return last if last is not None and last.step != self._reported_step else None
+
+    def publish(self, metrics: dict[str, Any], final: bool, to_ray: bool, comm_seconds: float) -> None:
+        """All ranks call this at the same step (``to_ray`` and ``final`` were agreed on)."""
+        if self.gauges is not None and "train/loss" in metrics:
+            self._export(metrics, comm_seconds)
+        checkpoint = None
+        tmp: tempfile.TemporaryDirectory[str] | None = None
+        if self.rank == 0 and self.checkpoints is not None:
+            last = self.unregistered_commit() if to_ray or final else None
+            if last is not None:
+                from runtime.checkpoint import write_pointer
+
+                tmp = tempfile.TemporaryDirectory(prefix="rt-pointer-")
+                write_pointer(last, tmp.name)
+                checkpoint = ray.train.Checkpoint.from_directory(tmp.name)
+                self._reported_step = last.step
+                metrics["checkpoint_step"] = last.step
+            metrics["checkpoint_failures"] = self.checkpoints.metrics.failures
+        if self.rank == 0 and self.progress is not None:
+            self._stream(metrics, wait=final)
+        if to_ray or final:
+            self.report_fn(metrics, checkpoint=checkpoint)
+        if tmp is not None:
+            tmp.cleanup()
+
+    def _export(self, metrics: dict[str, Any], comm_seconds: float) -> None:
+        g = self.gauges
+        g.loss.set(metrics["train/loss"])
+        g.accuracy.set(metrics["train/accuracy"])
+        g.lr.set(metrics["train/learning_rate"])
+        g.grad_norm.set(metrics["train/grad_norm"])
+        g.samples_per_second.set(metrics["train/throughput"] / self.world)
+        g.comm_seconds.inc(comm_seconds - self._comm_exported)
+        self._comm_exported = comm_seconds
+        if self.rank == 0:
+            self._export_cost()
+
+    def _stream(self, metrics: dict[str, Any], wait: bool) -> None:
+        """Hand a result to the driver's queue actor; only the final one waits for delivery.
+
+        Calls from one caller to one actor run in order, so the final result, delivered
+        before Ray Train hears of it, arrives after every earlier one. In a Tune trial under
+        a scheduler (lockstep, a one-slot queue) every put waits for the trial to take the
+        previous result, and the trial waits in tune.report until Tune wants the next one: a
+        stop or pause (ASHA, PBT, HyperBand) lands at the step it judged, instead of a fast
+        loop training on past it. Searches without one (random, grid, Optuna) do not wait.
+        """
+        item = {**metrics, "_time": time.time()}
+        try:
+            if self.lockstep:
+                self.progress.put(item, timeout=None)
+            elif wait:
+                self.progress.put(item, timeout=30)
+            else:
+                self.progress.actor.put_nowait.remote(item)
+        except Exception as e:  # the driver's progress view must never stop training
+            log.warning("could not stream step %s to the driver: %s", metrics.get("step"), e)
+
+    def _export_cost(self) -> None:
+        try:
+            from runtime.cost import estimate_cost, load_price_table
+
+            table = load_price_table(PRICES)
+            secs = time.time() - self.run.started_at
+            for pricing in ("on_demand", "spot"):
+                dollars = estimate_cost(self.run.instance_type, pricing, self.world, secs, table)
+                self.gauges.cost.labels(**self.gauges.labels, pricing=pricing).set(dollars)
+        except Exception as e:  # cost is advisory: never fail training over a price table
+            log.debug("cost estimate unavailable: %s", e)

@@ -1,0 +1,128 @@
+"""The checkpoint payload a rank writes, and restoring the newest one that verifies.
+
+Unit-testable without Ray: the functions take the model, optimizer, scheduler and a
+CheckpointManager, not the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.config import JobConfig
+from runtime.train.setup import prime_momentum
+
+log = logging.getLogger("runtime.train")
+
+
+@dataclass
+class TrainerState:
+    """Loop counters saved with every checkpoint; enough to continue at the next batch."""
+
+    epoch: int = 0
+    global_step: int = 0
+    samples_seen: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank trained on in `epoch`
+    nonfinite_total: int = 0
+    nonfinite_in_row: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Trainables:
+    """What a checkpoint holds besides the counters."""
+
+    model: nn.Module  # the unwrapped module (no DDP/compile prefixes in its state dict)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None = None
+
+
+def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: int) -> dict[str, Any]:
+    """The state to save. A collective when distributed (every rank's RNG): all ranks call it."""
+    from runtime.checkpoint import capture_rng_state
+
+    rng = capture_rng_state()
+    rng_all: list[Any] = [None] * world
+    if distributed:
+        dist.all_gather_object(rng_all, rng)  # every rank's RNG, so a resume is exact per rank
+    else:
+        rng_all = [rng]
+    payload: dict[str, Any] = {
+        "model": t.model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "trainer": state.as_dict(),
+        "rng": {str(r): s for r, s in enumerate(rng_all)},
+    }
+    if t.scaler is not None:
+        payload["scaler"] = t.scaler.state_dict()
+    return payload
+
+
+def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: int, world: int) -> TrainerState:
+    """Load a verified payload into the trainables; returns the loop counters to continue from."""
+    from runtime.checkpoint import restore_rng_state
+
+    t.model.load_state_dict(payload["model"])
+    t.optimizer.load_state_dict(payload["optimizer"])
+    prime_momentum(t.optimizer)  # a checkpoint from before the first step has no buffers yet
+    t.scheduler.load_state_dict(payload["scheduler"])
+    apply_config_hyperparameters(cfg, t.optimizer, t.scheduler)
+    if t.scaler is not None and "scaler" in payload:
+        t.scaler.load_state_dict(payload["scaler"])
+    rng = payload.get("rng", {}).get(str(rank))
+    if rng is not None and len(payload["rng"]) == world:
+        restore_rng_state(rng)
+    return TrainerState(**{k: int(v) for k, v in payload["trainer"].items()})
+
+
+def apply_config_hyperparameters(cfg: JobConfig, optimizer: torch.optim.Optimizer,
+                                 scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """The job's optimizer settings win over the checkpoint's.
+
+    A plain resume changes nothing (same config). When Tune's PBT restarts a trial from
+    another trial's checkpoint with perturbed hyperparameters, this is what makes the
+    new values take effect instead of the donor's saved ones.
+    """
+    o = cfg.optimizer
+    lam = scheduler.lr_lambdas[0]
+    scheduler.base_lrs = [o.lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = o.lr
+        group["lr"] = o.lr * lam(scheduler.last_epoch)
+        group["weight_decay"] = o.weight_decay
+        if "momentum" in group:
+            group["momentum"] = o.momentum
+        if "betas" in group:
+            group["betas"] = tuple(o.betas)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() returns
+
+
+def restore_latest(manager: Any, t: Trainables, cfg: JobConfig, rank: int, world: int,
+                   ray_pointer_step: int | None) -> tuple[TrainerState | None, dict[str, Any]]:
+    """Resume from the newest checkpoint that verifies, even if Ray's registry is behind.
+
+    Returns (counters or None for a fresh start, facts for the first report: warnings about
+    skipped checkpoints, the step resumed from).
+    """
+    ref, payload, warnings = manager.load_latest()
+    for w in warnings:
+        log.warning("rank %d: %s", rank, w)
+    info: dict[str, Any] = {"restore_warnings": warnings} if warnings else {}
+    if ray_pointer_step is not None and ref is not None and ray_pointer_step < ref.step:
+        log.warning("Ray's registry points at step %d; storage has newer step %d", ray_pointer_step, ref.step)
+    if ref is None or payload is None:
+        return None, info
+    state = apply_payload(t, payload, cfg, rank, world)
+    info["resumed_from_step"] = ref.step
+    if rank == 0:
+        log.warning("resumed from %s (step %d, epoch %d)", ref.name, state.global_step, state.epoch)
+    return state, info

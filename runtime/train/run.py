@@ -1,0 +1,41 @@
+"""What the driver tells every worker (RunInfo) and what a finished run hands back (TrainOutcome).
+
+Kept apart from the driver and the trainer so tracking and Tune can name them without
+importing either.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PREEMPT_FILE = "PREEMPT"  # dropped in the run folder by the driver (SIGTERM) or an operator
+
+
+@dataclass
+class RunInfo:
+    """What the driver tells every worker besides the job config."""
+
+    run_name: str
+    job_id: str
+    checkpoint_uri: str
+    run_dir: str  # local folder shared by driver and workers on this machine (preemption marker)
+    sd_dir: str | None = None
+    instance_type: str = "local-cpu"
+    started_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class TrainOutcome:
+    """What a finished run hands back to the CLI, tests and Tune."""
+
+    run_name: str
+    run_dir: str
+    checkpoint_uri: str
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    mlflow_run_id: str | None = None
+    mlflow_uri: str | None = None
+    preempted: bool = False
+    error: str | None = None

@@ -1,0 +1,175 @@
+"""Builders the trainer composes: precision, optimizer, schedule, seeding, DDP comm hooks, compile."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections.abc import Iterable
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.config import JobConfig, ModelConfig
+from runtime.errors import ConfigError
+
+
+def resolve_precision(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for fp32. fp16 needs a GPU (GradScaler); bf16 runs anywhere."""
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    if dtype == "fp16" and device.type != "cuda":
+        raise ConfigError("precision.dtype=fp16 needs a CUDA device (GradScaler); use bf16 or fp32 on CPU")
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+def lr_lambda(cfg: JobConfig, total_steps: int) -> Any:
+    """Multiplier on optimizer.lr: linear warmup, then constant, cosine or step decay."""
+    s = cfg.schedule
+
+    def f(step: int) -> float:
+        if s.warmup_steps and step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        if s.name == "constant":
+            return 1.0
+        if s.name == "step":
+            return float(s.gamma ** ((step - s.warmup_steps) // s.step_size))
+        span = max(1, total_steps - s.warmup_steps)
+        progress = min(1.0, (step - s.warmup_steps) / span)
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _fused_supported(params: list[nn.Parameter]) -> bool:
+    """torch's fused SGD/Adam/AdamW kernels take a ``found_inf`` tensor and skip the update on
+    the device: the non-finite policy then needs no host sync. They need float params on a
+    device torch has the kernels for (CUDA and CPU among them)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    return bool(params) and all(p.is_floating_point() and p.device.type in devices for p in params)
+
+
+def build_optimizer(cfg: JobConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    ps = [p for p in params if p.requires_grad]
+    fused = _fused_supported(ps)
+    o = cfg.optimizer
+    opt: torch.optim.Optimizer
+    if o.name == "sgd":
+        opt = torch.optim.SGD(ps, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov,
+                              fused=fused)
+    elif o.name == "adam":
+        opt = torch.optim.Adam(ps, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused)
+    else:
+        opt = torch.optim.AdamW(ps, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused)
+    prime_momentum(opt)
+    return opt
+
+
+def prime_momentum(opt: torch.optim.Optimizer) -> None:
+    """Give SGD zero momentum buffers before its first step.
+
+    A fused SGD step skipped through ``found_inf`` on its very first call leaves the buffer it
+    allocated uninitialised (seen with torch 2.13 on CPU: later steps read garbage). A zero
+    buffer gives the same first update (0 x momentum + grad, dampening 0) and avoids that path.
+    """
+    if not isinstance(opt, torch.optim.SGD):
+        return
+    for group in opt.param_groups:
+        if group["momentum"]:
+            for p in group["params"]:
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
+def step_unless(opt: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """``opt.step()`` unless ``bad`` (a 0-dim float tensor, 1.0 = skip), decided on the device.
+
+    Fused optimizers read ``found_inf`` the way GradScaler passes it: params, moments and
+    step counts stay untouched on a skipped step, and the host never waits. Other
+    optimizers fall back to reading the flag (one host sync).
+    """
+    if getattr(opt, "_step_supports_amp_scaling", False) and opt.defaults.get("fused"):
+        holder = cast(Any, opt)
+        holder.found_inf = bad
+        try:
+            opt.step()
+        finally:
+            del holder.found_inf
+    elif not bool(bad):
+        opt.step()
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+
+
+class CommTimer:
+    """Wraps a DDP communication hook, timing each all-reduce until its future completes."""
+
+    def __init__(self, inner: Any, inner_state: Any) -> None:
+        self.inner, self.inner_state, self.seconds = inner, inner_state, 0.0
+
+    def hook(self) -> Any:
+        # DDP checks the hook's annotations, so the returned function carries none (strings fail).
+        def timed_hook(_state, bucket):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            fut = self.inner(self.inner_state, bucket)
+
+            def done(f):  # type: ignore[no-untyped-def]
+                self.seconds += time.perf_counter() - t0
+                return f.value()
+
+            return fut.then(done)
+
+        return timed_hook
+
+
+def register_comm_hook(model: nn.Module, cfg: JobConfig) -> tuple[CommTimer, Any]:
+    """Sync mode: timed all-reduce. local_sgd: torch's post-local-SGD hook + periodic averaging.
+
+    Returns (timer, model averager or None).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    tc = cfg.train
+    averager = None
+    if tc.update_mode == "local_sgd":
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        # After start_step each worker steps on its own gradients (subgroup of one) and
+        # the models are averaged across all workers every `period` steps.
+        subgroup, _ = dist.new_subgroups(group_size=1)
+        state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=tc.local_sgd.start_step)
+        comm = CommTimer(post_localSGD_hook, state)
+        averager = PeriodicModelAverager(period=tc.local_sgd.period, warmup_steps=tc.local_sgd.start_step)
+    else:
+        comm = CommTimer(default_hooks.allreduce_hook, None)
+    cast(Any, model).register_comm_hook(None, comm.hook())
+    return comm, averager
+
+
+def compile_enabled(cfg: ModelConfig, device: torch.device) -> bool:
+    return device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
+
+
+def maybe_compile(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """torch.compile the (DDP-wrapped) model when asked: DDPOptimizer splits graphs at bucket
+    boundaries so all-reduce still overlaps backward. Compilation happens lazily in the first
+    step, which the trainer times on its own (``time/first_step_s``)."""
+    if not compile_enabled(cfg, device):
+        return model
+    return cast(nn.Module, torch.compile(model, mode=cfg.compile_mode))

@@ -1,0 +1,110 @@
+"""Step statistics kept on the device, and the once-per-boundary exchange between ranks.
+
+A steady-state step never waits for the device: loss, accuracy, grad norm and the
+non-finite counters accumulate in device tensors. At a *boundary* (a report, a checkpoint,
+an evaluation step) every rank calls :meth:`StepStats.exchange` at the same step: one
+all-reduce carries the window's sums and rank 0's control flags (preempt, stop, new
+commit), and one device-to-host read brings them back. That is the only sync point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Boundary:
+    """What all ranks agreed on at a boundary."""
+
+    preempt: bool
+    stop: bool  # rank 0 asked to stop (e.g. its checkpoint save failed)
+    commit: bool  # rank 0 has a checkpoint commit Ray Train has not been told of
+    nonfinite_stop: bool  # some rank saw max_consecutive non-finite steps in a row
+    nonfinite_total: int  # this rank's count over the run
+    nonfinite_in_row: int  # this rank's current run of non-finite steps
+    nonfinite_crossed_at: int  # step at which this rank crossed max_consecutive, 0 if it did not
+    metrics: dict[str, Any] = field(default_factory=dict)  # window metrics, when asked for
+
+
+class StepStats:
+    """Sums since the last report (device tensors) plus host-side counts and times."""
+
+    def __init__(self, device: torch.device, nonfinite_total: int = 0, nonfinite_in_row: int = 0) -> None:
+        self.device = device
+        self.nonfinite_total = torch.tensor(float(nonfinite_total), device=device)
+        self.in_row = torch.tensor(float(nonfinite_in_row), device=device)
+        self.crossed_at = torch.zeros((), device=device)
+        self._reset_window()
+        self.first_step_s: float | None = None  # the first step of this process (compile, autotune, warm-up)
+
+    def _reset_window(self) -> None:
+        self.sums = torch.zeros(2, device=self.device)  # (loss x samples, correct) over good and bad steps
+        self.grad_norm = torch.zeros((), device=self.device)
+        self.steps = self.n = 0
+        self.t0 = time.perf_counter()
+        self.excluded_s = 0.0  # evaluation and checkpoint time inside the window (not training)
+        self.data_s = 0.0
+        self.timed_from_n = self.timed_from_step = 0  # throughput counts from here (after the first step)
+
+    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, grad_norm: torch.Tensor, bad: torch.Tensor,
+            n: int, step: int, max_consecutive: int) -> None:
+        """Record one optimizer step; ``bad`` is 1.0 for a non-finite step. No host sync."""
+        self.sums += torch.stack([loss_sum.float(), correct.float()])
+        self.grad_norm = grad_norm.detach().float()
+        self.nonfinite_total += bad
+        self.in_row = (self.in_row + bad) * bad  # resets to 0 on a finite step
+        crossed = (self.crossed_at == 0) & (self.in_row >= max_consecutive)
+        self.crossed_at = torch.where(crossed, torch.full_like(self.crossed_at, step), self.crossed_at)
+        self.steps += 1
+        self.n += n
+
+    def first_step_done(self, device: torch.device) -> None:
+        """Time the process's first step on its own (one sync): throughput starts after it."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.first_step_s = time.perf_counter() - self.t0
+        self.t0 = time.perf_counter()
+        self.timed_from_n, self.timed_from_step = self.n, self.steps
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded_s += seconds
+
+    def exchange(self, flags: tuple[bool, bool, bool], distributed: bool, world: int, want_metrics: bool) -> Boundary:
+        """All ranks at the same step: reduce the window and rank 0's flags; one read to the host.
+
+        ``flags`` are (preempt, stop, commit) as this rank sees them; only rank 0's count,
+        so the caller passes zeros elsewhere. Resets the window when ``want_metrics``.
+        """
+        elapsed = time.perf_counter() - self.t0 - self.excluded_s
+        timed_n = self.n - self.timed_from_n
+        host = torch.tensor([float(timed_n), elapsed, *map(float, flags)], device=self.device)
+        crossed = (self.crossed_at > 0).float()
+        shared = torch.cat([self.sums, torch.stack([self.grad_norm, crossed]), host])
+        if distributed:
+            dist.all_reduce(shared)
+        own = torch.stack([self.nonfinite_total, self.in_row, self.crossed_at])
+        vals = torch.cat([shared, own]).tolist()  # the boundary's one device-to-host read
+        loss, correct, grad_norm, crossed_n, timed_total, elapsed_sum, pre, stop, commit, nf_total, in_row, at = vals
+        out = Boundary(preempt=pre > 0, stop=stop > 0, commit=commit > 0, nonfinite_stop=crossed_n > 0,
+                       nonfinite_total=int(nf_total), nonfinite_in_row=int(in_row), nonfinite_crossed_at=int(at))
+        if want_metrics and self.steps:
+            n = self.n * world  # every rank trains the same number of samples per step
+            mean_elapsed = elapsed_sum / world
+            steps_timed = self.steps - self.timed_from_step
+            out.metrics = {
+                "train/loss": loss / n,
+                "train/accuracy": correct / n,
+                "train/throughput": timed_total / mean_elapsed if mean_elapsed > 0 and timed_total else 0.0,
+                "train/grad_norm": grad_norm / world,
+                "time/step_s": mean_elapsed / steps_timed if steps_timed > 0 else 0.0,
+                "time/data_s": self.data_s / self.steps,
+            }
+            if self.first_step_s is not None:  # reported once
+                out.metrics["time/first_step_s"], self.first_step_s = self.first_step_s, None
+            self._reset_window()
+        return out

@@ -1,0 +1,60 @@
+"""Step statistics live on the device until a boundary; non-finite runs are tracked there too."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.train.stats import StepStats
+
+CPU = torch.device("cpu")
+
+
+def _step(s: StepStats, loss: float, bad: bool, step: int, max_consecutive: int = 3) -> None:
+    s.add(torch.tensor(loss * 4), torch.tensor(2.0), torch.tensor(1.5), torch.tensor(float(bad)), 4, step,
+          max_consecutive)
+
+
+def test_exchange_reports_window_means_and_resets_the_window() -> None:
+    s = StepStats(CPU)
+    _step(s, 1.0, False, 1)
+    _step(s, 3.0, False, 2)
+    b = s.exchange((False, False, True), distributed=False, world=1, want_metrics=True)
+    assert b.commit and not b.preempt and not b.stop
+    assert b.metrics["train/loss"] == 2.0 and b.metrics["train/accuracy"] == 0.5
+    assert b.metrics["train/grad_norm"] == 1.5 and b.metrics["train/throughput"] > 0
+    assert s.steps == 0 and s.exchange((False,) * 3, False, 1, True).metrics == {}
+
+
+def test_exchange_without_metrics_keeps_the_window() -> None:
+    s = StepStats(CPU)
+    _step(s, 1.0, False, 1)
+    assert s.exchange((True, False, False), False, 1, want_metrics=False).preempt
+    assert s.exchange((False,) * 3, False, 1, want_metrics=True).metrics["train/loss"] == 1.0
+
+
+def test_nonfinite_runs_reset_on_a_finite_step_and_the_first_crossing_step_is_kept() -> None:
+    s = StepStats(CPU, nonfinite_total=1)
+    for step, bad in enumerate([True, True, False, True, True, True, True], start=1):
+        _step(s, 1.0, bad, step)
+    b = s.exchange((False,) * 3, False, 1, want_metrics=False)
+    assert b.nonfinite_total == 7 and b.nonfinite_in_row == 4
+    assert b.nonfinite_stop and b.nonfinite_crossed_at == 6
+
+
+def test_two_nonfinite_in_a_row_below_the_limit_do_not_ask_to_stop() -> None:
+    s = StepStats(CPU)
+    for step, bad in enumerate([True, True, False], start=1):
+        _step(s, 1.0, bad, step)
+    b = s.exchange((False,) * 3, False, 1, want_metrics=False)
+    assert not b.nonfinite_stop and b.nonfinite_total == 2 and b.nonfinite_in_row == 0
+
+
+def test_the_first_step_is_timed_apart_and_left_out_of_throughput() -> None:
+    s = StepStats(CPU)
+    _step(s, 1.0, False, 1)
+    s.first_step_done(CPU)
+    _step(s, 1.0, False, 2)
+    s.exclude(0.0)
+    m = s.exchange((False,) * 3, False, 1, True).metrics
+    assert m["time/first_step_s"] >= 0 and m["time/step_s"] >= 0
+    assert "time/first_step_s" not in (_step(s, 1.0, False, 3) or s.exchange((False,) * 3, False, 1, True).metrics)
