@@ -22,25 +22,42 @@ from runtime.errors import ConfigError
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 ENV_PREFIX = "RT_"
 
-MODEL_NAMES = ("small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16")
-DATA_SOURCES = ("synthetic", "cifar10", "imagefolder", "digits")
+MODEL_NAMES = ("small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16", "gpt")
+DATA_SOURCES = ("synthetic", "cifar10", "imagefolder", "digits", "tokens", "text")
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class TransformerConfig(_Strict):
+    """Size of model.name=gpt, a decoder-only transformer over byte tokens (GPT-2 layout, pre-LayerNorm)."""
+
+    layers: int = Field(4, ge=1, le=256)
+    dim: int = Field(256, ge=8, le=65536, description="Embedding width; a multiple of heads.")
+    heads: int = Field(4, ge=1, le=512)
+    seq_len: int = Field(128, ge=2, le=65536, description="Tokens per sample (the context length).")
+    vocab_size: int = Field(256, ge=2, le=1_000_000, description="256 = bytes, what the token sources make.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TransformerConfig:
+        if self.dim % self.heads:
+            raise ValueError(f"dim={self.dim} must be a multiple of heads={self.heads}")
+        return self
+
+
 class ModelConfig(_Strict):
     """Which network to train; num_classes comes from the data, not from here."""
 
     name: Literal[
-        "small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16"
+        "small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16", "gpt"
     ] = "resnet50"
     channels_last: bool = Field(False, description="NHWC memory format (faster convs on GPU tensor cores).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory (torch.utils.checkpoint)."
     )
     sync_batchnorm: bool = Field(False, description="Convert BatchNorm to SyncBatchNorm (GPU/NCCL only).")
+    transformer: TransformerConfig = TransformerConfig()
     compile: Literal["auto"] | bool = Field(
         "auto", description="torch.compile the model (after DDP wrapping): auto = on with CUDA, off on CPU "
                             "(CPU compile costs minutes on small machines for little gain).")
@@ -52,7 +69,10 @@ class ModelConfig(_Strict):
 class DataConfig(_Strict):
     """Where samples come from and how each worker batches them."""
 
-    source: Literal["synthetic", "cifar10", "imagefolder", "digits"] = "synthetic"
+    source: Literal["synthetic", "cifar10", "imagefolder", "digits", "tokens", "text"] = Field(
+        "synthetic", description="Images: synthetic, cifar10, imagefolder, digits. Token sequences (model.name=gpt): "
+                                 "tokens (synthetic, made on the device), text (bytes of Python's standard library "
+                                 "sources, a real text every machine has).")
     path: str | None = Field(None, description="Data folder for cifar10 (python batches) or imagefolder.")
     image_size: int = Field(32, ge=8, le=1024, description="Square input size fed to the model.")
     num_classes: int = Field(10, ge=2, description="Classes for synthetic data (real sets know theirs).")
@@ -144,10 +164,25 @@ class TrainConfig(_Strict):
         return self
 
 
+class FSDPConfig(_Strict):
+    """FSDP2 (``fully_shard``) settings, used with distributed.strategy=fsdp."""
+
+    reshard_after_forward: bool = Field(
+        True, description="Free each block's gathered parameters after its forward (least memory); false keeps "
+                          "them until backward (one all-gather less per block, more memory).")
+    param_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Dtype blocks compute in; auto = precision.dtype's autocast dtype (bf16 on GPUs, "
+                            "fp32 on CPU).")
+    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="Dtype of the gradient reduce-scatter.")
+    cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer state in host memory.")
+
+
 class DistributedConfig(_Strict):
     num_workers: int = Field(2, ge=1, le=4096)
     use_gpu: Literal["auto"] | bool = Field("auto", description="auto = GPUs when the cluster has them.")
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp = replicate the model; fsdp = shard it per block with FSDP2 (CPU/gloo and GPU).")
+    fsdp: FSDPConfig = FSDPConfig()
     cpus_per_worker: float = Field(1, gt=0)
     gpus_per_worker: float = Field(1, gt=0)
     resources_per_worker: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources.")

@@ -73,10 +73,6 @@ def preflight(cfg: JobConfig, use_gpu: bool) -> None:
             "model.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU/gloo; "
             "set model.sync_batchnorm=false or run on a cluster with GPUs"
         )
-    if cfg.distributed.strategy == "fsdp" and not use_gpu:
-        raise ConfigError(
-            "distributed.strategy=fsdp needs GPUs (Ray Train's FSDP wrapping is GPU-only); use ddp on CPU"
-        )
     if cfg.precision.dtype == "fp16" and not use_gpu:
         raise ConfigError("precision.dtype=fp16 needs GPUs (GradScaler); use bf16 or fp32 on CPU")
 

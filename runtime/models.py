@@ -91,6 +91,50 @@ def _vit(cfg: ModelConfig, num_classes: int, in_channels: int, image_size: int) 
     return model  # type: ignore[no-any-return]
 
 
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention then an MLP, each with a residual."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))  # type: ignore[no-any-return]
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: logits (batch, seq, vocab) for the next token at each position."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq_len: int, checkpointed: bool) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+        blocks = [Block(dim, heads) for _ in range(layers)]
+        self.blocks = nn.Sequential(*[Checkpointed(b) if checkpointed else b for b in blocks])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.ln(self.blocks(x)))  # type: ignore[no-any-return]
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of model.name=gpt without building it: for the memory table and MFU."""
+    t = cfg.transformer
+    per_block = 12 * t.dim * t.dim + 13 * t.dim  # qkv + proj + 2-layer MLP (4x) + 2 LayerNorms, with biases
+    return t.vocab_size * t.dim * 2 + t.seq_len * t.dim + t.layers * per_block + 2 * t.dim
+
+
 def build_model(cfg: ModelConfig, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     """Build the configured network for inputs of shape (in_channels, image_size, image_size)."""
     model: nn.Module
@@ -100,6 +144,9 @@ def build_model(cfg: ModelConfig, num_classes: int, in_channels: int, image_size
             model.features = nn.Sequential(*[Checkpointed(b) for b in model.features])
     elif cfg.name == "mlp":
         model = MLP(in_channels * image_size * image_size, num_classes)
+    elif cfg.name == "gpt":
+        t = cfg.transformer
+        model = GPT(t.vocab_size, t.dim, t.layers, t.heads, t.seq_len, cfg.gradient_checkpointing)
     elif cfg.name.startswith("resnet"):
         model = _resnet(cfg, num_classes, in_channels, image_size)
     else:

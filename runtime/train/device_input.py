@@ -63,7 +63,7 @@ def make_stage(device: torch.device, bundle: DataBundle, memory_format: torch.me
             y = y.to(device, non_blocking=True)
         if x.dtype == torch.uint8:
             x = (x.float() - mean) / std
-        return x.contiguous(memory_format=memory_format), y
+        return (x.contiguous(memory_format=memory_format) if x.dim() == 4 else x), y
 
     return stage
 

@@ -26,7 +26,7 @@ PRICES = Path(__file__).resolve().parents[2] / "prices" / "instances.yaml"
 
 class Reporter:
     def __init__(self, rank: int, world: int, run: RunInfo, progress: Any, lockstep: bool, gauges: Any,
-                 checkpoints: Any, report_fn: Callable[..., None]) -> None:
+                 checkpoints: Any, report_fn: Callable[..., None], report_all: bool = False) -> None:
         self.rank, self.world, self.run = rank, world, run
         self.progress = progress  # the driver's ray.util.queue.Queue: rank 0 streams every report to it
         self.lockstep = lockstep  # a Tune trial under a scheduler: wait until the trial takes each report
@@ -35,6 +35,7 @@ class Reporter:
         self._reported_step: int | None = None  # newest checkpoint registered with Ray Train
         self._comm_exported = 0.0
         self.report_fn = report_fn  # ray.train.report inside Ray Train
+        self.report_all = report_all  # in-process trainers (tests): every report goes to report_fn
 
     def unregistered_commit(self) -> CheckpointRef | None:
         """Rank 0: the newest commit if Ray Train has not been handed it yet, else None."""
@@ -60,7 +61,7 @@ class Reporter:
             metrics["checkpoint_failures"] = self.checkpoints.metrics.failures
         if self.rank == 0 and self.progress is not None:
             self._stream(metrics, wait=final)
-        if to_ray or final:
+        if to_ray or final or self.report_all:
             self.report_fn(metrics, checkpoint=checkpoint)
         if tmp is not None:
             tmp.cleanup()

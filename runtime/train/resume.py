@@ -45,9 +45,25 @@ class Trainables:
     scaler: torch.amp.GradScaler | None = None
 
 
-def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: int) -> dict[str, Any]:
-    """The state to save. A collective when distributed (every rank's RNG): all ranks call it."""
+def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: int,
+                  sharded: bool = False) -> dict[str, Any]:
+    """The state to save. A collective when distributed (every rank's RNG): all ranks call it.
+
+    Model and optimizer state are *full* and keyed by parameter name (torch's
+    ``distributed.checkpoint.state_dict`` helpers), whatever the strategy: a DDP checkpoint
+    loads into an FSDP run and back, on any number of ranks. With FSDP (``sharded``) the
+    shards are gathered to rank 0 in host memory; other ranks get empty dicts.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
     from runtime.checkpoint import capture_rng_state
+
+    # DDP keeps tensors on the device: the checkpoint writer snapshots them without a stall.
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=sharded)
 
     rng = capture_rng_state()
     rng_all: list[Any] = [None] * world
@@ -56,8 +72,8 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
     else:
         rng_all = [rng]
     payload: dict[str, Any] = {
-        "model": t.model.state_dict(),
-        "optimizer": t.optimizer.state_dict(),
+        "model": get_model_state_dict(t.model, options=opts),
+        "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=opts),
         "scheduler": t.scheduler.state_dict(),
         "trainer": state.as_dict(),
         "rng": {str(r): s for r, s in enumerate(rng_all)},
@@ -69,10 +85,22 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
 
 def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: int, world: int) -> TrainerState:
     """Load a verified payload into the trainables; returns the loop counters to continue from."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     from runtime.checkpoint import restore_rng_state
 
-    t.model.load_state_dict(payload["model"])
-    t.optimizer.load_state_dict(payload["optimizer"])
+    # Every rank read the whole checkpoint; with FSDP each keeps its own shard of it.
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(t.model, payload["model"], options=opts)
+    optim = payload["optimizer"]
+    if any(isinstance(k, int) for k in optim.get("state", {})):
+        t.optimizer.load_state_dict(optim)  # a checkpoint from before name-keyed optimizer state
+    else:
+        set_optimizer_state_dict(t.model, t.optimizer, optim, options=opts)
     prime_momentum(t.optimizer)  # a checkpoint from before the first step has no buffers yet
     t.scheduler.load_state_dict(payload["scheduler"])
     apply_config_hyperparameters(cfg, t.optimizer, t.scheduler)

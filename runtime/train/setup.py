@@ -57,14 +57,22 @@ def _fused_supported(params: list[nn.Parameter]) -> bool:
     return bool(params) and all(p.is_floating_point() and p.device.type in devices for p in params)
 
 
+def _sharded(params: list[nn.Parameter]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
+
+
 def build_optimizer(cfg: JobConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     ps = [p for p in params if p.requires_grad]
     fused = _fused_supported(ps)
     o = cfg.optimizer
     opt: torch.optim.Optimizer
     if o.name == "sgd":
+        # torch has no DTensor rule for fused SGD: under FSDP, SGD runs foreach and the
+        # non-finite skip reads its flag on the host (fused Adam/AdamW have one).
         opt = torch.optim.SGD(ps, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov,
-                              fused=fused)
+                              fused=fused and not _sharded(ps))
     elif o.name == "adam":
         opt = torch.optim.Adam(ps, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused)
     else:

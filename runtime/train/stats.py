@@ -45,15 +45,16 @@ class StepStats:
     def _reset_window(self) -> None:
         self.sums = torch.zeros(2, device=self.device)  # (loss x samples, correct) over good and bad steps
         self.grad_norm = torch.zeros((), device=self.device)
-        self.steps = self.n = 0
+        self.steps = self.n = self.items = 0
         self.t0 = time.perf_counter()
         self.excluded_s = 0.0  # evaluation and checkpoint time inside the window (not training)
         self.data_s = 0.0
         self.timed_from_n = self.timed_from_step = 0  # throughput counts from here (after the first step)
 
     def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, grad_norm: torch.Tensor, bad: torch.Tensor,
-            n: int, step: int, max_consecutive: int) -> None:
-        """Record one optimizer step; ``bad`` is 1.0 for a non-finite step. No host sync."""
+            n: int, items: int, step: int, max_consecutive: int) -> None:
+        """Record one optimizer step of ``n`` samples; loss and accuracy are sums over ``items``
+        (samples, or tokens for a language model); ``bad`` is 1.0 for a non-finite step. No host sync."""
         self.sums += torch.stack([loss_sum.float(), correct.float()])
         self.grad_norm = grad_norm.detach().float()
         self.nonfinite_total += bad
@@ -62,6 +63,7 @@ class StepStats:
         self.crossed_at = torch.where(crossed, torch.full_like(self.crossed_at, step), self.crossed_at)
         self.steps += 1
         self.n += n
+        self.items += items
 
     def first_step_done(self, device: torch.device) -> None:
         """Time the process's first step on its own (one sync): throughput starts after it."""
@@ -93,7 +95,7 @@ class StepStats:
         out = Boundary(preempt=pre > 0, stop=stop > 0, commit=commit > 0, nonfinite_stop=crossed_n > 0,
                        nonfinite_total=int(nf_total), nonfinite_in_row=int(in_row), nonfinite_crossed_at=int(at))
         if want_metrics and self.steps:
-            n = self.n * world  # every rank trains the same number of samples per step
+            n = self.items * world  # every rank trains the same number of samples per step
             mean_elapsed = elapsed_sum / world
             steps_timed = self.steps - self.timed_from_step
             out.metrics = {

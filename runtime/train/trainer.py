@@ -42,6 +42,7 @@ from runtime.train.device_input import (
     make_stage,
     synthetic_loaders,
 )
+from runtime.train.parallel import apply_fsdp, full_tensor
 from runtime.train.reporter import Reporter
 from runtime.train.resume import Trainables, TrainerState, build_payload, restore_latest
 from runtime.train.run import PREEMPT_FILE, RunInfo
@@ -56,6 +57,7 @@ from runtime.train.setup import (
     step_unless,
 )
 from runtime.train.stats import Boundary, StepStats
+from runtime.train.tokens import token_loaders
 
 log = logging.getLogger("runtime.train")
 
@@ -104,6 +106,8 @@ class Trainer:
         val_stage: Stage | None
         if cfg.data.source == "synthetic":
             self.loaders, train_stage, val_stage = synthetic_loaders(cfg.data, self.world, self.rank, self.device)
+        elif cfg.data.source in ("tokens", "text"):
+            self.loaders, train_stage, val_stage = token_loaders(cfg, self.world, self.rank, self.device)
         else:
             self.loaders = build_loaders(cfg.data, self.world, self.rank, self.device.type == "cuda")
             gpu_decode = getattr(self.loaders, "device_stage", None)
@@ -119,11 +123,17 @@ class Trainer:
         # Model: identical init on every rank (DDP also broadcasts rank 0's weights).
         torch.manual_seed(tc.seed)
         self.raw_model = build_model(cfg.model, bundle.num_classes, bundle.in_channels, bundle.image_size)
-        if self.in_ray:
-            model = ray.train.torch.prepare_model(self.raw_model, parallel_strategy=cfg.distributed.strategy)
+        self.is_fsdp = cfg.distributed.strategy == "fsdp"
+        if self.is_fsdp:  # FSDP2, applied here: Ray's prepare_model would use the FSDP1 wrapper
+            model = apply_fsdp(self.raw_model.to(self.device), cfg.distributed.fsdp, self.amp_dtype, self.device,
+                               self.world)
+        elif self.in_ray:
+            model = ray.train.torch.prepare_model(self.raw_model, parallel_strategy="ddp")
         else:
             model = self.raw_model.to(self.device)
         self.is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        # DDP all-reduces and FSDP reduce-scatters gradients: every rank then sees the same grad norm.
+        self.grads_synced = self.is_ddp or self.is_fsdp
         self.comm: CommTimer | None = None
         self.averager: Any = None
         if self.is_ddp:
@@ -139,7 +149,7 @@ class Trainer:
         self.gauges = self._make_gauges()
         self.checkpoints = self._make_checkpointer()
         self.reporter = Reporter(self.rank, self.world, run, progress, lockstep, self.gauges, self.checkpoints,
-                                 report_fn or ray.train.report)
+                                 report_fn or ray.train.report, report_all=not self.in_ray)
         self.stats = StepStats(self.device)
         self.restore_info: dict[str, Any] = {}  # added to the next report, then cleared
         self.recovered = False
@@ -208,7 +218,7 @@ class Trainer:
         """Every rank calls this (the payload gathers every rank's RNG); rank 0 writes."""
         if self.checkpoints is None:
             return
-        payload = build_payload(self.t, self.state, self.distributed, self.world)
+        payload = build_payload(self.t, self.state, self.distributed, self.world, sharded=self.is_fsdp)
         if self.rank != 0:
             return
         meta = {"config": self.cfg.model_dump(mode="json"), "config_hash": self.cfg.config_hash(),
@@ -322,7 +332,7 @@ class Trainer:
         waited = batches.wait_s
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device)
-        n = 0
+        n = items = 0  # samples, and what loss and accuracy average over (samples, or tokens)
         self.model.train()
         for micro in range(accum):
             x, y, pos = next(batches)
@@ -330,31 +340,36 @@ class Trainer:
             # Gradients are all-reduced only on the last micro-step of the accumulation window.
             sync = micro == accum - 1 or not self.is_ddp
             ctx = contextlib.nullcontext() if sync else cast(Any, self.model).no_sync()
+            if self.is_fsdp:
+                cast(Any, self.raw_model).set_requires_gradient_sync(micro == accum - 1)
             with ctx:
                 with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                     enabled=self.amp_dtype is not None):
                     out = self.model(x)
-                    loss = self.loss_fn(out.float(), y)
+                    # Classes on the last axis: (batch, classes) for images, (batch, seq, vocab) for tokens.
+                    loss = self.loss_fn(out.float().flatten(0, -2), y.flatten())
                 scaled = loss / accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach() * y.shape[0]
-            correct += (out.argmax(1) == y).sum()
+            loss_sum += loss.detach() * y.numel()
+            correct += (out.argmax(-1) == y).sum()
             n += y.shape[0]
+            items += y.numel()
         opt = self.t.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
         clip = tc.clip_grad_norm if tc.clip_grad_norm is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        # The skip decision must be the same on every rank. After DDP's all-reduce the grad
-        # norm is identical everywhere, and a non-finite loss makes it non-finite too; local
-        # SGD steps each rank on its own gradients, so a local decision is the right one there.
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        # The skip decision must be the same on every rank. After DDP's all-reduce (FSDP's
+        # reduce-scatter) the grad norm is identical everywhere, and a non-finite loss makes it
+        # non-finite too; local SGD steps each rank on its own gradients, so a local decision
+        # is the right one there.
         if self.scaler is not None:
             bad = (~torch.isfinite(loss_sum)).float()  # the scaler skips overflowing steps itself
             self.scaler.step(opt)  # fused optimizers: no host sync (GradScaler passes found_inf)
             self.scaler.update()
         else:
             finite = torch.isfinite(grad_norm)
-            if not self.is_ddp or self.averager is not None:
+            if not self.grads_synced or self.averager is not None:
                 finite = finite & torch.isfinite(loss_sum)
             bad = (~finite).float()
             step_unless(opt, bad)
@@ -366,7 +381,8 @@ class Trainer:
         self.t.scheduler.step()
         self.state.global_step += 1
         self.state.samples_seen += n * self.world
-        self.stats.add(loss_sum, correct, grad_norm, bad, n, self.state.global_step, tc.nonfinite.max_consecutive)
+        self.stats.add(loss_sum, correct, grad_norm, bad, n, items, self.state.global_step,
+                       tc.nonfinite.max_consecutive)
         self.stats.data_s += batches.wait_s - waited
         if self.gauges:
             m = self.gauges
@@ -398,9 +414,9 @@ class Trainer:
                 with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                     enabled=self.amp_dtype is not None):
                     out = self.model(x)
-                totals[0] += self.loss_fn(out.float(), y) * y.shape[0]
-                totals[1] += (out.argmax(1) == y).sum()
-                totals[2] += y.shape[0]
+                totals[0] += self.loss_fn(out.float().flatten(0, -2), y.flatten()) * y.numel()
+                totals[1] += (out.argmax(-1) == y).sum()
+                totals[2] += y.numel()
         if self.distributed:
             dist.all_reduce(totals)
         loss, right, count = totals.tolist()  # evaluation is a boundary: one read
@@ -450,6 +466,8 @@ class Trainer:
             "comm_seconds": self.comm.seconds if self.comm else 0.0,
             "final": final,
         })
+        if self.cfg.model.name == "gpt" and "train/throughput" in metrics:
+            metrics.update(language_model_rates(self.cfg, metrics["train/throughput"], self.device))
         if self.device.type == "cuda":  # the allocator's own count: no device sync
             metrics["gpu/peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
         skipped = getattr(self.loaders.train, "skipped", None)
@@ -473,8 +491,8 @@ class Trainer:
     def param_digest(self) -> str:
         """sha256 of this rank's parameters: equal on every rank when data parallelism is correct."""
         h = hashlib.sha256()
-        for p in self.raw_model.parameters():
-            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        for p in self.raw_model.parameters():  # FSDP: gathered whole on every rank (a collective)
+            h.update(full_tensor(p.detach()).float().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def close(self) -> None:
@@ -485,6 +503,26 @@ class Trainer:
                 self.checkpoints.close()
         if self.gauges is not None:
             self.gauges.close(linger_s=self.cfg.tracking.prometheus_linger_s)
+
+
+# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity): the MFU denominator.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.device) -> dict[str, float]:
+    """tokens/s and, on a GPU in the table, model FLOPs utilisation (PaLM's 6N + 12 L T d per token)."""
+    from runtime.models import parameter_count
+
+    t = cfg.model.transformer
+    tokens = samples_per_s * t.seq_len
+    out = {"train/tokens_per_s": tokens}
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        if peak:
+            per_token = 6 * parameter_count(cfg.model) + 12 * t.layers * t.seq_len * t.dim
+            out["train/mfu"] = tokens * per_token / (peak * cfg.distributed.num_workers)
+    return out
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:

@@ -90,8 +90,7 @@ def test_local_sgd_averages_models_so_ranks_agree_after_the_last_average(cluster
 def test_cpu_only_options_are_refused_before_workers_start(cluster: dict, storage: str) -> None:
     from runtime.errors import ConfigError
 
-    for override, message in (("distributed.strategy=fsdp", "strategy=fsdp needs GPUs"),
-                              ("precision.dtype=fp16", "fp16 needs GPUs"),
+    for override, message in (("precision.dtype=fp16", "fp16 needs GPUs"),
                               ("model.sync_batchnorm=true", "SyncBatchNorm")):
         with pytest.raises(ConfigError, match=message):
             train(job("digits_smoke", storage, override), show_progress=False)

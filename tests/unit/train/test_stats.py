@@ -10,7 +10,7 @@ CPU = torch.device("cpu")
 
 
 def _step(s: StepStats, loss: float, bad: bool, step: int, max_consecutive: int = 3) -> None:
-    s.add(torch.tensor(loss * 4), torch.tensor(2.0), torch.tensor(1.5), torch.tensor(float(bad)), 4, step,
+    s.add(torch.tensor(loss * 4), torch.tensor(2.0), torch.tensor(1.5), torch.tensor(float(bad)), 4, 4, step,
           max_consecutive)
 
 

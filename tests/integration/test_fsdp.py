@@ -1,0 +1,60 @@
+"""FSDP2 on the real local Ray cluster (CPU, gloo, 2 workers): same model as DDP, interchangeable checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from rt_helpers import job
+
+from runtime.checkpoint import CheckpointManager
+from runtime.launch import train
+
+pytestmark = pytest.mark.slow
+
+# A BatchNorm-free MLP, constant LR, deterministic: DDP and FSDP must do the same arithmetic.
+BASE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "schedule.name=constant",
+        "schedule.warmup_steps=0", "train.deterministic=true", "train.log_every_steps=5",
+        "checkpoint.interval_steps=5", "optimizer.name=adamw", "optimizer.lr=0.003"]
+
+
+def final_model(outcome: Any) -> tuple[int, dict[str, torch.Tensor]]:
+    with CheckpointManager(outcome.checkpoint_uri) as mgr:
+        ref, payload, _ = mgr.load_latest()
+    assert ref is not None and payload is not None
+    return ref.step, payload["model"]
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    far = {k: float((a[k] - b[k]).abs().max()) for k in a if not torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4)}
+    assert not far, far
+
+
+def test_fsdp_trains_the_same_model_as_ddp_and_checkpoints_interchange(cluster: dict, storage: str) -> None:
+    ddp = train(job("digits_smoke", storage, *BASE, "train.max_steps=20"), "ddp", show_progress=False)
+    fsdp = train(job("digits_smoke", storage, *BASE, "train.max_steps=20", "distributed.strategy=fsdp"), "fsdp",
+                 show_progress=False)
+    assert not fsdp.error and fsdp.metrics["step"] == 20
+    digests = fsdp.metrics["rank_param_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]  # gathered full parameters agree on every rank
+    losses = [h["train/loss"] for h in fsdp.history if "train/loss" in h]
+    assert losses[-1] < 0.7 * losses[0], losses
+    step, ddp_model = final_model(ddp)
+    fsdp_step, fsdp_model = final_model(fsdp)
+    assert step == fsdp_step == 20
+    assert_close(ddp_model, fsdp_model)
+
+    # A DDP checkpoint (2 ranks) continues as FSDP on 2 ranks: same result as DDP all along.
+    train(job("digits_smoke", storage, *BASE, "train.max_steps=10"), "switch", show_progress=False)
+    resumed = train(job("digits_smoke", storage, *BASE, "train.max_steps=20", "distributed.strategy=fsdp"),
+                    "switch", show_progress=False)
+    assert [h["resumed_from_step"] for h in resumed.history if "resumed_from_step" in h] == [10]
+    assert_close(ddp_model, final_model(resumed)[1])
+
+    # ... and an FSDP checkpoint of 2 ranks loads on 1 rank (the full state reshards).
+    one = train(job("digits_smoke", storage, *BASE, "train.max_steps=25", "distributed.strategy=fsdp",
+                    "distributed.num_workers=1"), "switch", show_progress=False)
+    assert not one.error and one.metrics["step"] == 25
+    assert [h["resumed_from_step"] for h in one.history if "resumed_from_step" in h] == [20]
