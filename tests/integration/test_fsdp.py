@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 # A BatchNorm-free MLP, constant LR, deterministic: DDP and FSDP must do the same arithmetic.
 BASE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "schedule.name=constant",
         "schedule.warmup_steps=0", "train.deterministic=true", "train.log_every_steps=5",
-        "checkpoint.interval_steps=5", "optimizer.name=adamw", "optimizer.lr=0.003"]
+        "checkpoint.interval_steps=5", "optimizer.name=adamw", "optimizer.lr=0.01"]
 
 
 def final_model(outcome: Any) -> tuple[int, dict[str, torch.Tensor]]:
@@ -40,7 +40,7 @@ def test_fsdp_trains_the_same_model_as_ddp_and_checkpoints_interchange(cluster: 
     digests = fsdp.metrics["rank_param_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]  # gathered full parameters agree on every rank
     losses = [h["train/loss"] for h in fsdp.history if "train/loss" in h]
-    assert losses[-1] < 0.7 * losses[0], losses
+    assert losses[-1] < 0.8 * losses[0], losses
     step, ddp_model = final_model(ddp)
     fsdp_step, fsdp_model = final_model(fsdp)
     assert step == fsdp_step == 20
@@ -58,3 +58,12 @@ def test_fsdp_trains_the_same_model_as_ddp_and_checkpoints_interchange(cluster: 
                     "distributed.num_workers=1"), "switch", show_progress=False)
     assert not one.error and one.metrics["step"] == 25
     assert [h["resumed_from_step"] for h in one.history if "resumed_from_step" in h] == [20]
+
+
+def test_gpt_small_job_trains_a_sharded_language_model_on_real_text(cluster: dict, storage: str) -> None:
+    out = train(job("gpt_small", storage, "train.max_steps=6", "train.log_every_steps=3", "train.eval_at_steps=[6]",
+                    "tracking.mlflow=false"), show_progress=False)
+    assert not out.error and out.metrics["step"] == 6
+    rates = [h for h in out.history if "train/tokens_per_s" in h]
+    assert rates and all(h["train/tokens_per_s"] > 0 for h in rates)
+    assert 0 < out.metrics["val/loss"] < 5.55  # below a uniform guess over 256 bytes
