@@ -130,6 +130,11 @@ class HostBatch:
     y: torch.Tensor
     skipped: list[Skip] = field(default_factory=list)
 
+    def pin_memory(self) -> HostBatch:
+        """DataLoader(pin_memory=True) calls this in its pinning thread."""
+        x = self.x.pin_memory() if isinstance(self.x, torch.Tensor) else self.x.pin_memory()
+        return HostBatch(x, self.y.pin_memory(), self.skipped)
+
 
 def collate_crops(samples: Sequence[tuple[np.ndarray, int] | Skip], size: int) -> HostBatch:
     """HWC uint8 crops -> one uint8 NCHW tensor (one copy per image); Skip markers are dropped."""
