@@ -7,7 +7,13 @@ resumes mid-epoch (loaders.py); image sources yield uint8 and the device normali
 """
 
 from runtime.data.base import DataBundle, EpochLoader, Loaders
-from runtime.data.builtin import AugmentedTensors, SyntheticImages, digits_arrays, write_tiny_cifar10
+from runtime.data.builtin import (
+    AugmentedTensors,
+    SyntheticImages,
+    digits_arrays,
+    write_digits_imagefolder,
+    write_tiny_cifar10,
+)
 from runtime.data.images import IMAGENET_MEAN, IMAGENET_STD
 from runtime.data.loaders import ResumableSampler, build_datasets, build_loaders
 
@@ -23,5 +29,6 @@ __all__ = [
     "build_datasets",
     "build_loaders",
     "digits_arrays",
+    "write_digits_imagefolder",
     "write_tiny_cifar10",
 ]

@@ -170,6 +170,23 @@ def build_builtin(cfg: DataConfig) -> DataBundle:
     raise ValueError(f"not an in-memory source: {cfg.source}")
 
 
+def write_digits_imagefolder(root: Path, pixels: int = 32, quality: int = 90) -> Path:
+    """scikit-learn's digits as grayscale JPEG files in an ImageFolder tree (train/ and val/ split as
+    data.source=digits splits them): real images through the JPEG path, for tests and demos."""
+    from PIL import Image
+
+    images, labels = digits_arrays()
+    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234)).tolist()
+    n_val = len(labels) // 5
+    for rank, i in enumerate(perm):
+        split = "val" if rank < n_val else "train"
+        d = root / split / f"digit_{labels[i]}"
+        d.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(np.uint8(images[i] * 255 / 16), "L").resize((pixels, pixels), Image.Resampling.BICUBIC)
+        img.save(d / f"{i:04d}.jpg", quality=quality)
+    return root
+
+
 def write_tiny_cifar10(root: Path, n_train: int = 64, n_test: int = 32, seed: int = 0) -> Path:
     """Write a small data set in CIFAR-10's python batch format (for tests and demos)."""
     rng = np.random.default_rng(seed)

@@ -267,10 +267,16 @@ def load_index(store: Store) -> ShardIndex:
 
 
 def _count(store: Store, name: str) -> int:
+    """Samples (consecutive key groups) in a shard, from the member headers."""
+    fobj, seekable = store.open(name)
     try:
-        return sum(1 for _ in read_shard(store, name, lambda _: False))
+        with tarfile.open(fileobj=fobj, mode="r:" if seekable else "r|") as tf:
+            keys = [_split_name(m.name)[0] for m in tf if m.isfile()]
+        return sum(1 for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k)
     except READ_ERRORS as e:
         raise ConfigError(f"data.path: shard {store.where}/{name} cannot be read ({e})") from e
+    finally:
+        fobj.close()
 
 
 # ---------------------------------------------------------------------------- epoch plan
