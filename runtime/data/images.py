@@ -132,8 +132,7 @@ class HostBatch:
 
     def pin_memory(self) -> HostBatch:
         """DataLoader(pin_memory=True) calls this in its pinning thread."""
-        x = self.x.pin_memory() if isinstance(self.x, torch.Tensor) else self.x.pin_memory()
-        return HostBatch(x, self.y.pin_memory(), self.skipped)
+        return HostBatch(self.x.pin_memory(), self.y.pin_memory(), self.skipped)
 
 
 def collate_crops(samples: Sequence[tuple[np.ndarray, int] | Skip], size: int) -> HostBatch:

@@ -69,6 +69,16 @@ SPLITS = ("train", "val")
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 # What reading a shard can raise beyond Pillow: a truncated or garbled tar, a dropped connection.
 READ_ERRORS: tuple[type[BaseException], ...] = (tarfile.TarError, OSError, EOFError)
+READ_ATTEMPTS = 3  # per shard piece: a dropped connection is retried, a truncated shard fails each time
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """READ_ERRORS plus botocore's (a dropped S3 stream, a vanished object)."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return READ_ERRORS
+    return (*READ_ERRORS, BotoCoreError, ClientError)
 
 
 # ---------------------------------------------------------------------------- storage
@@ -419,17 +429,20 @@ class ShardStream(IterableDataset[HostBatch]):
                 return pc.base + ordinal - pc.start in todo
 
             shard = f"{self.store.where}/{pc.shard}"
-            try:
-                for o, key, parts in read_shard(self.store, pc.shard, want, pc.stop):
-                    q = pc.base + o - pc.start
-                    todo.discard(q)
-                    yield q, (f"{shard}:{key}", parts)
-            except READ_ERRORS as e:
-                log.warning("data: shard %s is unreadable after %d samples (%s)", shard,
-                            pc.stop - pc.start - len(todo), e)
-                reason = f"shard unreadable: {type(e).__name__}: {e}"
-            else:
-                reason = "sample missing from its shard (fewer samples than index.json says)"
+            reason = "sample missing from its shard (fewer samples than index.json says)"
+            for attempt in range(1, READ_ATTEMPTS + 1):
+                try:  # a retry re-opens the shard and reads only what is still to do
+                    for o, key, parts in read_shard(self.store, pc.shard, want, pc.stop):
+                        q = pc.base + o - pc.start
+                        todo.discard(q)
+                        yield q, (f"{shard}:{key}", parts)
+                    break
+                except _read_errors() as e:
+                    log.warning("data: reading shard %s failed (attempt %d of %d, %d samples to go): %s",
+                                shard, attempt, READ_ATTEMPTS, len(todo), e)
+                    reason = f"shard unreadable: {type(e).__name__}: {e}"
+                    if attempt < READ_ATTEMPTS:
+                        time.sleep(0.2 * attempt)
             for q in sorted(todo):
                 yield q, Skip(f"{shard} sample {pc.start + q - pc.base}", reason)
 
