@@ -215,21 +215,26 @@ class ImageFolderDataset(torch.utils.data.Dataset[Any]):
     works with persistent DataLoader workers (they never see the main process's epoch)."""
 
     def __init__(self, listing: FolderListing, recipe: Recipe, seed: int, encoded: bool = False) -> None:
-        self.listing, self.recipe, self.seed, self.encoded = listing, recipe, seed, encoded
+        self.root, self.classes = listing.root, listing.classes
+        # Names and labels as two numpy buffers, not 1.3M Python objects: forked workers touching
+        # their refcounts would copy the pages, one copy of the list per worker.
+        self.files = np.array([f.encode() for f in listing.files], dtype=np.bytes_)
+        self.labels = np.array(listing.labels, dtype=np.int64)
+        self.recipe, self.seed, self.encoded = recipe, seed, encoded
 
     def __len__(self) -> int:
-        return len(self.listing.files)
+        return len(self.files)
 
     def __getitem__(self, item: tuple[int, int]) -> Any:
         epoch, i = item
-        name = self.listing.files[i]
         rng = sample_rng(self.seed, epoch, i) if self.recipe.train else None
-        path = self.listing.root / name
+        path = self.root / self.files[i].decode()
+        label = int(self.labels[i])
         try:
             if self.encoded:
                 from runtime.data.gpu import encode_sample
 
-                return encode_sample(path.read_bytes(), self.recipe, rng, self.listing.labels[i], str(path))
-            return crop_image(path, self.recipe, rng), self.listing.labels[i]
+                return encode_sample(path.read_bytes(), self.recipe, rng, label, str(path))
+            return crop_image(path, self.recipe, rng), label
         except DECODE_ERRORS as e:
             return Skip(str(path), f"{type(e).__name__}: {e}")
