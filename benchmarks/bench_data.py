@@ -29,7 +29,7 @@ import numpy as np
 
 N_IMAGES = 2000
 N_CLASSES = 50
-REPEATS = 5
+REPEATS = 7
 PASS_IMAGES = 640  # per variant and repeat (10 batches of 64)
 SIZE = 224
 SHAPES = ((500, 375), (375, 500), (500, 333), (333, 500), (500, 400), (400, 500), (500, 500), (640, 480),
