@@ -4,6 +4,7 @@
     python -m runtime tune jobs/digits_tune.yaml [--resume]
     python -m runtime validate resnet50
     python -m runtime checkpoints list|verify|prune <storage>
+    python -m runtime data pack|inspect ...
     python -m runtime cluster up|down|status
 
 Exit codes: 0 ok, 1 the run failed, 2 bad input (nothing was started),
@@ -45,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--resume", action="store_true", help="resume an interrupted search (Tuner.restore)")
     c = sub.add_parser("checkpoints", help="list, verify or prune checkpoints in a storage URI")
     c.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("data", help="pack an ImageFolder into tar shards, inspect a data set").add_argument(
+        "args", nargs=argparse.REMAINDER)
     cl = sub.add_parser("cluster", help="the local embedded cluster")
     cl.add_argument("action", choices=["up", "down", "status"])
     cl.add_argument("--num-cpus", type=int, default=None)
@@ -86,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(ckpt_main(args.args))
     if args.command == "cluster":
         return _cluster(args)
+    if args.command == "data":
+        from runtime.data.cli import main as data_main
+
+        return data_main(args.args)
     from runtime.config import load_job
 
     try:

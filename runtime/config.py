@@ -23,7 +23,7 @@ JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 ENV_PREFIX = "RT_"
 
 MODEL_NAMES = ("small_cnn", "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "vit_b_16", "gpt")
-DATA_SOURCES = ("synthetic", "cifar10", "imagefolder", "digits", "tokens", "text")
+DATA_SOURCES = ("synthetic", "cifar10", "imagefolder", "shards", "digits", "tokens", "text")
 
 
 class _Strict(BaseModel):
@@ -67,13 +67,16 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Where samples come from and how each worker batches them."""
+    """Where samples come from and how each worker batches them (docs/data.md)."""
 
-    source: Literal["synthetic", "cifar10", "imagefolder", "digits", "tokens", "text"] = Field(
-        "synthetic", description="Images: synthetic, cifar10, imagefolder, digits. Token sequences (model.name=gpt): "
-                                 "tokens (synthetic, made on the device), text (bytes of Python's standard library "
-                                 "sources, a real text every machine has).")
-    path: str | None = Field(None, description="Data folder for cifar10 (python batches) or imagefolder.")
+    source: Literal["synthetic", "cifar10", "imagefolder", "shards", "digits", "tokens", "text"] = Field(
+        "synthetic", description="Images: synthetic, cifar10, imagefolder, shards, digits. Token sequences "
+                                 "(model.name=gpt): tokens (synthetic, made on the device), text (bytes of Python's "
+                                 "standard library sources, a real text every machine has).")
+    path: str | None = Field(
+        None, description="cifar10: folder of python batches; imagefolder: folder with train/<class>/* "
+                          "(and val/<class>/*); shards: folder or s3://bucket/prefix with train/ and val/ "
+                          "tar shards written by `python -m runtime data pack`.")
     image_size: int = Field(32, ge=8, le=1024, description="Square input size fed to the model.")
     num_classes: int = Field(10, ge=2, description="Classes for synthetic data (real sets know theirs).")
     num_samples: int = Field(2048, ge=1, description="Synthetic training samples.")
@@ -82,6 +85,19 @@ class DataConfig(_Strict):
     loader_workers: int | Literal["auto"] = Field(
         "auto", description="DataLoader worker processes; auto = 0 on CPU, 4 on GPU."
     )
+    decode: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="Where JPEGs are decoded (imagefolder, shards): gpu = nvJPEG on the device, "
+                            "loader workers only read bytes; auto = gpu when CUDA and torchvision's image "
+                            "extension are available, else Pillow on the CPU.")
+    crop_scale: tuple[float, float] = Field(
+        (0.08, 1.0), description="Training RandomResizedCrop: range of the crop's share of the image area.")
+    crop_ratio: tuple[float, float] = Field(
+        (3 / 4, 4 / 3), description="Training RandomResizedCrop: range of the crop's aspect ratio (w/h).")
+    hflip: bool = Field(True, description="Training: flip half of the images horizontally.")
+    shuffle_buffer: int = Field(
+        1000, ge=1, description="shards: samples each loader worker holds to shuffle within its stream.")
+    endpoint_url: str | None = Field(
+        None, description="shards on an S3-compatible endpoint; default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL.")
     seed: int = 0
 
     @field_validator("loader_workers")
@@ -91,13 +107,28 @@ class DataConfig(_Strict):
             raise ValueError("must be >= 0 or 'auto'")
         return v
 
+    @field_validator("crop_scale", "crop_ratio")
+    @classmethod
+    def _range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < v[0] <= v[1]:
+            raise ValueError(f"expected 0 < low <= high, got {list(v)}")
+        return v
+
     @model_validator(mode="after")
     def _path_needed(self) -> DataConfig:
-        if self.source in ("cifar10", "imagefolder"):
+        if self.source in ("cifar10", "imagefolder", "shards"):
             if not self.path:
                 raise ValueError(f"data.path is required when data.source is {self.source!r}")
-            if not Path(self.path).expanduser().is_dir():
+            if self.source == "shards" and self.path.startswith("s3://"):
+                if len(self.path.rstrip("/")) <= len("s3://"):
+                    raise ValueError("data.path s3:// needs a bucket name, e.g. s3://bucket/imagenet-shards")
+            elif "://" in self.path:
+                raise ValueError(f"data.path must be a local folder or s3://bucket/prefix, got {self.path!r}")
+            elif not Path(self.path).expanduser().is_dir():
                 raise ValueError(f"data.path {self.path!r} is not a directory (data.source={self.source!r})")
+        if self.crop_scale[1] > 1:
+            raise ValueError(f"data.crop_scale: the upper bound is a share of the image, at most 1 "
+                             f"(got {list(self.crop_scale)})")
         return self
 
 

@@ -110,6 +110,8 @@ class SyntheticLoader:
     (drop-last, as DistributedSampler does), so sharding and resume behave as for real data.
     """
 
+    skipped = 0  # made, never read from files: nothing to skip
+
     def __init__(self, n: int, world: int, rank: int, batch_size: int, seed: int, shuffle: bool, pin: bool) -> None:
         self.n, self.world, self.rank, self.batch_size = n, world, rank, batch_size
         self.seed, self.shuffle, self.pin = seed, shuffle, pin

@@ -223,9 +223,8 @@ class Trainer:
             return
         meta = {"config": self.cfg.model_dump(mode="json"), "config_hash": self.cfg.config_hash(),
                 "world_size": self.world, "job_id": self.run.job_id}
-        classes = getattr(self.loaders.bundle, "classes", None)
-        if classes:
-            meta["classes"] = list(classes)
+        if self.loaders.bundle.classes:  # label i is classes[i]: what a user of the model needs
+            meta["classes"] = list(self.loaders.bundle.classes)
         try:
             self.checkpoints.save(payload, self.state.global_step, meta, blocking=blocking)
         except CheckpointError as e:  # raised only with checkpoint.on_failure=stop
@@ -470,9 +469,7 @@ class Trainer:
             metrics.update(language_model_rates(self.cfg, metrics["train/throughput"], self.device))
         if self.device.type == "cuda":  # the allocator's own count: no device sync
             metrics["gpu/peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
-        skipped = getattr(self.loaders.train, "skipped", None)
-        if skipped is not None:
-            metrics["data/skipped_samples"] = skipped
+        metrics["data/skipped_samples"] = self.loaders.train.skipped
         if extra:
             metrics.update(extra)
         metrics.update(self.restore_info)

@@ -1,63 +1,27 @@
-"""Data sets and per-worker sharding.
-
-Sources: seeded synthetic images (runs anywhere), CIFAR-10 in its standard
-python-pickle batch format, an ImageFolder tree, and scikit-learn's digits (a
-real data set shipped inside the wheel, for convergence tests). Each worker
-reads its own shard through a DistributedSampler that can also skip ahead, so a
-resumed run continues at the next batch rather than the start of the epoch.
-"""
+"""In-memory sources: seeded synthetic images (run anywhere), CIFAR-10 in its standard
+python-pickle batch format (uint8, normalised on the device), and scikit-learn's digits
+(a real data set shipped inside the wheel, for convergence tests)."""
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
 import pickle
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from runtime.config import DataConfig
+from runtime.data.base import DataBundle
 from runtime.errors import ConfigError
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
-
-
-@dataclass
-class DataBundle:
-    train: Any  # a map-style Dataset with __len__
-    val: Any
-    num_classes: int
-    in_channels: int
-    image_size: int
-    # When set, samples are uint8 images (0..255) and the device step normalises them:
-    # 4x fewer bytes over the host-to-device bus than float32, and no float work on the CPU.
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-
-
-class EpochLoader(Protocol):
-    """One rank's training batches for an epoch, able to start part-way through it (resume)."""
-
-    def set_position(self, epoch: int, batch_index: int) -> None: ...
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
-
-
-@dataclass
-class Loaders:
-    """What the trainer iterates: CPU batches (pinned on GPU hosts); the device step moves them."""
-
-    train: EpochLoader
-    val: Iterable[tuple[torch.Tensor, torch.Tensor]] | None
-    batches_per_epoch: int  # this rank's full batches in one epoch
-    bundle: DataBundle
+CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
 class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
@@ -111,7 +75,7 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 class AugmentedTensors(Dataset[tuple[torch.Tensor, int]]):
-    """Normalised images with optional random crop (pad 4) and horizontal flip."""
+    """uint8 images with optional random crop (pad 4) and horizontal flip; the device normalises."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, image_size: int, augment: bool, seed: int) -> None:
         self.x, self.y, self.augment, self.image_size = x, y, augment, image_size
@@ -128,7 +92,8 @@ class AugmentedTensors(Dataset[tuple[torch.Tensor, int]]):
             if torch.rand(1, generator=self.g).item() < 0.5:
                 img = img.flip(-1)
         if img.shape[-1] != self.image_size:
-            img = F.interpolate(img[None], size=self.image_size, mode="bilinear", align_corners=False)[0]
+            img = F.interpolate(img[None].float(), size=self.image_size, mode="bilinear", align_corners=False)[0]
+            img = img.round_().clamp_(0, 255).to(torch.uint8)
         return img, int(self.y[i])
 
 
@@ -144,40 +109,16 @@ def _cifar10(cfg: DataConfig) -> DataBundle:
     xtr = np.concatenate([p[0] for p in parts])
     ytr = np.concatenate([p[1] for p in parts])
     xte, yte = _read_cifar_batch(test_file)
-    mean = torch.tensor(CIFAR_MEAN).view(3, 1, 1)
-    std = torch.tensor(CIFAR_STD).view(3, 1, 1)
-
-    def norm(a: np.ndarray) -> torch.Tensor:
-        return (torch.from_numpy(a).float() / 255.0 - mean) / std
-
     return DataBundle(
-        AugmentedTensors(norm(xtr), torch.from_numpy(ytr), cfg.image_size, True, cfg.seed),
-        AugmentedTensors(norm(xte), torch.from_numpy(yte), cfg.image_size, False, cfg.seed),
+        AugmentedTensors(torch.from_numpy(xtr), torch.from_numpy(ytr), cfg.image_size, True, cfg.seed),
+        AugmentedTensors(torch.from_numpy(xte), torch.from_numpy(yte), cfg.image_size, False, cfg.seed),
         10,
         3,
         cfg.image_size,
+        mean=CIFAR_MEAN,
+        std=CIFAR_STD,
+        classes=list(CIFAR_CLASSES),
     )
-
-
-def _imagefolder(cfg: DataConfig) -> DataBundle:
-    from runtime.tv import import_torchvision
-
-    tv = import_torchvision()
-    import torchvision.datasets  # noqa: F401  (pure Python, PIL based)
-    import torchvision.transforms as T
-
-    root = Path(cfg.path or "").expanduser()
-    train_dir = root / "train" if (root / "train").is_dir() else root
-    val_dir = root / "val" if (root / "val").is_dir() else train_dir
-    tf = T.Compose(
-        [T.Resize((cfg.image_size, cfg.image_size)), T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)]
-    )
-    try:
-        train = tv.datasets.ImageFolder(str(train_dir), transform=tf)
-        val = tv.datasets.ImageFolder(str(val_dir), transform=tf)
-    except (FileNotFoundError, OSError) as e:
-        raise ConfigError(f"data.path: {train_dir} is not an ImageFolder tree (<class>/<image>): {e}") from e
-    return DataBundle(train, val, len(train.classes), 3, cfg.image_size)
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -207,11 +148,13 @@ def _digits(cfg: DataConfig) -> DataBundle:
         return t if size == 8 else F.interpolate(t, size=size, mode="bilinear", align_corners=False)
 
     return DataBundle(
-        TensorDataset(resize(x[tr_idx]), y[tr_idx]), TensorDataset(resize(x[val_idx]), y[val_idx]), 10, 1, size
+        TensorDataset(resize(x[tr_idx]), y[tr_idx]), TensorDataset(resize(x[val_idx]), y[val_idx]), 10, 1, size,
+        classes=[str(d) for d in range(10)],
     )
 
 
-def build_datasets(cfg: DataConfig) -> DataBundle:
+def build_builtin(cfg: DataConfig) -> DataBundle:
+    """The in-memory sources (synthetic, cifar10, digits)."""
     if cfg.source == "synthetic":
         return DataBundle(
             SyntheticImages(cfg.num_samples, cfg.num_classes, cfg.image_size, cfg.seed),
@@ -222,63 +165,26 @@ def build_datasets(cfg: DataConfig) -> DataBundle:
         )
     if cfg.source == "cifar10":
         return _cifar10(cfg)
-    if cfg.source == "imagefolder":
-        return _imagefolder(cfg)
-    return _digits(cfg)
+    if cfg.source == "digits":
+        return _digits(cfg)
+    raise ValueError(f"not an in-memory source: {cfg.source}")
 
 
-class ResumableSampler(DistributedSampler[Any]):
-    """DistributedSampler that can start an epoch part-way through (after a resume)."""
+def write_digits_imagefolder(root: Path, pixels: int = 32, quality: int = 90) -> Path:
+    """scikit-learn's digits as grayscale JPEG files in an ImageFolder tree (train/ and val/ split as
+    data.source=digits splits them): real images through the JPEG path, for tests and demos."""
+    from PIL import Image
 
-    def __init__(self, dataset: Dataset[Any], num_replicas: int, rank: int, shuffle: bool, seed: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=shuffle)
-        self.start_index = 0
-
-    def set_position(self, epoch: int, start_index: int) -> None:
-        """Next iteration yields epoch `epoch`'s order from this rank's `start_index`-th sample on."""
-        self.set_epoch(epoch)
-        self.start_index = start_index
-
-    def __iter__(self) -> Iterator[Any]:
-        indices = list(super().__iter__())[self.start_index :]
-        self.start_index = 0
-        return iter(indices)
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start_index
-
-
-class _SampledLoader:
-    """A DataLoader over a map-style dataset whose sampler can resume mid-epoch."""
-
-    def __init__(self, loader: DataLoader[Any], sampler: ResumableSampler, batch_size: int) -> None:
-        self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
-
-    def set_position(self, epoch: int, batch_index: int) -> None:
-        self.sampler.set_position(epoch, batch_index * self.batch_size)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return iter(self.loader)
-
-
-def build_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
-    """Each rank reads its own shard of the data; batches stay on the host (pinned on GPU)."""
-    bundle = build_datasets(cfg)
-    lw = cfg.loader_workers
-    n_workers = (4 if on_gpu else 0) if lw == "auto" else int(lw)
-    sampler = ResumableSampler(bundle.train, world, rank, shuffle=True, seed=cfg.seed)
-    val_sampler = ResumableSampler(bundle.val, world, rank, shuffle=False, seed=cfg.seed)
-    common: dict[str, Any] = {"batch_size": cfg.batch_size, "num_workers": n_workers, "pin_memory": on_gpu}
-    if n_workers:
-        common["persistent_workers"] = True
-    if len(sampler) < cfg.batch_size:
-        raise ConfigError(
-            f"data: {len(bundle.train)} training samples give each of {world} workers fewer than "
-            f"data.batch_size={cfg.batch_size}; add data or lower the batch size"
-        )
-    train = DataLoader(bundle.train, sampler=sampler, drop_last=True, **common)
-    val = DataLoader(bundle.val, sampler=val_sampler, **common) if len(bundle.val) else None
-    return Loaders(_SampledLoader(train, sampler, cfg.batch_size), val, len(sampler) // cfg.batch_size, bundle)
+    images, labels = digits_arrays()
+    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234)).tolist()
+    n_val = len(labels) // 5
+    for rank, i in enumerate(perm):
+        split = "val" if rank < n_val else "train"
+        d = root / split / f"digit_{labels[i]}"
+        d.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(np.uint8(images[i] * 255 / 16), "L").resize((pixels, pixels), Image.Resampling.BICUBIC)
+        img.save(d / f"{i:04d}.jpg", quality=quality)
+    return root
 
 
 def write_tiny_cifar10(root: Path, n_train: int = 64, n_test: int = 32, seed: int = 0) -> Path:

@@ -1,0 +1,34 @@
+"""Data sets and per-rank loaders (docs/data.md).
+
+Sources: seeded synthetic images, CIFAR-10 python batches, scikit-learn's digits (in
+memory, builtin.py); an ImageFolder tree decoded with Pillow or on the GPU (images.py,
+gpu.py); WebDataset-layout tar shards from a folder or S3 (shards.py). Every loader
+resumes mid-epoch (loaders.py); image sources yield uint8 and the device normalises.
+"""
+
+from runtime.data.base import DataBundle, EpochLoader, Loaders
+from runtime.data.builtin import (
+    AugmentedTensors,
+    SyntheticImages,
+    digits_arrays,
+    write_digits_imagefolder,
+    write_tiny_cifar10,
+)
+from runtime.data.images import IMAGENET_MEAN, IMAGENET_STD
+from runtime.data.loaders import ResumableSampler, build_datasets, build_loaders
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "AugmentedTensors",
+    "DataBundle",
+    "EpochLoader",
+    "Loaders",
+    "ResumableSampler",
+    "SyntheticImages",
+    "build_datasets",
+    "build_loaders",
+    "digits_arrays",
+    "write_digits_imagefolder",
+    "write_tiny_cifar10",
+]

@@ -1,0 +1,199 @@
+"""Per-rank loaders over every source: each rank reads its own part of the data and can
+resume mid-epoch, so a restarted run continues at the next batch, not the epoch's start."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from runtime.config import DataConfig
+from runtime.data.base import DataBundle, Loaders
+from runtime.data.builtin import build_builtin
+from runtime.data.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    HostBatch,
+    ImageFolderDataset,
+    Recipe,
+    collate_crops,
+    crop_image,
+    first_readable,
+    list_image_folder,
+)
+from runtime.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class ResumableSampler(DistributedSampler[Any]):
+    """DistributedSampler that can start an epoch part-way through (after a resume).
+
+    ``with_epoch``: yield ``(epoch, index)`` so the dataset seeds each sample's random
+    crop by both, in whichever (persistent) worker process it lands.
+    """
+
+    def __init__(self, dataset: Dataset[Any], num_replicas: int, rank: int, shuffle: bool, seed: int,
+                 with_epoch: bool = False) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=shuffle)
+        self.start_index = 0
+        self.with_epoch = with_epoch
+
+    def set_position(self, epoch: int, start_index: int) -> None:
+        """Next iteration yields epoch `epoch`'s order from this rank's `start_index`-th sample on."""
+        self.set_epoch(epoch)
+        self.start_index = start_index
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())[self.start_index :]
+        self.start_index = 0
+        if self.with_epoch:
+            return iter([(self.epoch, i) for i in indices])
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
+class SplitSampler(Sampler[tuple[int, int]]):
+    """Validation: rank r takes samples r, r+world, ... once each (no padding repeats)."""
+
+    def __init__(self, n: int, world: int, rank: int) -> None:
+        self.n, self.world, self.rank = n, world, rank
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(0, i) for i in range(self.rank, self.n, self.world)])
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world))
+
+
+class Batches:
+    """Yields ``(x, y)`` from a DataLoader; HostBatch skips are counted and named here, in the
+    main process (``skipped``, reported by the trainer as data/skipped_samples)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.skipped = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for b in self.loader:
+            if isinstance(b, HostBatch):
+                for s in b.skipped:
+                    log.warning("data: skipped %s (%s)", s.name, s.reason)
+                self.skipped += len(b.skipped)
+                yield b.x, b.y
+            else:
+                yield b
+
+
+class SampledLoader(Batches):
+    """A DataLoader over a map-style dataset whose sampler can resume mid-epoch."""
+
+    def __init__(self, loader: DataLoader[Any], sampler: ResumableSampler, batch_size: int) -> None:
+        super().__init__(loader)
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def set_position(self, epoch: int, batch_index: int) -> None:
+        self.sampler.set_position(epoch, batch_index * self.batch_size)
+
+
+def loader_workers(cfg: DataConfig, on_gpu: bool) -> int:
+    lw = cfg.loader_workers
+    return (4 if on_gpu else 0) if lw == "auto" else int(lw)
+
+
+def use_gpu_decode(cfg: DataConfig, on_gpu: bool) -> bool:
+    """data.decode: gpu needs a CUDA device; auto picks it where nvJPEG works."""
+    if cfg.decode == "cpu":
+        return False
+    if cfg.decode == "gpu":
+        if not on_gpu:
+            raise ConfigError("data.decode=gpu needs a CUDA device for this worker; use data.decode=auto or cpu")
+        return True
+    from runtime.data.gpu import gpu_decode_available
+
+    return on_gpu and gpu_decode_available()
+
+
+def recipes(cfg: DataConfig) -> tuple[Recipe, Recipe]:
+    """(train, val) recipes from the config."""
+    train = Recipe(cfg.image_size, True, cfg.crop_scale, cfg.crop_ratio, cfg.hflip)
+    return train, Recipe(cfg.image_size, False)
+
+
+def _collate(size: int, gpu: bool) -> Any:
+    if gpu:
+        from runtime.data.gpu import collate_encoded
+
+        return functools.partial(collate_encoded, size=size)
+    return functools.partial(collate_crops, size=size)
+
+
+def _imagefolder(cfg: DataConfig, gpu: bool) -> tuple[DataBundle, Any]:
+    root = Path(cfg.path or "").expanduser()
+    train_dir = root / "train" if (root / "train").is_dir() else root
+    train = list_image_folder(train_dir)
+    val = list_image_folder(root / "val", train.classes) if (root / "val").is_dir() else None
+    train_recipe, val_recipe = recipes(cfg)
+    first_readable(train.files, lambda n: crop_image(train_dir / n, val_recipe, None), str(train_dir))
+    bundle = DataBundle(
+        ImageFolderDataset(train, train_recipe, cfg.seed, encoded=gpu),
+        ImageFolderDataset(val, val_recipe, cfg.seed, encoded=gpu) if val else None,
+        len(train.classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, train.classes,
+    )
+    return bundle, _collate(cfg.image_size, gpu)
+
+
+def build_datasets(cfg: DataConfig) -> DataBundle:
+    """The map-style data sets of a source (not shards: those are streamed, see build_loaders)."""
+    if cfg.source == "imagefolder":
+        return _imagefolder(cfg, gpu=False)[0]
+    if cfg.source == "shards":
+        raise ConfigError("data.source=shards is streamed: use build_loaders")
+    return build_builtin(cfg)
+
+
+def build_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
+    """Each rank reads its own part of the data; batches stay on the host (pinned on GPU)."""
+    if cfg.source == "shards":
+        from runtime.data.shards import build_shard_loaders
+
+        return build_shard_loaders(cfg, world, rank, on_gpu)
+    n_workers = loader_workers(cfg, on_gpu)
+    gpu = cfg.source == "imagefolder" and use_gpu_decode(cfg, on_gpu)
+    collate: Any = None
+    if cfg.source == "imagefolder":
+        bundle, collate = _imagefolder(cfg, gpu)
+    else:
+        bundle = build_builtin(cfg)
+    images = cfg.source == "imagefolder"
+    sampler = ResumableSampler(bundle.train, world, rank, shuffle=True, seed=cfg.seed, with_epoch=images)
+    common: dict[str, Any] = {"batch_size": cfg.batch_size, "num_workers": n_workers, "pin_memory": on_gpu,
+                              "collate_fn": collate}
+    if n_workers:
+        common["persistent_workers"] = True
+    if len(sampler) < cfg.batch_size:
+        raise ConfigError(
+            f"data: {len(bundle.train)} training samples give each of {world} workers fewer than "
+            f"data.batch_size={cfg.batch_size}; add data or lower the batch size"
+        )
+    train = DataLoader(bundle.train, sampler=sampler, drop_last=True, **common)
+    val: Batches | None = None
+    if bundle.val is not None and len(bundle.val):
+        val_sampler: Sampler[Any] = (
+            SplitSampler(len(bundle.val), world, rank) if images
+            else ResumableSampler(bundle.val, world, rank, shuffle=False, seed=cfg.seed))
+        val = Batches(DataLoader(bundle.val, sampler=val_sampler, **common))
+    stage = None
+    if gpu:
+        from runtime.data.gpu import DeviceDecodeStage
+
+        stage = DeviceDecodeStage()
+    return Loaders(SampledLoader(train, sampler, cfg.batch_size), val, len(sampler) // cfg.batch_size, bundle,
+                   stage)
+

@@ -1,0 +1,183 @@
+"""Tar shards in a folder: pack/verify/inspect, the epoch plan (each sample once), exact resume, bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from runtime.config import DataConfig
+from runtime.data import build_loaders
+from runtime.data.cli import main as data_cli
+from runtime.data.shards import buffer_order, pack
+from runtime.errors import ConfigError
+
+
+def one_image_per_class_tree(root: Path, n_train: int, n_val: int = 0, px: int = 12) -> Path:
+    """Class i holds one image, so a batch's labels name its samples exactly."""
+    for split, n in (("train", n_train), ("val", n_val)):
+        for i in range(n):
+            d = root / split / f"c{i:03d}"
+            d.mkdir(parents=True)
+            Image.new("RGB", (px + i % 5, px), (i * 7 % 256, i * 13 % 256, 90)).save(d / "x.jpg", quality=90)
+    if n_val:  # val classes must be train's
+        for i in range(n_val, n_train):
+            (root / "val" / f"c{i:03d}").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = one_image_per_class_tree(tmp_path_factory.mktemp("src"), 40, 11)
+    out = tmp_path_factory.mktemp("packed") / "shards"
+    pack(src, out, shard_size=7)
+    return out
+
+
+def epoch_labels(path: Path, world: int, rank: int, epoch: int, start: int = 0, workers: int = 0,
+                 **kw: object) -> list[list[int]]:
+    cfg = DataConfig(source="shards", path=str(path), image_size=8, batch_size=4, loader_workers=workers,
+                     shuffle_buffer=5, **kw)  # type: ignore[arg-type]
+    loaders = build_loaders(cfg, world, rank, on_gpu=False)
+    loaders.train.set_position(epoch, start)
+    return [y.tolist() for _, y in loaders.train]
+
+
+def test_pack_writes_verified_shards_and_an_index_with_classes_and_counts(shards: Path) -> None:
+    index = json.loads((shards / "index.json").read_text())
+    assert index["classes"][:2] == ["c000", "c001"] and len(index["classes"]) == 40
+    assert [e["samples"] for e in index["splits"]["train"]] == [7] * 5 + [5]
+    assert [e["name"] for e in index["splits"]["val"]] == ["val/000000.tar", "val/000001.tar"]
+    with tarfile.open(shards / "train/000000.tar") as tf:
+        assert tf.getnames()[:4] == ["00000000.cls", "00000000.jpg", "00000001.cls", "00000001.jpg"]
+    assert not list(shards.parent.glob(".*partial*"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_sample_is_seen_once_per_epoch_across_two_ranks(shards: Path, workers: int) -> None:
+    for epoch in (0, 1):
+        seen = [label for rank in (0, 1) for b in epoch_labels(shards, 2, rank, epoch, workers=workers) for label in b]
+        # 40 samples, 2 ranks x batch 4: 5 batches per rank, nothing dropped or repeated
+        assert sorted(seen) == list(range(40))
+    assert epoch_labels(shards, 2, 0, 0, workers=workers) != epoch_labels(shards, 2, 0, 1, workers=workers)
+    assert epoch_labels(shards, 2, 0, 1, workers=workers) == epoch_labels(shards, 2, 0, 1, workers=workers)
+
+
+def test_remainder_below_a_global_batch_is_left_out_of_the_epoch(shards: Path) -> None:
+    seen = [label for rank in range(3) for b in epoch_labels(shards, 3, rank, 0) for label in b]
+    assert len(seen) == len(set(seen)) == 36  # 40 // (3 x 4) x 12
+
+
+@pytest.mark.parametrize(("workers", "start"), [(0, 3), (2, 1), (2, 4), (3, 2)])
+def test_resume_mid_epoch_yields_exactly_the_rest_of_the_uninterrupted_epoch(
+        shards: Path, workers: int, start: int) -> None:
+    cfg = DataConfig(source="shards", path=str(shards), image_size=8, batch_size=3, loader_workers=workers,
+                     shuffle_buffer=4)
+    loaders = build_loaders(cfg, 2, 1, on_gpu=False)
+    loaders.train.set_position(2, 0)
+    full = [(x.clone(), y.clone()) for x, y in loaders.train]
+    loaders.train.set_position(2, start)
+    rest = list(loaders.train)
+    assert len(full) == loaders.batches_per_epoch == 6 and len(rest) == 6 - start
+    for (x, y), (fx, fy) in zip(rest, full[start:], strict=True):
+        assert torch.equal(y, fy) and torch.equal(x, fx)
+
+
+def test_validation_reads_every_sample_once_in_order_across_ranks(shards: Path) -> None:
+    cfg = DataConfig(source="shards", path=str(shards), image_size=8, batch_size=4, loader_workers=2)
+    got = []
+    for rank in (0, 1):
+        val = build_loaders(cfg, 2, rank, on_gpu=False).val
+        assert val is not None
+        got += [label for _, y in val for label in y.tolist()]
+    assert got == list(range(11))
+
+
+def test_shuffle_buffer_holds_at_most_its_size_and_emits_each_position_once() -> None:
+    import random
+
+    order = buffer_order(100, 8, random.Random(0))
+    assert sorted(order) == list(range(100)) and order != list(range(100))
+    for k, pos in enumerate(order):
+        assert pos <= k + 8  # the k-th output was among the first k + 9 reads: the buffer holds 8
+
+
+def test_truncated_shard_drops_its_remaining_samples_counted_and_named(
+        shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(shards, broken)
+    tar = broken / "train/000002.tar"
+    tar.write_bytes(tar.read_bytes()[:2500])  # cut inside the 2nd or 3rd sample
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="runtime.data"):
+        for rank in (0, 1):
+            cfg = DataConfig(source="shards", path=str(broken), image_size=8, batch_size=4, shuffle_buffer=5)
+            loaders = build_loaders(cfg, 2, rank, on_gpu=False)
+            loaders.train.set_position(0, 0)
+            batches = [y.tolist() for _, y in loaders.train]
+            assert len(batches) == 5  # ranks keep their step count
+            seen += [label for b in batches for label in b]
+            skipped = loaders.train.skipped
+            if rank == 0:
+                first = skipped
+    assert first + skipped == 40 - len(seen) >= 5
+    assert "000002.tar" in caplog.text
+    assert data_cli(["inspect", str(broken)]) == 2
+
+
+def test_data_cli_pack_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = one_image_per_class_tree(tmp_path / "src", 6, 2)
+    (src / "train/c001/bad.jpg").write_text("a text file named .jpg")
+    assert data_cli(["pack", str(src), str(tmp_path / "out"), "--shard-size", "4"]) == 0
+    out = capsys.readouterr()
+    assert "train 6 samples in 2 shards" in out.out and "1 unreadable" in out.out and "bad.jpg" in out.err
+    assert data_cli(["inspect", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert "6 classes (c000, c001" in text and "train: 6 samples in 2 shards" in text
+    assert "sample train/000000.tar:00000000: label 0, JPEG 12x12 RGB" in text and "0-16 KB" in text
+    assert data_cli(["inspect", str(src)]) == 0
+    assert "ImageFolder" in capsys.readouterr().out
+    # refusals: nothing written
+    assert data_cli(["pack", str(src), str(tmp_path / "out")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert data_cli(["pack", str(tmp_path / "src" / "train"), str(tmp_path / "o2")]) == 2
+    assert "no train/ folder" in capsys.readouterr().err and not (tmp_path / "o2").exists()
+    assert data_cli(["pack", str(src), str(tmp_path / "o3"), "--shard-size", "0"]) == 2
+    assert data_cli(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+def test_shards_without_index_are_counted_by_reading_them(shards: Path, tmp_path: Path) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(shards, bare)
+    (bare / "index.json").unlink()
+    cfg = DataConfig(source="shards", path=str(bare), image_size=8, batch_size=4)
+    loaders = build_loaders(cfg, 2, 0, on_gpu=False)
+    assert loaders.batches_per_epoch == 5 and loaders.bundle.num_classes >= 7
+
+
+def test_a_folder_without_shards_is_refused_naming_data_path(tmp_path: Path) -> None:
+    (tmp_path / "train").mkdir()
+    with pytest.raises(ConfigError, match="data.path: no shards under .*train/"):
+        build_loaders(DataConfig(source="shards", path=str(tmp_path), batch_size=2), 1, 0, on_gpu=False)
+
+
+def test_a_shard_of_unreadable_images_is_refused_before_training(tmp_path: Path) -> None:
+    (tmp_path / "train").mkdir()
+    with tarfile.open(tmp_path / "train/000000.tar", "w") as tf:
+        for i in range(4):
+            for ext, payload in (("cls", b"0"), ("jpg", b"not a jpeg")):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(payload)
+                tf.addfile(info, io.BytesIO(payload))
+    with pytest.raises(ConfigError, match="no readable image"):
+        build_loaders(DataConfig(source="shards", path=str(tmp_path), batch_size=2), 1, 0, on_gpu=False)
