@@ -469,7 +469,9 @@ class Trainer:
             metrics.update(language_model_rates(self.cfg, metrics["train/throughput"], self.device))
         if self.device.type == "cuda":  # the allocator's own count: no device sync
             metrics["gpu/peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
-        metrics["data/skipped_samples"] = self.loaders.train.skipped
+        # Files the loader could not read, plus images the GPU decoder could not (data.decode=gpu).
+        decode_failed = getattr(self.loaders.device_stage, "failed", 0)
+        metrics["data/skipped_samples"] = self.loaders.train.skipped + decode_failed
         if extra:
             metrics.update(extra)
         metrics.update(self.restore_info)
