@@ -1,15 +1,15 @@
 """Data sets and per-rank loaders (docs/data.md).
 
-Sources: seeded synthetic images, CIFAR-10 python batches, scikit-learn's digits (in
-memory, builtin.py); an ImageFolder tree decoded with Pillow or on the GPU (images.py,
-gpu.py); WebDataset-layout tar shards from a folder or S3 (shards.py). Every loader
-resumes mid-epoch (loaders.py); image sources yield uint8 and the device normalises.
+Sources: CIFAR-10 python batches, scikit-learn's digits (in memory, builtin.py); an
+ImageFolder tree decoded with Pillow or on the GPU (images.py, gpu.py); WebDataset-layout
+tar shards from a folder or S3 (shards.py). Every loader resumes mid-epoch (loaders.py);
+image sources yield uint8 and the device normalises. Synthetic images and tokens are made
+on the training device (runtime.train.device_input, runtime.train.tokens).
 """
 
 from runtime.data.base import DataBundle, EpochLoader, Loaders
 from runtime.data.builtin import (
     AugmentedTensors,
-    SyntheticImages,
     digits_arrays,
     write_digits_imagefolder,
     write_tiny_cifar10,
@@ -25,7 +25,6 @@ __all__ = [
     "EpochLoader",
     "Loaders",
     "ResumableSampler",
-    "SyntheticImages",
     "build_datasets",
     "build_loaders",
     "digits_arrays",

@@ -1,6 +1,6 @@
-"""In-memory sources: seeded synthetic images (run anywhere), CIFAR-10 in its standard
-python-pickle batch format (uint8, normalised on the device), and scikit-learn's digits
-(a real data set shipped inside the wheel, for convergence tests)."""
+"""In-memory sources: CIFAR-10 in its standard python-pickle batch format (uint8,
+normalised on the device), and scikit-learn's digits (a real data set shipped inside
+the wheel, for convergence tests)."""
 
 from __future__ import annotations
 
@@ -22,29 +22,6 @@ from runtime.errors import ConfigError
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-
-
-class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
-    """Deterministic images generated per index: a class template plus noise.
-
-    Learnable (the loss falls), reproducible across processes and cheap in
-    memory at any image size, since nothing is stored but the templates.
-    """
-
-    def __init__(self, n: int, num_classes: int, image_size: int, seed: int, offset: int = 0) -> None:
-        self.n, self.num_classes, self.image_size, self.seed, self.offset = n, num_classes, image_size, seed, offset
-        g = torch.Generator().manual_seed(seed)
-        self.templates = torch.randn(num_classes, 3, image_size, image_size, generator=g)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        idx = i + self.offset
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
-        label = int(torch.randint(self.num_classes, (1,), generator=g))
-        noise = torch.randn(3, self.image_size, self.image_size, generator=g)
-        return self.templates[label] + 1.5 * noise, label
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
@@ -154,20 +131,17 @@ def _digits(cfg: DataConfig) -> DataBundle:
 
 
 def build_builtin(cfg: DataConfig) -> DataBundle:
-    """The in-memory sources (synthetic, cifar10, digits)."""
-    if cfg.source == "synthetic":
-        return DataBundle(
-            SyntheticImages(cfg.num_samples, cfg.num_classes, cfg.image_size, cfg.seed),
-            SyntheticImages(cfg.val_samples, cfg.num_classes, cfg.image_size, cfg.seed, offset=cfg.num_samples),
-            cfg.num_classes,
-            3,
-            cfg.image_size,
-        )
+    """The in-memory sources read from files (cifar10, digits).
+
+    Synthetic images and tokens are made on the training device instead
+    (runtime.train.device_input, runtime.train.tokens).
+    """
     if cfg.source == "cifar10":
         return _cifar10(cfg)
     if cfg.source == "digits":
         return _digits(cfg)
-    raise ValueError(f"not an in-memory source: {cfg.source}")
+    raise ConfigError(f"data.source={cfg.source} is made on the training device, not loaded from files "
+                      "(runtime.train.device_input / runtime.train.tokens)")
 
 
 def write_digits_imagefolder(root: Path, pixels: int = 32, quality: int = 90) -> Path:
