@@ -57,7 +57,7 @@ REPO_PACKAGES = [
 ]
 # Python packages for the Ray venv on nodes: pinned like requirements/constraints.txt.
 WHEEL_REQUIREMENTS = ["ray[default]==2.60.0"]
-ARTIFACTS_VERSION = "3"
+ARTIFACTS_VERSION = "4"
 
 CLONE_NEWNET = 0x40000000
 
@@ -180,6 +180,30 @@ def _closure(packages: list[str]) -> dict[str, str]:
     return versions
 
 
+def sign_repository(apt_dir: Path, public_key: Path) -> None:
+    """Sign the flat repository's InRelease with a throwaway key, as a real mirror is signed.
+
+    Nodes check it with `signed-by` (common_offline_repo_key); the private key is deleted
+    once the index is signed, the public key is kept next to the repository.
+    """
+    home = apt_dir.parent / "gnupg"
+    home.mkdir(mode=0o700)
+    gpg = ["gpg", "--batch", "--quiet", "--homedir", str(home), "--pinentry-mode", "loopback",
+           "--passphrase", ""]
+    try:
+        run([*gpg, "--quick-gen-key", "nspawn lab offline repository", "ed25519", "sign", "never"])
+        release = run(["apt-ftparchive", "release", "."], cwd=apt_dir, capture_output=True,
+                      text=True).stdout
+        (apt_dir / "Release").write_text(release)
+        run([*gpg, "--clearsign", "--digest-algo", "SHA512", "-o", str(apt_dir / "InRelease"),
+             str(apt_dir / "Release")])
+        public_key.write_text(run([*gpg, "--armor", "--export"], capture_output=True,
+                                  text=True).stdout)
+    finally:
+        run(["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"], check=False)
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def build_artifacts(image: Path) -> Path:
     """Local apt repository (+ Packages index) and pip wheelhouse, cached."""
     final = CACHE / f"offline-{artifacts_key()}"
@@ -203,6 +227,7 @@ def build_artifacts(image: Path) -> Path:
     packages = run(["dpkg-scanpackages", "--multiversion", "."], cwd=apt_dir,
                    capture_output=True, text=True).stdout
     (apt_dir / "Packages").write_text(packages)
+    sign_repository(apt_dir, tmp / "apt-key.asc")
     log("pip download the wheelhouse")
     run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
          "--python-version", "3.11", "--platform", "manylinux2014_x86_64",
@@ -426,6 +451,8 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 "ansible_python_interpreter": "/usr/bin/python3",
                 # Air-gapped: the roles' offline modes, fed by the bind-mounted /srv/offline.
                 "common_offline_repo": "file:///srv/offline/apt",
+                # Signed like a real mirror: apt checks InRelease against this key (signed-by).
+                "common_offline_repo_key": (lab.offline / "apt-key.asc").read_text(),
                 "ray_offline_wheelhouse": "/srv/offline/wheels",
                 "ray_pip_cert": "/srv/host-ca.crt",
                 # Containers: kernel settings belong to the machine hosting the lab.

@@ -115,8 +115,23 @@ def test_kernel_settings_limits_and_ray_user_are_in_place(hosts):
     assert "net.core.rmem_max = 134217728" in host.file("/etc/sysctl.d/90-cluster-network.conf").content_string
     assert "memlock" in host.file("/etc/security/limits.d/90-cluster-limits.conf").content_string
     assert host.package("chrony").is_installed
-    # Offline mode: the only apt source is the bind-mounted repository.
-    assert "file:///srv/offline/apt" in host.file("/etc/apt/sources.list.d/cluster-offline.list").content_string
+    # Offline mode: the only apt source is the bind-mounted repository, checked against its key.
+    source = host.file("/etc/apt/sources.list.d/cluster-offline.list").content_string
+    assert "deb [signed-by=/etc/apt/keyrings/cluster-offline.asc] file:///srv/offline/apt ./" in source
+    assert "trusted=yes" not in source
+    assert "BEGIN PGP PUBLIC KEY BLOCK" in host.file("/etc/apt/keyrings/cluster-offline.asc").content_string
+
+
+def test_apt_refuses_the_offline_repository_signed_by_another_key(hosts):
+    # The same repository checked against Debian's archive key instead of its own: apt must
+    # reject the index (signed-by is enforced, not decorative).
+    host = hosts(WORKERS[0])
+    host.check_output(
+        "mkdir -p /tmp/wrong-key-lists/partial && echo 'deb [signed-by=/usr/share/keyrings/"
+        "debian-archive-keyring.gpg] file:///srv/offline/apt ./' > /tmp/wrong-key.list")
+    out = host.run("apt-get update -o Dir::Etc::sourcelist=/tmp/wrong-key.list "
+                   "-o Dir::Etc::sourceparts=/nonexistent -o Dir::State::Lists=/tmp/wrong-key-lists")
+    assert out.rc != 0 and "NO_PUBKEY" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
 def _prometheus(lab, inventory, path: str, password: str | None = None,
