@@ -468,6 +468,7 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 "mlflow_enabled": False,
                 # What an operator keeps in a vault.
                 "prometheus_web_password": lab_secret(lab, "prometheus"),
+                "alertmanager_web_password": lab_secret(lab, "alertmanager"),
             },
             "children": {g: {"hosts": {h: None for h in hosts}} for g, hosts in GROUPS.items()},
         }

@@ -12,6 +12,7 @@ import json
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import lab as labmod
@@ -212,6 +213,84 @@ def test_repository_alert_rules_are_installed_and_loaded(hosts, lab, inventory):
         assert {g["file"].rsplit("/", 1)[-1] for g in groups} == set(repo_rules)
 
 
+# A training worker as the runtime runs it: a Ray actor on worker1 starts the runtime's own
+# exporter (runtime/metrics.py), which announces itself in RT_PROMETHEUS_SD_DIR on that node.
+_EXPORTER_DRIVER = """
+import os, sys, time, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+source = open(sys.argv[1]).read()
+ray.init(address=sys.argv[2], log_to_driver=False)
+node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == sys.argv[3])
+
+@ray.remote(num_cpus=0)
+class Worker:
+    def __init__(self):
+        ns = {"__name__": "runtime_metrics"}
+        exec(compile(source, "runtime/metrics.py", "exec"), ns)
+        self.metrics = ns["WorkerMetrics"]("hosts-lab", 0, os.environ["RT_PROMETHEUS_SD_DIR"], {})
+        self.metrics.steps.inc(3)
+    def where(self):
+        return str(self.metrics.sd_file), self.metrics.port
+
+worker = Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+print("exporter", *ray.get(worker.where.remote()), flush=True)
+time.sleep(float(sys.argv[4]))
+"""
+
+
+def _put(host, path: str, text: str) -> None:
+    host.check_output(f"echo {base64.b64encode(text.encode()).decode()} | base64 -d > {path}")
+
+
+def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(hosts, lab, inventory):
+    head, worker = hosts(HEAD), f"{lab.subnet}.{10 + labmod.TOPOLOGY['worker1']}"
+    _put(head, "/tmp/runtime_metrics.py", (labmod.ROOT / "runtime" / "metrics.py").read_text())
+    _put(head, "/tmp/exporter_driver.py", _EXPORTER_DRIVER)
+    head.check_output(
+        f"nohup timeout 300 {WITH_AUTH} /opt/ray/venv/bin/python /tmp/exporter_driver.py /tmp/runtime_metrics.py "
+        f"{lab.subnet}.11:6379 {worker} 240 > /tmp/exporter_driver.log 2>&1 & echo $! > /tmp/exporter_driver.pid")
+    try:
+        deadline, training = time.monotonic() + 200, []
+        while time.monotonic() < deadline:
+            training = [t for t in _prometheus_targets(lab, inventory) if t["labels"]["job"] == "training"]
+            if any(t["health"] == "up" for t in training):
+                break
+            time.sleep(5)
+        log = head.check_output("cat /tmp/exporter_driver.log")
+        assert [t["health"] for t in training] == ["up"], (training, log)
+        assert training[0]["labels"]["instance"].startswith(f"{worker}:"), training
+        # The file_sd file lives on worker1, in the directory the ray role gave the services.
+        assert "exporter /var/lib/ray/prometheus-sd/training-hosts-lab-rank0.json" in log, log
+        query = urllib.parse.quote('rt_train_steps_total{job_id="hosts-lab"}')
+        status, body = _prometheus(lab, inventory, f"/api/v1/query?query={query}")
+        assert status == 200 and json.loads(body)["data"]["result"][0]["value"][1] == "3", body
+    finally:
+        head.run("kill $(cat /tmp/exporter_driver.pid)")
+
+
+def _alertmanager(lab, inventory, path: str, password: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{lab.subnet}.11:9093{path}")
+    if password is None:
+        password = json.loads(inventory.read_text())["all"]["vars"]["alertmanager_web_password"]
+    if password:
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"alertmanager:{password}".encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_alertmanager_listens_on_the_private_address_behind_basic_auth(hosts, lab, inventory):
+    head = hosts(HEAD)
+    assert head.service("prometheus-alertmanager").is_running
+    assert head.socket(f"tcp://{lab.subnet}.11:9093").is_listening
+    assert not head.socket("tcp://0.0.0.0:9093").is_listening
+    assert not head.socket("tcp://0.0.0.0:9094").is_listening  # no gossip port
+    assert _alertmanager(lab, inventory, "/api/v2/alerts", password="")[0] == 401
+    assert _alertmanager(lab, inventory, "/api/v2/alerts")[0] == 200
+
+
 def test_second_site_run_changes_nothing(ansible, site_run):
     t0 = time.monotonic()
     proc = ansible.playbook("site.yml")
@@ -220,6 +299,33 @@ def test_second_site_run_changes_nothing(ansible, site_run):
     assert set(counts) == set(ALL), proc.stdout[-3000:]
     changed = {h: c["changed"] for h, c in counts.items() if c["changed"]}
     assert not changed, proc.stdout[-8000:]
+
+
+_TEST_RULE = """groups:
+  - name: hosts-lab
+    rules:
+      - alert: HostsLabAlwaysFiring
+        expr: vector(1)
+        labels: {severity: warning}
+        annotations: {summary: test alert of tests/hosts}
+"""
+
+
+def test_a_firing_alert_reaches_alertmanager(hosts, lab, inventory, site_run):
+    head = hosts(HEAD)
+    _put(head, "/etc/prometheus/rules/hosts-lab-test.yml", _TEST_RULE)
+    head.check_output("systemctl reload prometheus")
+    try:
+        deadline, names = time.monotonic() + 120, []
+        while time.monotonic() < deadline:
+            status, body = _alertmanager(lab, inventory, "/api/v2/alerts")
+            names = [a["labels"]["alertname"] for a in json.loads(body)] if status == 200 else []
+            if "HostsLabAlwaysFiring" in names:
+                break
+            time.sleep(5)
+        assert "HostsLabAlwaysFiring" in names, (status, body[:2000])
+    finally:
+        head.run("rm -f /etc/prometheus/rules/hosts-lab-test.yml && systemctl reload prometheus")
 
 
 def test_gpu_roles_skip_with_a_message_on_gpu_less_hosts(site_run, hosts):
