@@ -96,8 +96,14 @@ def test_ray_refuses_a_client_without_the_token(hosts, lab):
 
 def test_ray_runs_a_job_for_a_client_with_the_token(hosts, lab):
     driver = _DRIVER.format(address=f"{lab.subnet}.11:6379")
-    out = hosts(WORKERS[1]).run(f"timeout 180 {WITH_AUTH} /opt/ray/venv/bin/python -c \"{driver}\"")
-    assert out.rc == 0 and "answer 42" in out.stdout, out.stdout + out.stderr[-3000:]
+    # An unprivileged driver (the ray account, which may read the token) in a folder its
+    # workers can read too.
+    out = hosts(WORKERS[1]).run(
+        f"cd /tmp && timeout 300 runuser -u ray -- {WITH_AUTH} /opt/ray/venv/bin/python -c \"{driver}\"")
+    if out.rc != 0:
+        status = hosts(HEAD).run(f"{WITH_AUTH} /opt/ray/venv/bin/ray status --address 127.0.0.1:6379").stdout
+        raise AssertionError(f"{out.stdout}\n{out.stderr[-3000:]}\n{status}")
+    assert "answer 42" in out.stdout, out.stdout
     code = hosts(HEAD).check_output(
         f"curl -s -o /dev/null -w '%{{http_code}}' -H \"Authorization: Bearer $(cat {TOKEN})\" "
         "http://127.0.0.1:8265/api/jobs/")
