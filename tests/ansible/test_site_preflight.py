@@ -37,7 +37,7 @@ def _run(tmp_path: Path, monitoring_vars: dict, gpu_vars: dict | None = None) ->
                           cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_site_names_every_missing_password_before_touching_a_host(tmp_path):
+def test_site_names_every_missing_password_before_touching_a_host(tmp_path: Path) -> None:
     proc = _run(tmp_path, {"prometheus_web_password": "short", "grafana_admin_password": "g" * 16})
     assert proc.returncode != 0
     out = proc.stdout
@@ -46,14 +46,14 @@ def test_site_names_every_missing_password_before_touching_a_host(tmp_path):
     assert "inventories/example/group_vars" in out
 
 
-def test_site_asks_gpu_hosts_for_their_download_checksums(tmp_path):
+def test_site_asks_gpu_hosts_for_their_download_checksums(tmp_path: Path) -> None:
     proc = _run(tmp_path, COMPLETE, {"nvidia_driver_enabled": True})
     assert proc.returncode != 0
     assert "gpu-0 (nvidia_driver_enabled: true) lacks nvidia_driver_cuda_keyring_sha256, nccl_tests_sha256" \
         in proc.stdout, proc.stdout[-3000:]
 
 
-def test_site_preflight_passes_a_complete_inventory(tmp_path):
+def test_site_preflight_passes_a_complete_inventory(tmp_path: Path) -> None:
     proc = _run(tmp_path, COMPLETE, {"nvidia_driver_enabled": True, "nvidia_driver_cuda_keyring_sha256": "a" * 64,
                                      "nccl_tests_sha256": "b" * 64})
     assert proc.returncode == 0, proc.stdout[-3000:]

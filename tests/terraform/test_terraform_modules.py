@@ -294,7 +294,8 @@ def test_launch_template_root_volume_is_encrypted() -> None:
 
 def test_node_iam_policy_allows_only_the_pools_own_bucket_prefixes() -> None:
     pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
-    documents = {name: body for b in pool["data"] for kind, named in b.items() if kind == "aws_iam_policy_document" for name, body in named.items()}
+    documents = {name: body for b in pool["data"] for kind, named in b.items()
+                 if kind == "aws_iam_policy_document" for name, body in named.items()}
     statements = documents["checkpoint"]["statement"]
     granted = {(a, r) for s in statements for a in s["actions"] for r in s["resources"]}
     objects = "${[for p in var.s3_prefixes : \"${var.checkpoint_bucket_arn}/${p}*\"]}"
