@@ -86,8 +86,8 @@ tf-check: $(TF_STAMP) $(CHECKOV_STAMP) ## Offline Terraform checks: fmt, validat
 TEST_TARGETS += tf-check
 
 .PHONY: cluster-up-aws
-cluster-up-aws: ## Create the AWS cluster with your terraform (>= 1.6), write its inventory, run Ansible's site.yml.
-	@command -v $(TERRAFORM) >/dev/null || { echo "cluster-up-aws needs the terraform binary (>= 1.6) on PATH, or TERRAFORM=/path/to/terraform" >&2; exit 1; }
+cluster-up-aws: ## Create the AWS cluster with your terraform (>= 1.9), write its inventory, run Ansible's site.yml.
+	@command -v $(TERRAFORM) >/dev/null || { echo "cluster-up-aws needs the terraform binary (>= 1.9) on PATH, or TERRAFORM=/path/to/terraform" >&2; exit 1; }
 	@test -x $(ANSIBLE_PLAYBOOK) || { echo "$(ANSIBLE_PLAYBOOK) not found: run 'make ops-setup' first" >&2; exit 1; }
 	@test -f $(TF_AWS_DIR)/terraform.tfvars || { echo "write $(TF_AWS_DIR)/terraform.tfvars first (copy terraform.tfvars.example; see docs/cloud.md)" >&2; exit 1; }
 	$(TERRAFORM) -chdir=$(TF_AWS_DIR) init -input=false
@@ -100,6 +100,6 @@ cluster-up-aws: ## Create the AWS cluster with your terraform (>= 1.6), write it
 
 .PHONY: cluster-down-aws
 cluster-down-aws: ## Destroy the AWS cluster (the checkpoint bucket survives unless emptied or force_destroy is set).
-	@command -v $(TERRAFORM) >/dev/null || { echo "cluster-down-aws needs the terraform binary (>= 1.6) on PATH, or TERRAFORM=/path/to/terraform" >&2; exit 1; }
+	@command -v $(TERRAFORM) >/dev/null || { echo "cluster-down-aws needs the terraform binary (>= 1.9) on PATH, or TERRAFORM=/path/to/terraform" >&2; exit 1; }
 	$(TERRAFORM) -chdir=$(TF_AWS_DIR) destroy -input=false
 	@rm -f $(AWS_INVENTORY)

@@ -7,8 +7,12 @@ GPU-less and forced-GPU rendering, then node replacement.
 
 from __future__ import annotations
 
+import base64
 import json
+import subprocess
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import lab as labmod
@@ -16,6 +20,9 @@ from conftest import TIMINGS, cluster_state, recap
 
 HEAD, WORKERS = "ray-head", ["worker1", "worker2"]
 ALL = [HEAD, *WORKERS]
+TOKEN = "/etc/ray/auth_token"
+# Run a command with the cluster's Ray authentication settings (installed by the ray role).
+WITH_AUTH = "/usr/local/bin/ray-cluster-env"
 
 
 def test_site_starts_ray_head_and_workers_as_services(hosts):
@@ -32,7 +39,7 @@ def test_ray_status_on_the_head_shows_three_nodes(hosts, lab):
     head = hosts(HEAD)
     deadline = time.monotonic() + 120
     while True:
-        status = head.run("/opt/ray/venv/bin/ray status --address 127.0.0.1:6379")
+        status = head.run(f"{WITH_AUTH} /opt/ray/venv/bin/ray status --address 127.0.0.1:6379")
         active = status.stdout.split("Active:")[-1].split("Pending:")[0] if "Active:" in status.stdout else ""
         if status.rc == 0 and active.count("node_") == 3 or time.monotonic() > deadline:
             break
@@ -48,14 +55,59 @@ def test_ray_status_on_the_head_shows_three_nodes(hosts, lab):
     assert state["resources"]["object_store_memory"] == 3 * 200 * 1024 * 1024
 
 
-def test_dashboard_and_metrics_ports_are_bound_as_configured(hosts):
+def test_dashboard_listens_on_loopback_only_and_metrics_agents_serve(hosts, lab):
     head = hosts(HEAD)
-    assert head.socket("tcp://0.0.0.0:8265").is_listening
-    assert head.socket("tcp://0.0.0.0:6379").is_listening or head.socket("tcp://10.77.0.11:6379").is_listening
+    # Operators reach the dashboard by SSH tunnel; no other interface answers.
+    assert head.socket("tcp://127.0.0.1:8265").is_listening
+    assert not head.socket("tcp://0.0.0.0:8265").is_listening
+    assert not head.socket(f"tcp://{lab.subnet}.11:8265").is_listening
+    assert head.socket(f"tcp://{lab.subnet}.11:6379").is_listening or head.socket("tcp://0.0.0.0:6379").is_listening
     for name in ALL:
         assert "ray_" in hosts(name).check_output("curl -sf http://127.0.0.1:8080/metrics | head -c 200000")
 
 
+def test_every_node_holds_the_same_token_readable_only_by_ray(hosts, site_run):
+    tokens = set()
+    for name in ALL:
+        token = hosts(name).file(TOKEN)
+        assert (token.user, token.group, token.mode) == ("ray", "ray", 0o600), name
+        tokens.add(hosts(name).check_output(f"cat {TOKEN}"))
+        env = hosts(name).file("/etc/ray/ray.env").content_string
+        assert "RAY_AUTH_MODE=token" in env and f"RAY_AUTH_TOKEN_PATH={TOKEN}" in env, env
+    assert len(tokens) == 1 and len(tokens.pop()) == 64
+    # Generated on the head, copied with no_log: the token never reaches Ansible's output.
+    assert hosts(HEAD).check_output(f"cat {TOKEN}") not in site_run.stdout
+
+
+_DRIVER = ("import ray; ray.init(address='{address}', log_to_driver=False); "
+           "print('answer', ray.get(ray.remote(lambda: 6 * 7).remote()))")
+
+
+def test_ray_refuses_a_client_without_the_token(hosts, lab):
+    driver = _DRIVER.format(address=f"{lab.subnet}.11:6379")
+    out = hosts(WORKERS[1]).run(
+        f"timeout 120 env RAY_AUTH_MODE=disabled /opt/ray/venv/bin/python -c \"{driver}\"")
+    assert out.rc != 0 and "answer" not in out.stdout, out.stdout
+    assert "AuthenticationError" in out.stderr or "UNAUTHENTICATED" in out.stderr, out.stderr[-3000:]
+    # The dashboard's HTTP API (job submission) refuses too.
+    code = hosts(HEAD).check_output("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8265/api/jobs/")
+    assert code == "401"
+
+
+def test_ray_runs_a_job_for_a_client_with_the_token(hosts, lab):
+    driver = _DRIVER.format(address=f"{lab.subnet}.11:6379")
+    # An unprivileged driver (the ray account, which may read the token) in a folder its
+    # workers can read too.
+    out = hosts(WORKERS[1]).run(
+        f"cd /tmp && timeout 300 runuser -u ray -- {WITH_AUTH} /opt/ray/venv/bin/python -c \"{driver}\"")
+    if out.rc != 0:
+        status = hosts(HEAD).run(f"{WITH_AUTH} /opt/ray/venv/bin/ray status --address 127.0.0.1:6379").stdout
+        raise AssertionError(f"{out.stdout}\n{out.stderr[-3000:]}\n{status}")
+    assert "answer 42" in out.stdout, out.stdout
+    code = hosts(HEAD).check_output(
+        f"curl -s -o /dev/null -w '%{{http_code}}' -H \"Authorization: Bearer $(cat {TOKEN})\" "
+        "http://127.0.0.1:8265/api/jobs/")
+    assert code == "200"
 def test_node_exporter_serves_on_every_host(hosts):
     for name in ALL:
         host = hosts(name)
@@ -70,21 +122,74 @@ def test_kernel_settings_limits_and_ray_user_are_in_place(hosts):
     assert "net.core.rmem_max = 134217728" in host.file("/etc/sysctl.d/90-cluster-network.conf").content_string
     assert "memlock" in host.file("/etc/security/limits.d/90-cluster-limits.conf").content_string
     assert host.package("chrony").is_installed
-    # Offline mode: the only apt source is the bind-mounted repository.
-    assert "file:///srv/offline/apt" in host.file("/etc/apt/sources.list.d/cluster-offline.list").content_string
+    # Offline mode: the only apt source is the bind-mounted repository, checked against its key.
+    source = host.file("/etc/apt/sources.list.d/cluster-offline.list").content_string
+    assert "deb [signed-by=/etc/apt/keyrings/cluster-offline.asc] file:///srv/offline/apt ./" in source
+    assert "trusted=yes" not in source
+    assert "BEGIN PGP PUBLIC KEY BLOCK" in host.file("/etc/apt/keyrings/cluster-offline.asc").content_string
 
 
-def _prometheus_targets(lab) -> list[dict]:
-    url = f"http://{lab.subnet}.11:9090/api/v1/targets?state=active"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.load(resp)["data"]["activeTargets"]
+def test_apt_refuses_the_offline_repository_signed_by_another_key(hosts):
+    # The same repository checked against Debian's archive key instead of its own: apt must
+    # reject the index (signed-by is enforced, not decorative).
+    host = hosts(WORKERS[0])
+    host.check_output(
+        "mkdir -p /tmp/wrong-key-lists/partial && echo 'deb [signed-by=/usr/share/keyrings/"
+        "debian-archive-keyring.gpg] file:///srv/offline/apt ./' > /tmp/wrong-key.list")
+    out = host.run("apt-get update -o Dir::Etc::sourcelist=/tmp/wrong-key.list "
+                   "-o Dir::Etc::sourceparts=/nonexistent -o Dir::State::Lists=/tmp/wrong-key-lists")
+    assert out.rc != 0 and "NO_PUBKEY" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-def test_prometheus_scrapes_every_target_up(hosts, lab):
+def _prometheus(lab, inventory, path: str, password: str | None = None,
+                method: str = "GET") -> tuple[int, bytes]:
+    """(status, body) of a request to the head's Prometheus, with basic auth when password is given."""
+    request = urllib.request.Request(f"http://{lab.subnet}.11:9090{path}", method=method)
+    if password is None:
+        password = json.loads(inventory.read_text())["all"]["vars"]["prometheus_web_password"]
+    if password:
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"prometheus:{password}".encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _prometheus_targets(lab, inventory) -> list[dict]:
+    status, body = _prometheus(lab, inventory, "/api/v1/targets?state=active")
+    assert status == 200, body
+    return json.loads(body)["data"]["activeTargets"]
+
+
+def test_prometheus_listens_on_the_private_address_behind_basic_auth(hosts, lab, inventory):
+    head = hosts(HEAD)
+    assert head.socket(f"tcp://{lab.subnet}.11:9090").is_listening
+    assert not head.socket("tcp://0.0.0.0:9090").is_listening
+    assert _prometheus(lab, inventory, "/api/v1/targets", password="")[0] == 401
+    assert _prometheus(lab, inventory, "/api/v1/targets", password="wrong-password")[0] == 401
+    assert _prometheus(lab, inventory, "/api/v1/targets")[0] == 200
+    # The web config holds a bcrypt hash, never the password.
+    web = head.file("/etc/prometheus/web.yml")
+    assert (web.user, web.group, web.mode) == ("root", "prometheus", 0o640)
+    assert "$2b$" in web.content_string
+    assert json.loads(inventory.read_text())["all"]["vars"]["prometheus_web_password"] not in web.content_string
+
+
+def test_prometheus_lifecycle_api_is_off(hosts, lab, inventory):
+    status, body = _prometheus(lab, inventory, "/-/quit", method="POST")
+    assert status == 403, (status, body)
+    assert _prometheus(lab, inventory, "/-/reload", method="POST")[0] == 403
+    time.sleep(1)
+    assert hosts(HEAD).service("prometheus").is_running
+    assert _prometheus(lab, inventory, "/-/ready")[0] == 200
+
+
+def test_prometheus_scrapes_every_target_up(hosts, lab, inventory):
     assert hosts(HEAD).service("prometheus").is_running
     deadline = time.monotonic() + 150
     while True:
-        targets = _prometheus_targets(lab)
+        targets = _prometheus_targets(lab, inventory)
         jobs = {}
         for t in targets:
             jobs.setdefault(t["labels"]["job"], []).append(t)
@@ -102,16 +207,94 @@ def test_prometheus_scrapes_every_target_up(hosts, lab):
     assert "prometheus" in jobs
 
 
-def test_repository_alert_rules_are_installed_and_loaded(hosts, lab):
+def test_repository_alert_rules_are_installed_and_loaded(hosts, lab, inventory):
     repo_rules = sorted(p.name for p in (labmod.ROOT / "alerts").glob("*.rules.yml"))
     head = hosts(HEAD)
     installed = sorted(head.check_output("ls /etc/prometheus/rules").split())
     assert installed == repo_rules
     if repo_rules:
-        url = f"http://{lab.subnet}.11:9090/api/v1/rules"
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            groups = json.load(resp)["data"]["groups"]
+        status, body = _prometheus(lab, inventory, "/api/v1/rules")
+        assert status == 200, body
+        groups = json.loads(body)["data"]["groups"]
         assert {g["file"].rsplit("/", 1)[-1] for g in groups} == set(repo_rules)
+
+
+# A training worker as the runtime runs it: a Ray actor on worker1 starts the runtime's own
+# exporter (runtime/metrics.py), which announces itself in RT_PROMETHEUS_SD_DIR on that node.
+_EXPORTER_DRIVER = """
+import os, sys, time, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+source = open(sys.argv[1]).read()
+ray.init(address=sys.argv[2], log_to_driver=False)
+node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == sys.argv[3])
+
+@ray.remote(num_cpus=0)
+class Worker:
+    def __init__(self):
+        ns = {"__name__": "runtime_metrics"}
+        exec(compile(source, "runtime/metrics.py", "exec"), ns)
+        self.metrics = ns["WorkerMetrics"]("hosts-lab", 0, os.environ["RT_PROMETHEUS_SD_DIR"], {})
+        self.metrics.steps.inc(3)
+    def where(self):
+        return str(self.metrics.sd_file), self.metrics.port
+
+worker = Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+print("exporter", *ray.get(worker.where.remote()), flush=True)
+time.sleep(float(sys.argv[4]))
+"""
+
+
+def _put(host, path: str, text: str) -> None:
+    host.check_output(f"echo {base64.b64encode(text.encode()).decode()} | base64 -d > {path}")
+
+
+def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(hosts, lab, inventory):
+    head, worker = hosts(HEAD), f"{lab.subnet}.{10 + labmod.TOPOLOGY['worker1']}"
+    _put(head, "/tmp/runtime_metrics.py", (labmod.ROOT / "runtime" / "metrics.py").read_text())
+    _put(head, "/tmp/exporter_driver.py", _EXPORTER_DRIVER)
+    head.check_output(
+        f"nohup timeout 300 {WITH_AUTH} /opt/ray/venv/bin/python /tmp/exporter_driver.py /tmp/runtime_metrics.py "
+        f"{lab.subnet}.11:6379 {worker} 240 > /tmp/exporter_driver.log 2>&1 & echo $! > /tmp/exporter_driver.pid")
+    try:
+        deadline, training = time.monotonic() + 200, []
+        while time.monotonic() < deadline:
+            training = [t for t in _prometheus_targets(lab, inventory) if t["labels"]["job"] == "training"]
+            if any(t["health"] == "up" for t in training):
+                break
+            time.sleep(5)
+        log = head.check_output("cat /tmp/exporter_driver.log")
+        assert [t["health"] for t in training] == ["up"], (training, log)
+        assert training[0]["labels"]["instance"].startswith(f"{worker}:"), training
+        # The file_sd file lives on worker1, in the directory the ray role gave the services.
+        assert "exporter /var/lib/ray/prometheus-sd/training-hosts-lab-rank0.json" in log, log
+        query = urllib.parse.quote('rt_train_steps_total{job_id="hosts-lab"}')
+        status, body = _prometheus(lab, inventory, f"/api/v1/query?query={query}")
+        assert status == 200 and json.loads(body)["data"]["result"][0]["value"][1] == "3", body
+    finally:
+        head.run("kill $(cat /tmp/exporter_driver.pid)")
+
+
+def _alertmanager(lab, inventory, path: str, password: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{lab.subnet}.11:9093{path}")
+    if password is None:
+        password = json.loads(inventory.read_text())["all"]["vars"]["alertmanager_web_password"]
+    if password:
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"alertmanager:{password}".encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_alertmanager_listens_on_the_private_address_behind_basic_auth(hosts, lab, inventory):
+    head = hosts(HEAD)
+    assert head.service("prometheus-alertmanager").is_running
+    assert head.socket(f"tcp://{lab.subnet}.11:9093").is_listening
+    assert not head.socket("tcp://0.0.0.0:9093").is_listening
+    assert not head.socket("tcp://0.0.0.0:9094").is_listening  # no gossip port
+    assert _alertmanager(lab, inventory, "/api/v2/alerts", password="")[0] == 401
+    assert _alertmanager(lab, inventory, "/api/v2/alerts")[0] == 200
 
 
 def test_second_site_run_changes_nothing(ansible, site_run):
@@ -119,9 +302,36 @@ def test_second_site_run_changes_nothing(ansible, site_run):
     proc = ansible.playbook("site.yml")
     TIMINGS["site.yml second run (idempotence)"] = time.monotonic() - t0
     counts = recap(proc.stdout)
-    assert set(counts) == set(ALL), proc.stdout[-3000:]
+    assert set(counts) == {*ALL, "localhost"}, proc.stdout[-3000:]  # localhost: the inventory preflight
     changed = {h: c["changed"] for h, c in counts.items() if c["changed"]}
     assert not changed, proc.stdout[-8000:]
+
+
+_TEST_RULE = """groups:
+  - name: hosts-lab
+    rules:
+      - alert: HostsLabAlwaysFiring
+        expr: vector(1)
+        labels: {severity: warning}
+        annotations: {summary: test alert of tests/hosts}
+"""
+
+
+def test_a_firing_alert_reaches_alertmanager(hosts, lab, inventory, site_run):
+    head = hosts(HEAD)
+    _put(head, "/etc/prometheus/rules/hosts-lab-test.yml", _TEST_RULE)
+    head.check_output("systemctl reload prometheus")
+    try:
+        deadline, names = time.monotonic() + 120, []
+        while time.monotonic() < deadline:
+            status, body = _alertmanager(lab, inventory, "/api/v2/alerts")
+            names = [a["labels"]["alertname"] for a in json.loads(body)] if status == 200 else []
+            if "HostsLabAlwaysFiring" in names:
+                break
+            time.sleep(5)
+        assert "HostsLabAlwaysFiring" in names, (status, body[:2000])
+    finally:
+        head.run("rm -f /etc/prometheus/rules/hosts-lab-test.yml && systemctl reload prometheus")
 
 
 def test_gpu_roles_skip_with_a_message_on_gpu_less_hosts(site_run, hosts):
@@ -160,23 +370,29 @@ def test_check_mode_with_forced_gpu_renders_driver_nccl_and_dcgm_config(ansible,
     assert not host.file("/etc/modprobe.d/nvidia-cluster.conf").exists
 
 
-def test_check_mode_renders_mlflow_and_grafana_config_on_the_monitoring_host(ansible, hosts, site_run):
+def test_check_mode_renders_mlflow_and_grafana_config_on_the_monitoring_host(ansible, hosts, site_run, lab, inventory):
     # The lab runs without both (no Grafana package offline; MLflow's install costs minutes on
     # 2 cores): check mode shows what their configure phase writes from the real inventory.
+    secrets = {"grafana_admin_password": "grafana-check-mode-secret",
+               "mlflow_auth_admin_password": "mlflow-check-mode-secret",
+               "mlflow_environment": {"AWS_SECRET_ACCESS_KEY": "aws-check-mode-secret"}}
     proc = ansible.playbook(
         "site.yml", "--check", "--diff", "--limit", HEAD, "--tags", "mlflow_configure,grafana_configure",
-        "-e", json.dumps({"mlflow_enabled": True, "grafana_enabled": True,
-                          "grafana_admin_password": "check-mode-only"}))
+        "-e", json.dumps({"mlflow_enabled": True, "grafana_enabled": True, **secrets}))
     out = proc.stdout
-    # MLflow: the unit serves the configured backend store and artifact root on its port.
-    assert ("--port 5000 --workers 2 --backend-store-uri sqlite:////var/lib/mlflow/mlflow.db "
+    # MLflow: the basic-auth app on the head's private address, with the configured stores.
+    assert (f"--app-name basic-auth --host {lab.subnet}.11 --port 5000 --workers 2 "
+            "--backend-store-uri sqlite:////var/lib/mlflow/mlflow.db "
             "--artifacts-destination /var/lib/mlflow/artifacts --serve-artifacts") in out
-    # Grafana: Prometheus on this host as the default datasource, and every repository dashboard.
-    assert "+    url: http://127.0.0.1:9090" in out
-    assert "+    uid: prometheus" in out
+    assert "+admin_username = admin" in out
     assert "+      path: /var/lib/grafana/dashboards/cluster" in out  # the provider reads the copied files
     for dashboard in sorted((labmod.ROOT / "dashboards").glob("*.json")):
         assert f"/dashboards/{dashboard.name})" in out, dashboard.name  # one copy item per dashboard
+    # --diff prints no secret: the files holding them are written with no_log and diff: false.
+    prometheus_password = json.loads(inventory.read_text())["all"]["vars"]["prometheus_web_password"]
+    for secret in ["grafana-check-mode-secret", "mlflow-check-mode-secret", "aws-check-mode-secret",
+                   prometheus_password]:
+        assert secret not in out and secret not in proc.stderr, secret
     # Check mode wrote nothing.
     assert not hosts(HEAD).file("/etc/systemd/system/mlflow.service").exists
     assert not hosts(HEAD).file("/etc/grafana/provisioning/datasources/cluster.yml").exists
@@ -195,21 +411,35 @@ def _fingerprint(host, unit: str) -> tuple[str, str]:
     return boot_id, started
 
 
+def _known_host_keys(lab, address: str) -> set[str]:
+    """The host keys the controller's known_hosts holds for address."""
+    # ssh-keygen -F finds hashed entries too (Debian's ssh_config hashes known hosts).
+    out = subprocess.run(["ssh-keygen", "-F", address, "-f", str(lab.workdir / "known_hosts")],
+                         capture_output=True, text=True, check=False).stdout
+    return {line.split(" ", 1)[1] for line in out.splitlines() if line and not line.startswith("#")}
+
+
 def test_replace_node_restores_the_cluster_without_restarting_others(ansible, hosts, lab, site_run):
     survivors = {HEAD: ["ray-head", "prometheus", "prometheus-node-exporter"],
                  "worker2": ["ray-worker", "prometheus-node-exporter"]}
     before = {(n, u): _fingerprint(hosts(n), u) for n, units in survivors.items() for u in units}
     old_boot = hosts("worker1").file("/proc/sys/kernel/random/boot_id").content_string.strip()
+    public = f"{lab.public_subnet}.{10 + labmod.TOPOLOGY['worker1']}"
+    old_key = _known_host_keys(lab, public)
+    assert old_key, "site.yml's connections recorded no host key for worker1"
 
     lab.kill_node("worker1")  # SIGKILL its PID 1: the machine is gone
     node = lab.start_node("worker1", labmod.TOPOLOGY["worker1"])  # bare host, same name and address
-    lab.wait_ssh(node)
+    lab.wait_ssh(node)  # the re-imaged machine generated new host keys at boot
 
     t0 = time.monotonic()
     proc = ansible.playbook("replace_node.yml", "-e", "node=worker1")
     TIMINGS["replace_node.yml (bare host -> joined)"] = time.monotonic() - t0
 
     assert "worker1 replaced: 3 alive Ray nodes" in proc.stdout
+    # The old key was forgotten and the new one recorded (accept-new), nothing else.
+    new_key = _known_host_keys(lab, public)
+    assert new_key and new_key != old_key
     state = cluster_state(hosts(HEAD))
     assert state["alive_nodes"] == 3
     assert state["resources"]["pool_a"] == 2.0

@@ -204,6 +204,22 @@ def test_admin_ingress_comes_only_from_admin_cidrs_which_reject_the_internet() -
     assert '!endswith(c, "/0")' in conditions, "admin_cidrs must reject /0 networks"
 
 
+@pytest.mark.parametrize("module", ["network", "cluster_spec"])
+def test_admin_cidrs_are_checked_by_prefix_length_against_a_configured_minimum(module: str) -> None:
+    # 0.0.0.0/1 + 128.0.0.0/1 is the whole internet without a literal /0: only a
+    # prefix-length floor catches it (cluster_spec's terraform test runs the cases).
+    parsed = parse_dir(TERRAFORM / "modules" / module)
+    conditions = " ".join(v["condition"] for v in variables(parsed)["admin_cidrs"]["validation"])
+    assert 'tonumber(split("/", c)[1]) >= var.admin_cidr_min_prefix_length' in conditions
+    assert variables(parsed)["admin_cidr_min_prefix_length"]["default"] == 8
+
+
+def test_admin_security_group_opens_only_ssh_by_default() -> None:
+    # Dashboards (Ray 8265, Grafana, MLflow, Prometheus) are reached by SSH tunnel.
+    network = parse_dir(TERRAFORM / "modules" / "network")
+    assert variables(network)["admin_ports"]["default"] == {"ssh": 22}
+
+
 def test_ray_gcs_and_client_ports_cannot_be_made_admin_ports() -> None:
     network = parse_dir(TERRAFORM / "modules" / "network")
     admin_ports = variables(network)["admin_ports"]
@@ -276,20 +292,58 @@ def test_launch_template_root_volume_is_encrypted() -> None:
     assert ebs["encrypted"] is True
 
 
-def test_node_iam_policy_allows_only_the_checkpoint_bucket() -> None:
+def test_node_iam_policy_allows_only_the_pools_own_bucket_prefixes() -> None:
     pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
-    documents = {name: body for b in pool["data"] for kind, named in b.items() if kind == "aws_iam_policy_document" for name, body in named.items()}
+    documents = {name: body for b in pool["data"] for kind, named in b.items()
+                 if kind == "aws_iam_policy_document" for name, body in named.items()}
     statements = documents["checkpoint"]["statement"]
     granted = {(a, r) for s in statements for a in s["actions"] for r in s["resources"]}
-    assert granted == {
-        ("s3:ListBucket", "${var.checkpoint_bucket_arn}"),
-        ("s3:GetObject", "${var.checkpoint_bucket_arn}/*"),
-        ("s3:PutObject", "${var.checkpoint_bucket_arn}/*"),
-        ("s3:DeleteObject", "${var.checkpoint_bucket_arn}/*"),
-    }
+    objects = "${[for p in var.s3_prefixes : \"${var.checkpoint_bucket_arn}/${p}*\"]}"
+    assert {a for a, _ in granted} == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
+    # Listing is limited to the prefixes, object access to keys under them: never bucket-wide.
+    listing = next(s for s in statements if s["actions"] == ["s3:ListBucket"])
+    assert listing["resources"] == ["${var.checkpoint_bucket_arn}"]
+    assert listing["condition"][0]["variable"] == "s3:prefix"
+    object_statement = next(s for s in statements if "s3:GetObject" in s["actions"])
+    assert object_statement["resources"] in (objects, [objects]), object_statement["resources"]
+    assert "${var.checkpoint_bucket_arn}/*" not in {r for _, r in granted}
     # The only other grant is the bucket's own KMS key, when it has one.
     kms = documents["checkpoint"]["dynamic"][0]["statement"]["content"][0]
     assert kms["actions"] == ["kms:Decrypt", "kms:GenerateDataKey"] and kms["resources"] == ["${statement.value}"]
+
+
+def test_the_head_and_the_workers_get_different_bucket_prefixes() -> None:
+    example = parse_dir(TERRAFORM / "examples" / "aws_cluster")
+    modules = {name: body for block in example["module"] for name, body in block.items()}
+    assert modules["head"]["s3_prefixes"] == ["ray/", "mlflow/"]
+    assert modules["pool"]["s3_prefixes"] == ["ray/"]
+
+
+def test_nodes_boot_a_pinned_debian_12_image_not_a_latest_pointer() -> None:
+    # The Ansible roles are tested on Debian 12 (tests/hosts) and pin +deb12 package versions.
+    pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
+    data = {kind: named for b in pool["data"] for kind, named in b.items()}
+    assert "aws_ssm_parameter" not in data
+    ami = data["aws_ami"]["this"]
+    assert ami["owners"] == ["${var.ami_owner}"] and not ami.get("most_recent")
+    assert {f["name"]: f["values"] for f in ami["filter"]}["name"] == ["${var.ami_name}"]
+    pool_vars = variables(pool)
+    assert pool_vars["ami_owner"]["default"] == "136693071363"  # the Debian cloud team's account
+    name = pool_vars["ami_name"]
+    assert re.fullmatch(r"debian-12-amd64-\d{8}-\d+", name["default"])
+    assert "^debian-12-amd64-[0-9]{8}-[0-9]+$" in name["validation"][0]["condition"]
+    assert pool_vars["root_device_name"]["default"] == "/dev/xvda"
+    example = parse_dir(TERRAFORM / "examples" / "aws_cluster")
+    assert variables(example)["ami_name"]["default"] == name["default"]
+    spec = parse_dir(TERRAFORM / "modules" / "cluster_spec")
+    assert variables(spec)["ssh_user"]["default"] == "admin"  # Debian AMIs' login user
+
+
+def test_the_example_commits_its_provider_lock_file() -> None:
+    lock = TERRAFORM / "examples" / "aws_cluster" / ".terraform.lock.hcl"
+    assert lock.exists(), "run terraform init in examples/aws_cluster and commit .terraform.lock.hcl"
+    text = lock.read_text()
+    assert 'provider "registry.terraform.io/hashicorp/aws"' in text and "hashes = [" in text
 
 
 def test_gpu_pools_replace_before_destroy_and_rebalance_spot_capacity() -> None:

@@ -21,7 +21,9 @@ module "spec" {
   vpc_cidr           = var.vpc_cidr
   admin_cidrs        = var.admin_cidrs
   head_instance_type = var.head_instance_type
-  pools              = var.pools
+
+  admin_cidr_min_prefix_length = var.admin_cidr_min_prefix_length
+  pools                        = var.pools
 
   node_addresses      = local.node_addresses
   head_public_address = try(data.aws_instances.head.public_ips[0], null)
@@ -41,7 +43,9 @@ module "network" {
   azs           = local.azs
   admin_cidrs   = module.spec.admin_cidrs
   cluster_ports = module.spec.security_group_ports
-  enable_efa    = module.spec.efa_supported
+
+  admin_cidr_min_prefix_length = var.admin_cidr_min_prefix_length
+  enable_efa                   = module.spec.efa_supported
 
   tags = var.tags
 }
@@ -78,12 +82,15 @@ module "head" {
   instance_type               = module.spec.head_instance_type
   node_count                  = 1
   ami_id                      = var.ami_id
+  ami_name                    = var.ami_name
   key_name                    = var.ssh_key_name
   subnet_ids                  = [module.network.public_subnet_ids[0]]
   security_group_ids          = [module.network.security_group_id, module.network.admin_security_group_id]
   associate_public_ip_address = true
   checkpoint_bucket_arn       = module.storage.bucket_arn
-  root_volume_size_gib        = 100
+  # Ray Train's controller (checkpoint registry, rotation) and MLflow's artifact proxy.
+  s3_prefixes          = ["ray/", "mlflow/"]
+  root_volume_size_gib = 100
 
   tags = var.tags
 }
@@ -99,6 +106,7 @@ module "pool" {
   node_count    = each.value.count
   capacity_type = each.value.capacity_type
   ami_id        = var.ami_id
+  ami_name      = var.ami_name
   key_name      = var.ssh_key_name
   # One AZ: a cluster placement group cannot span zones.
   subnet_ids            = [module.network.private_subnet_ids[0]]
@@ -106,6 +114,8 @@ module "pool" {
   placement_group_name  = module.network.placement_group_name
   efa_interface_count   = each.value.efa_count
   checkpoint_bucket_arn = module.storage.bucket_arn
+  # Workers write checkpoints only; MLflow artifacts go through the head's server.
+  s3_prefixes = ["ray/"]
 
   tags = var.tags
 }

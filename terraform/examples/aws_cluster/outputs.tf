@@ -1,5 +1,5 @@
 output "head_address" {
-  description = "Public IPv4 address of the head node (SSH, Ray dashboard on :8265, Grafana on :3000, MLflow on :5000 from admin_cidrs)."
+  description = "Public IPv4 address of the head node: SSH from admin_cidrs only; tunnel the dashboards through it (docs/security.md)."
   value       = try(data.aws_instances.head.public_ips[0], null)
 }
 

@@ -30,8 +30,15 @@ variable "vpc_cidr" {
 }
 
 variable "admin_cidrs" {
-  description = "CIDRs allowed to SSH to the head node and open its dashboards, e.g. [\"203.0.113.7/32\"] (your address). Never 0.0.0.0/0."
+  description = "CIDRs allowed to SSH to the head node, e.g. [\"203.0.113.7/32\"] (your address); dashboards are reached through that SSH connection. Never broader than admin_cidr_min_prefix_length."
   type        = list(string)
+  nullable    = false
+}
+
+variable "admin_cidr_min_prefix_length" {
+  description = "Shortest prefix length admin_cidrs may have (8: nothing broader than a /8)."
+  type        = number
+  default     = 8
   nullable    = false
 }
 
@@ -68,9 +75,16 @@ variable "pools" {
 }
 
 variable "ami_id" {
-  description = "AMI of every node; null uses the AWS Deep Learning Base GPU AMI (Ubuntu 22.04) from its public SSM parameter."
+  description = "AMI ID of every node (a Debian 12 image); null looks up ami_name from Debian's account in the region."
   type        = string
   default     = null
+}
+
+variable "ami_name" {
+  description = "Exact name of the Debian 12 build every node boots (the OS the Ansible roles are tested on); see modules/gpu_node_pool."
+  type        = string
+  default     = "debian-12-amd64-20240717-1811"
+  nullable    = false
 }
 
 ################################################################################

@@ -1,5 +1,6 @@
 terraform {
-  required_version = ">= 1.6"
+  # 1.9: cluster_spec's validations compare variables with each other.
+  required_version = ">= 1.9"
 
   required_providers {
     aws = {

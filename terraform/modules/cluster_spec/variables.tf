@@ -42,6 +42,26 @@ variable "admin_cidrs" {
     condition     = alltrue([for c in var.admin_cidrs : !endswith(c, "/0")])
     error_message = "admin_cidrs must not contain 0.0.0.0/0 or ::/0: SSH and dashboards are never opened to the whole internet. Valid values are narrower CIDRs such as your office or VPN range (\"203.0.113.0/24\")."
   }
+
+  # By prefix length, not by spelling: 0.0.0.0/1 + 128.0.0.0/1 is the internet too.
+  validation {
+    condition = alltrue([
+      for c in var.admin_cidrs : can(regex("^[0-9.]+/[0-9]+$", c)) && try(tonumber(split("/", c)[1]) >= var.admin_cidr_min_prefix_length, false)
+    ])
+    error_message = "admin_cidrs must be IPv4 CIDRs with a prefix length of at least admin_cidr_min_prefix_length (/${var.admin_cidr_min_prefix_length}); broader ones such as 0.0.0.0/1 or 10.0.0.0/7 open SSH to too much of the network. Use your address (\"203.0.113.7/32\") or your VPN range."
+  }
+}
+
+variable "admin_cidr_min_prefix_length" {
+  description = "Shortest prefix length admin_cidrs may have (8 admits a /8 at most; raise it to 16 or 24 to forbid wide ranges)."
+  type        = number
+  default     = 8
+  nullable    = false
+
+  validation {
+    condition     = var.admin_cidr_min_prefix_length >= 1 && var.admin_cidr_min_prefix_length <= 32 && floor(var.admin_cidr_min_prefix_length) == var.admin_cidr_min_prefix_length
+    error_message = "admin_cidr_min_prefix_length must be a whole number from 1 to 32."
+  }
 }
 
 ################################################################################
@@ -137,14 +157,14 @@ variable "head_public_address" {
 }
 
 variable "ssh_user" {
-  description = "Login user Ansible connects as (the AMI's default user: ubuntu on the Ubuntu Deep Learning AMIs)."
+  description = "Login user Ansible connects as (the AMI's default user: admin on Debian's official AMIs)."
   type        = string
-  default     = "ubuntu"
+  default     = "admin"
   nullable    = false
 
   validation {
     condition     = can(regex("^[a-z_][a-z0-9_-]{0,31}$", var.ssh_user))
-    error_message = "ssh_user must be a POSIX user name (lowercase letters, digits, '_' and '-'), for example \"ubuntu\" or \"ec2-user\"."
+    error_message = "ssh_user must be a POSIX user name (lowercase letters, digits, '_' and '-'), for example \"admin\" (Debian) or \"ec2-user\"."
   }
 }
 

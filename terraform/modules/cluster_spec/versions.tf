@@ -1,5 +1,6 @@
 terraform {
   # Provider-free on purpose: everything here runs under `terraform test`
-  # offline. 1.6 is the first release with `terraform test`.
-  required_version = ">= 1.6"
+  # offline. 1.9 is the first release whose validations may read other
+  # variables (admin_cidrs against admin_cidr_min_prefix_length).
+  required_version = ">= 1.9"
 }

@@ -1,5 +1,5 @@
 locals {
-  ami_id = coalesce(var.ami_id, try(nonsensitive(data.aws_ssm_parameter.ami[0].value), null))
+  ami_id = coalesce(var.ami_id, try(data.aws_ami.this[0].id, null))
   spot   = var.capacity_type == "spot"
 
   # The example finds the pool's instances by these tags.
@@ -22,10 +22,27 @@ locals {
   }]
 }
 
-data "aws_ssm_parameter" "ami" {
+# One pinned image, the OS the Ansible roles are tested on (Debian 12): owner and exact
+# name, never a "latest" pointer, so a new upstream build changes nothing until chosen.
+data "aws_ami" "this" {
   count = var.ami_id == null ? 1 : 0
 
-  name = var.ami_ssm_parameter
+  owners = [var.ami_owner]
+
+  filter {
+    name   = "name"
+    values = [var.ami_name]
+  }
+
+  filter {
+    name   = "architecture"
+    values = ["x86_64"]
+  }
+
+  filter {
+    name   = "state"
+    values = ["available"]
+  }
 }
 
 data "aws_partition" "current" {}
@@ -45,17 +62,25 @@ data "aws_iam_policy_document" "assume" {
   }
 }
 
+# Each pool reaches only its own key prefixes (workers: checkpoints; the head also the
+# MLflow artifacts it serves), never the whole bucket.
 data "aws_iam_policy_document" "checkpoint" {
   statement {
-    sid       = "ListCheckpointBucket"
+    sid       = "ListOwnPrefixes"
     actions   = ["s3:ListBucket"]
     resources = [var.checkpoint_bucket_arn]
+
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = flatten([for p in var.s3_prefixes : [p, "${p}*"]])
+    }
   }
 
   statement {
-    sid       = "ReadWriteCheckpoints"
+    sid       = "ReadWriteOwnPrefixes"
     actions   = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
-    resources = ["${var.checkpoint_bucket_arn}/*"]
+    resources = [for p in var.s3_prefixes : "${var.checkpoint_bucket_arn}/${p}*"]
   }
 
   dynamic "statement" {

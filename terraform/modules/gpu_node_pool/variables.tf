@@ -73,16 +73,38 @@ variable "spot_instance_types" {
 }
 
 variable "ami_id" {
-  description = "AMI ID of the nodes. Null reads it from the SSM parameter ami_ssm_parameter."
+  description = "AMI ID of the nodes (a Debian 12 image); null looks up ami_name from ami_owner in the region."
   type        = string
   default     = null
+
+  validation {
+    condition     = var.ami_id == null || can(regex("^ami-[0-9a-f]{8,17}$", var.ami_id))
+    error_message = "ami_id must be null or an AMI ID such as ami-0123456789abcdef0."
+  }
 }
 
-variable "ami_ssm_parameter" {
-  description = "Public SSM parameter holding the AMI ID when ami_id is null (default: AWS Deep Learning Base OSS Nvidia Driver GPU AMI, Ubuntu 22.04)."
+variable "ami_owner" {
+  description = "AWS account publishing the image: 136693071363 is the Debian cloud team's official account."
   type        = string
-  default     = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+  default     = "136693071363"
   nullable    = false
+
+  validation {
+    condition     = can(regex("^[0-9]{12}$", var.ami_owner))
+    error_message = "ami_owner must be a 12-digit AWS account ID (Debian: \"136693071363\")."
+  }
+}
+
+variable "ami_name" {
+  description = "Exact name of the Debian 12 image (the OS the Ansible roles are tested on); no wildcards, so the pool boots this build until you change it. List builds with: aws ec2 describe-images --owners 136693071363 --filters 'Name=name,Values=debian-12-amd64-*'."
+  type        = string
+  default     = "debian-12-amd64-20240717-1811"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^debian-12-amd64-[0-9]{8}-[0-9]+$", var.ami_name))
+    error_message = "ami_name must name one Debian 12 amd64 build exactly, such as \"debian-12-amd64-20240717-1811\" (no wildcards: a pattern would boot whatever build is newest)."
+  }
 }
 
 variable "key_name" {
@@ -104,9 +126,9 @@ variable "root_volume_size_gib" {
 }
 
 variable "root_device_name" {
-  description = "Root device name of the AMI (/dev/sda1 on Ubuntu AMIs, /dev/xvda on Amazon Linux)."
+  description = "Root device name of the AMI (/dev/xvda on Debian's and Amazon Linux AMIs)."
   type        = string
-  default     = "/dev/sda1"
+  default     = "/dev/xvda"
   nullable    = false
 }
 
@@ -181,6 +203,18 @@ variable "checkpoint_bucket_arn" {
   validation {
     condition     = can(regex("^arn:aws[a-z-]*:s3:::[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", var.checkpoint_bucket_arn))
     error_message = "checkpoint_bucket_arn must be an S3 bucket ARN such as arn:aws:s3:::train-a-checkpoints."
+  }
+}
+
+variable "s3_prefixes" {
+  description = "Key prefixes of the checkpoint bucket the pool's nodes may list, read, write and delete (workers: [\"ray/\"]; the head also [\"mlflow/\"])."
+  type        = list(string)
+  default     = ["ray/"]
+  nullable    = false
+
+  validation {
+    condition     = length(var.s3_prefixes) > 0 && alltrue([for p in var.s3_prefixes : can(regex("^[A-Za-z0-9][A-Za-z0-9._-]*/([A-Za-z0-9._-]+/)*$", p))])
+    error_message = "s3_prefixes must be a non-empty list of key prefixes such as \"ray/\" or \"mlflow/\": no leading '/', no wildcards, each ending with '/'."
   }
 }
 

@@ -328,7 +328,7 @@ resource "aws_vpc_security_group_egress_rule" "http" {
 }
 
 ################################################################################
-# Admin security group: SSH and dashboards from admin_cidrs, head node only
+# Admin security group: SSH (and opted-in ports) from admin_cidrs, head node only
 ################################################################################
 
 resource "aws_security_group" "admin" {

@@ -112,17 +112,33 @@ variable "admin_cidrs" {
     condition     = length(var.admin_cidrs) > 0 && alltrue([for c in var.admin_cidrs : can(cidrhost(c, 0)) && !endswith(c, "/0")])
     error_message = "admin_cidrs must be a non-empty list of valid CIDRs, none of them 0.0.0.0/0 or ::/0 (for example [\"203.0.113.7/32\"])."
   }
+
+  # By prefix length, not spelling: 0.0.0.0/1 + 128.0.0.0/1 is the internet too.
+  validation {
+    condition = alltrue([
+      for c in var.admin_cidrs : can(regex("^[0-9.]+/[0-9]+$", c)) && try(tonumber(split("/", c)[1]) >= var.admin_cidr_min_prefix_length, false)
+    ])
+    error_message = "admin_cidrs must be IPv4 CIDRs no broader than /${var.admin_cidr_min_prefix_length} (admin_cidr_min_prefix_length), for example [\"203.0.113.7/32\"]."
+  }
+}
+
+variable "admin_cidr_min_prefix_length" {
+  description = "Shortest prefix length admin_cidrs may have."
+  type        = number
+  default     = 8
+  nullable    = false
+
+  validation {
+    condition     = var.admin_cidr_min_prefix_length >= 1 && var.admin_cidr_min_prefix_length <= 32
+    error_message = "admin_cidr_min_prefix_length must be from 1 to 32."
+  }
 }
 
 variable "admin_ports" {
-  description = "TCP ports opened to admin_cidrs on the admin security group (attached to the head node only)."
+  description = "TCP ports opened to admin_cidrs on the admin security group (attached to the head node only). SSH only by default: the Ray dashboard, Grafana, MLflow and Prometheus bind loopback or the private address and are reached by SSH tunnel (docs/security.md)."
   type        = map(number)
   default = {
-    ssh           = 22
-    ray_dashboard = 8265
-    grafana       = 3000
-    mlflow        = 5000
-    prometheus    = 9090
+    ssh = 22
   }
   nullable = false
 

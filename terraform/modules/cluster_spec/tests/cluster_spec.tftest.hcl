@@ -59,7 +59,7 @@ run "good_spec_renders_inventory_groups_and_host_vars" {
   assert {
     condition = yamldecode(output.inventory).all.children.gpu_workers.hosts["train-a-a100-00"] == {
       ansible_host            = "10.42.1.11"
-      ansible_ssh_common_args = "-o ProxyJump=ubuntu@198.51.100.20 -o StrictHostKeyChecking=accept-new"
+      ansible_ssh_common_args = "-o ProxyJump=admin@198.51.100.20 -o StrictHostKeyChecking=accept-new"
       ray_node_ip_address     = "10.42.1.11"
       ray_num_gpus            = 8
       ray_num_cpus            = 96
@@ -81,8 +81,13 @@ run "good_spec_renders_inventory_groups_and_host_vars" {
   }
 
   assert {
-    condition     = yamldecode(output.inventory).all.vars.dcgm_exporter_listen_port == 9400 && yamldecode(output.inventory).all.vars.node_exporter_listen_port == 9100 && yamldecode(output.inventory).all.children.monitoring.vars.prometheus_listen_address == "0.0.0.0:9090"
+    condition     = yamldecode(output.inventory).all.vars.dcgm_exporter_listen_port == 9400 && yamldecode(output.inventory).all.vars.node_exporter_listen_port == 9100 && yamldecode(output.inventory).all.children.monitoring.vars.prometheus_listen_address == "10.42.0.10:9090"
     error_message = "exporter and Prometheus ports must be the ones the security group opens (9400, 9100, 9090)"
+  }
+
+  assert {
+    condition     = yamldecode(output.inventory).all.children.monitoring.vars.mlflow_host == "10.42.0.10" && !strcontains(output.inventory, "0.0.0.0")
+    error_message = "Prometheus and MLflow must bind the head's private address, nothing 0.0.0.0"
   }
 
   assert {
@@ -179,6 +184,42 @@ run "rejects_admin_cidr_open_to_the_internet" {
     admin_cidrs = ["203.0.113.0/24", "0.0.0.0/0"]
   }
   expect_failures = [var.admin_cidrs]
+}
+
+run "rejects_admin_cidrs_that_cover_the_internet_in_halves" {
+  command = plan
+  variables {
+    admin_cidrs = ["0.0.0.0/1", "128.0.0.0/1"]
+  }
+  expect_failures = [var.admin_cidrs]
+}
+
+run "rejects_admin_cidr_broader_than_the_minimum_prefix" {
+  command = plan
+  variables {
+    admin_cidrs = ["10.0.0.0/7"]
+  }
+  expect_failures = [var.admin_cidrs]
+}
+
+run "rejects_admin_cidr_broader_than_a_raised_minimum" {
+  command = plan
+  variables {
+    admin_cidrs                  = ["198.51.100.0/20"]
+    admin_cidr_min_prefix_length = 24
+  }
+  expect_failures = [var.admin_cidrs]
+}
+
+run "accepts_an_admin_cidr_at_the_minimum_prefix" {
+  command = plan
+  variables {
+    admin_cidrs = ["10.0.0.0/8"]
+  }
+  assert {
+    condition     = output.admin_cidrs == tolist(["10.0.0.0/8"])
+    error_message = "a /8 is at the default minimum prefix length and must be accepted"
+  }
 }
 
 run "rejects_bad_head_instance_type" {
