@@ -168,7 +168,9 @@ class Trainer:
         from runtime.metrics import WorkerMetrics
 
         info = {"job_name": self.cfg.name, "world_size": str(self.world), "instance_type": self.run.instance_type}
-        return WorkerMetrics(self.run.job_id, self.rank, self.run.sd_dir, info)
+        # A driver off the cluster knows no discovery folder: each node's own (set by Ansible) applies.
+        sd_dir = self.run.sd_dir or os.environ.get("RT_PROMETHEUS_SD_DIR")
+        return WorkerMetrics(self.run.job_id, self.rank, sd_dir, info)
 
     def _make_checkpointer(self) -> Any:
         if not self.cfg.checkpoint.enabled:
