@@ -2,13 +2,16 @@
 
 - ``trainer``: the core: build the parts, then ``while not done: step; maybe_checkpoint;
   maybe_report`` (and the Ray Train entry point ``train_loop_per_worker``).
-- ``setup``: builders (precision, optimizer, schedule, seeding, DDP comm hooks, compile).
+- ``setup``: builders (placement, precision, optimizer, schedule, seeding, DDP comm hooks,
+  compile) and the device-side skip of a non-finite step.
+- ``parallel``: FSDP2 applied block by block.
 - ``device_input``: host batches with their epoch position, copied to the device one
   batch ahead on a side CUDA stream; synthetic data generated once on the device.
 - ``stats``: step statistics kept on the device and read once per boundary, where the
   ranks also agree on control flags (preempt, stop, new commit).
-- ``resume``: the checkpoint payload and restoring it.
+- ``resume``: the checkpoint manager, the checkpoint payload and restoring it.
 - ``reporter``: where a report goes (driver stream, Ray Train, Prometheus, cost).
+- ``tokens``: token sequences for the language model, made on the device.
 - ``run``: what the driver hands each worker and what a run hands back.
 
 This package file imports nothing heavy: the driver, Tune and tracking import ``run``.

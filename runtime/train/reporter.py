@@ -9,6 +9,7 @@ would stall fast loops. Everything else streams to the driver's queue actor.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -110,3 +111,15 @@ class Reporter:
                 self.gauges.cost.labels(**self.gauges.labels, pricing=pricing).set(dollars)
         except Exception as e:  # cost is advisory: never fail training over a price table
             log.debug("cost estimate unavailable: %s", e)
+
+
+def build_gauges(cfg: Any, run: RunInfo, rank: int, world: int) -> Any:
+    """This rank's Prometheus exporter (runtime.metrics.WorkerMetrics), or None when off."""
+    if not cfg.tracking.prometheus:
+        return None
+    from runtime.metrics import WorkerMetrics
+
+    info = {"job_name": cfg.name, "world_size": str(world), "instance_type": run.instance_type}
+    # A driver off the cluster knows no discovery folder: each node's own (set by Ansible) applies.
+    sd_dir = run.sd_dir or os.environ.get("RT_PROMETHEUS_SD_DIR")
+    return WorkerMetrics(run.job_id, rank, sd_dir, info)

@@ -154,3 +154,24 @@ def restore_latest(manager: Any, t: Trainables, cfg: JobConfig, rank: int, world
     if rank == 0:
         log.warning("resumed from %s (step %d, epoch %d)", ref.name, state.global_step, state.epoch)
     return state, info
+
+
+def build_checkpointer(cfg: JobConfig, run: Any, gauges: Any) -> Any:
+    """The run's CheckpointManager (its timings and failures exported when gauges exist), or None."""
+    if not cfg.checkpoint.enabled:
+        return None
+    from runtime.checkpoint import CheckpointManager, CheckpointMetrics
+
+    m = gauges
+    cm = CheckpointMetrics()
+    if m is not None:
+        cm = CheckpointMetrics(
+            on_save_seconds=m.ckpt_save.observe,
+            on_stall_seconds=m.ckpt_stall.observe,
+            on_bytes=m.ckpt_bytes.set,
+            on_failure=lambda _e: m.ckpt_failures.inc(),
+            on_commit=lambda step, when: m.ckpt_committed(step, when),
+        )
+    c = cfg.checkpoint
+    return CheckpointManager(run.checkpoint_uri, keep=c.keep, endpoint_url=c.endpoint_url, metrics=cm,
+                             on_failure=c.on_failure)

@@ -7,9 +7,12 @@ import os
 import random
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
+import ray.train
+import ray.train.torch
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -181,3 +184,18 @@ def maybe_compile(model: nn.Module, cfg: ModelConfig, device: torch.device) -> n
     if not compile_enabled(cfg, device):
         return model
     return cast(nn.Module, torch.compile(model, mode=cfg.compile_mode))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank runs. Inside Ray Train it comes from the train context; a trainer built
+    with an explicit one (world 1) runs in-process, which is how the unit tests drive it."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @classmethod
+    def from_ray(cls) -> Placement:
+        ctx = ray.train.get_context()
+        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())

@@ -20,7 +20,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import ray.train
@@ -43,11 +42,12 @@ from runtime.train.device_input import (
     synthetic_loaders,
 )
 from runtime.train.parallel import apply_fsdp, full_tensor
-from runtime.train.reporter import Reporter
-from runtime.train.resume import Trainables, TrainerState, build_payload, restore_latest
+from runtime.train.reporter import Reporter, build_gauges
+from runtime.train.resume import Trainables, TrainerState, build_checkpointer, build_payload, restore_latest
 from runtime.train.run import PREEMPT_FILE, RunInfo
 from runtime.train.setup import (
     CommTimer,
+    Placement,
     build_optimizer,
     lr_lambda,
     maybe_compile,
@@ -57,24 +57,9 @@ from runtime.train.setup import (
     step_unless,
 )
 from runtime.train.stats import Boundary, StepStats
-from runtime.train.tokens import token_loaders
+from runtime.train.tokens import language_model_rates, token_loaders
 
 log = logging.getLogger("runtime.train")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where this rank runs. Inside Ray Train it comes from the train context; a trainer built
-    with an explicit one (world 1) runs in-process, which is how the unit tests drive it."""
-
-    rank: int
-    world: int
-    device: torch.device
-
-    @classmethod
-    def from_ray(cls) -> Placement:
-        ctx = ray.train.get_context()
-        return cls(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
 
 
 class Trainer:
@@ -146,8 +131,8 @@ class Trainer:
         self.loss_fn = nn.CrossEntropyLoss()
 
         self.state = TrainerState()
-        self.gauges = self._make_gauges()
-        self.checkpoints = self._make_checkpointer()
+        self.gauges = build_gauges(cfg, run, self.rank, self.world)
+        self.checkpoints = build_checkpointer(cfg, run, self.gauges)
         self.reporter = Reporter(self.rank, self.world, run, progress, lockstep, self.gauges, self.checkpoints,
                                  report_fn or ray.train.report, report_all=not self.in_ray)
         self.stats = StepStats(self.device)
@@ -159,38 +144,6 @@ class Trainer:
         self.pending_eval = False
         self._nonfinite_exported = 0
         self._recovery_noted = False
-
-    # ------------------------------------------------------------------ setup
-
-    def _make_gauges(self) -> Any:
-        if not self.cfg.tracking.prometheus:
-            return None
-        from runtime.metrics import WorkerMetrics
-
-        info = {"job_name": self.cfg.name, "world_size": str(self.world), "instance_type": self.run.instance_type}
-        # A driver off the cluster knows no discovery folder: each node's own (set by Ansible) applies.
-        sd_dir = self.run.sd_dir or os.environ.get("RT_PROMETHEUS_SD_DIR")
-        return WorkerMetrics(self.run.job_id, self.rank, sd_dir, info)
-
-    def _make_checkpointer(self) -> Any:
-        if not self.cfg.checkpoint.enabled:
-            return None
-        from runtime.checkpoint import CheckpointManager, CheckpointMetrics
-
-        m = self.gauges
-        cm = CheckpointMetrics()
-        if m is not None:
-            cm = CheckpointMetrics(
-                on_save_seconds=m.ckpt_save.observe,
-                on_stall_seconds=m.ckpt_stall.observe,
-                on_bytes=m.ckpt_bytes.set,
-                on_failure=lambda _e: m.ckpt_failures.inc(),
-                on_commit=lambda step, when: m.ckpt_committed(step, when),
-            )
-        c = self.cfg.checkpoint
-        return CheckpointManager(
-            self.run.checkpoint_uri, keep=c.keep, endpoint_url=c.endpoint_url, metrics=cm, on_failure=c.on_failure
-        )
 
     # ------------------------------------------------------------- checkpoint
 
@@ -504,26 +457,6 @@ class Trainer:
                 self.checkpoints.close()
         if self.gauges is not None:
             self.gauges.close(linger_s=self.cfg.tracking.prometheus_linger_s)
-
-
-# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity): the MFU denominator.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-
-
-def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.device) -> dict[str, float]:
-    """tokens/s and, on a GPU in the table, model FLOPs utilisation (PaLM's 6N + 12 L T d per token)."""
-    from runtime.models import parameter_count
-
-    t = cfg.model.transformer
-    tokens = samples_per_s * t.seq_len
-    out = {"train/tokens_per_s": tokens}
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-        if peak:
-            per_token = 6 * parameter_count(cfg.model) + 12 * t.layers * t.seq_len * t.dim
-            out["train/mfu"] = tokens * per_token / (peak * cfg.distributed.num_workers)
-    return out
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:

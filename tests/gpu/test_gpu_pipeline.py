@@ -14,7 +14,8 @@ import torch
 
 from runtime.config import JobConfig
 from runtime.train.run import RunInfo
-from runtime.train.trainer import Placement, Trainer
+from runtime.train.setup import Placement
+from runtime.train.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

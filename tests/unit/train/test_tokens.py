@@ -11,8 +11,9 @@ import torch
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
 from runtime.train.run import RunInfo
+from runtime.train.setup import Placement
 from runtime.train.tokens import stdlib_text, token_loaders
-from runtime.train.trainer import Placement, Trainer
+from runtime.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 SMALL = {"name": "gpt", "transformer": {"layers": 2, "dim": 64, "heads": 4, "seq_len": 32}}

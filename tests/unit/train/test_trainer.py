@@ -10,7 +10,8 @@ import torch
 
 from runtime.config import JobConfig
 from runtime.train.run import PREEMPT_FILE, RunInfo
-from runtime.train.trainer import Placement, Trainer
+from runtime.train.setup import Placement
+from runtime.train.trainer import Trainer
 
 # digits: 1438 training samples / 128 per batch = 11 batches an epoch, so runs cross epochs.
 BASE = {"model": {"name": "mlp"}, "data": {"source": "digits", "batch_size": 128},
