@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import IO, Any, Literal, cast
+from typing import IO, Any, Literal, TypeGuard, cast
 
 import torch
 
@@ -40,8 +40,11 @@ from runtime.checkpoint.storage import (
     CheckpointError,
     LocalStorage,
     Storage,
+    UnsafeNameError,
+    check_name,
     is_disk_full,
     open_storage,
+    safe_join,
 )
 
 log = logging.getLogger("runtime.checkpoint")
@@ -51,6 +54,8 @@ META = "meta.json"
 POINTER = "checkpoint_pointer.json"
 _NAME_RE = re.compile(r"^step_(\d{9,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+KINDS = ("torch", "dcp")
 
 
 def step_name(step: int) -> str:
@@ -190,6 +195,68 @@ def read_pointer(directory: str) -> CheckpointRef | None:
 
 class _Invalid(Exception):
     """Why a folder is not a loadable checkpoint (short reason, folder name added by callers)."""
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shape_problems(doc: dict[str, Any], name: str) -> builtins.list[str]:
+    """Everything wrong with a parsed manifest's shape (empty when it is well formed)."""
+    problems = []
+    if not _is_int(doc.get("step")):
+        problems.append(f"step must be an integer, got {doc.get('step')!r}")
+    if doc.get("kind") not in KINDS:
+        problems.append(f"kind must be one of {', '.join(KINDS)}, got {doc.get('kind')!r}")
+    if "name" in doc and doc["name"] != name:
+        problems.append(f"name {doc['name']!r} is not the folder's name {name!r}")
+    files = doc.get("files")
+    if not isinstance(files, dict) or not files:
+        problems.append(f"files must be a non-empty object, got {type(files).__name__}")
+        files = {}
+    for fname, info in files.items():
+        try:
+            check_name(fname)
+        except UnsafeNameError as exc:
+            problems.append(f"unsafe file name: {exc}")
+            continue
+        if not isinstance(info, dict):
+            problems.append(f"files[{fname!r}] must be an object, got {type(info).__name__}")
+            continue
+        sha, size = info.get("sha256"), info.get("size")
+        if not isinstance(sha, str) or not _SHA256_RE.match(sha):
+            problems.append(f"files[{fname!r}].sha256 must be 64 lowercase hex digits, got {sha!r}")
+        if not (_is_int(size) and size >= 0):
+            problems.append(f"files[{fname!r}].size must be an integer >= 0, got {size!r}")
+    keys = doc.get("keys")
+    if not isinstance(keys, list):
+        problems.append(f"keys must be a list, got {type(keys).__name__}")
+        keys = []
+    for key in keys:
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            problems.append(f"key {key!r} is not a state key name")
+        elif doc.get("kind") == "torch" and f"{key}.pt" not in files:
+            problems.append(f"key {key!r} has no file {key}.pt in files")
+    return problems
+
+
+def parse_manifest(blob: bytes, name: str) -> dict[str, Any]:
+    """A manifest after checking its shape, so a well-formed JSON of the wrong shape is an
+    invalid checkpoint (skipped with the reason) rather than a KeyError during resume."""
+    try:
+        doc = json.loads(blob)
+    except ValueError as exc:
+        raise _Invalid(f"{MANIFEST} unreadable ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise _Invalid(f"{MANIFEST} has the wrong shape: expected an object, got {type(doc).__name__}")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise _Invalid(f"{MANIFEST} has unknown format_version {doc.get('format_version')!r}")
+    problems = _shape_problems(doc, name)
+    if problems:
+        raise _Invalid(f"{MANIFEST} has the wrong shape: {'; '.join(problems)}")
+    if step_name(doc["step"]) != name:
+        raise _Invalid(f"{MANIFEST} says step {doc['step']}, folder is {name}")
+    return doc
 
 
 class CheckpointManager:
@@ -386,20 +453,10 @@ class CheckpointManager:
             raise _Invalid(f"{MANIFEST} missing (never committed: partial or interrupted save)")
         try:
             blob = self.storage.get_bytes(f"{name}/{MANIFEST}")
-            manifest = json.loads(blob)
-            files = manifest["files"]
-            step = int(manifest["step"])
-        except CheckpointError:
-            raise
-        except Exception as exc:
+        except OSError as exc:  # pruned or replaced since the listing
             raise _Invalid(f"{MANIFEST} unreadable ({exc})") from exc
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise _Invalid(
-                f"{MANIFEST} has unknown format_version {manifest.get('format_version')}"
-            )
-        if step_name(step) != name:
-            raise _Invalid(f"{MANIFEST} says step {step}, folder is {name}")
-        for fname, info in files.items():
+        manifest = parse_manifest(blob, name)
+        for fname, info in manifest["files"].items():
             if fname not in listing:
                 raise _Invalid(f"{fname} missing")
             if listing[fname] != info["size"]:
@@ -426,7 +483,7 @@ class CheckpointManager:
                 if path is None:
                     if fetch_dir is None:
                         tmp = tmp or tempfile.mkdtemp(prefix="ckpt-verify-")
-                    path = os.path.join(fetch_dir or tmp, fname)  # type: ignore[arg-type]
+                    path = safe_join(fetch_dir or tmp, fname)  # type: ignore[arg-type]
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     self.storage.get_file(f"{name}/{fname}", path)
                 sha, size = file_digest(path)
@@ -439,6 +496,8 @@ class CheckpointManager:
                 paths[fname] = path
         except FileNotFoundError as exc:
             raise _Invalid(f"{os.path.basename(str(exc.filename))} missing") from exc
+        except UnsafeNameError as exc:
+            raise _Invalid(str(exc)) from exc
         finally:
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -451,6 +510,15 @@ class CheckpointManager:
             self._check(ref.name, self._listing(ref.name))
         except _Invalid as exc:
             raise CheckpointError(f"{ref.uri}: {exc}") from None
+
+    def files_of(self, ref: CheckpointRef) -> builtins.list[str]:
+        """The file names a committed checkpoint is made of (manifest last), each checked safe
+        to join to a local folder; raises CheckpointError if the manifest is missing or bad."""
+        try:
+            manifest, _ = self._manifest(ref.name, self._listing(ref.name))
+        except _Invalid as exc:
+            raise CheckpointError(f"{ref.uri}: {exc}") from None
+        return [*sorted(manifest["files"]), MANIFEST]
 
     def list(self) -> list[tuple[CheckpointRef, str]]:
         """Every checkpoint folder, newest first, with "valid" or "invalid: <reason>"."""
@@ -468,8 +536,16 @@ class CheckpointManager:
         """Total bytes per checkpoint folder (for the CLI table)."""
         return {n: sum(files.values()) for n, files in self._folders().items()}
 
+    def _recover(self) -> None:
+        """Before choosing a checkpoint: put back a copy a crashed re-save left aside."""
+        try:
+            self.storage.recover()
+        except (CheckpointError, OSError) as exc:  # reading must still work on read-only storage
+            log.warning("could not recover interrupted re-saves in %s: %s", self.storage.uri, exc)
+
     def latest_valid(self) -> tuple[CheckpointRef | None, builtins.list[str]]:
         """Newest checkpoint that verifies, plus one warning per newer folder that was skipped."""
+        self._recover()
         folders = self._folders()
         skipped: list[str] = []
         for ref in self._refs_newest_first(folders):
@@ -520,6 +596,7 @@ class CheckpointManager:
         Cheaper than latest_valid + load on S3 (each file is fetched once).
         """
         skipped: list[str] = []
+        self._recover()
         for ref in self._refs_newest_first(self._folders()):
             try:
                 state = self.load(ref)
