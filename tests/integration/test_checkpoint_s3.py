@@ -361,3 +361,59 @@ def test_resaving_a_step_on_s3_replaces_it(moto: MotoServer) -> None:
         assert ref is not None and state == {"trainer": {"global_step": 9}} and warnings == []
     keys = sorted(_storage(moto, prefix="again").list(""))
     assert keys == ["step_000000003/manifest.json", "step_000000003/meta.json", "step_000000003/trainer.pt"]
+
+
+# What an operator's driver environment holds (SSO/STS keys come with a session token).
+DRIVER_SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIADRIVERSENTINEL01",
+    "AWS_SECRET_ACCESS_KEY": "driver-secret-access-key-sentinel",
+    "AWS_SESSION_TOKEN": "driver-session-token-sentinel",
+}
+
+
+@pytest.mark.slow
+def test_s3_run_keeps_the_drivers_aws_credentials_out_of_the_job(
+    cluster: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's Jobs API shows a job's runtime_env to whoever reads the dashboard: no secret may be
+    in it, and workers must still reach S3 with the node's own credentials."""
+    import ray
+    from ray.util.state import list_jobs
+    from rt_helpers import job
+
+    from runtime.launch import connect, train
+
+    monkeypatch.chdir(tmp_path)  # an S3 run's local folder is ./runs/<name>
+    for key, value in DRIVER_SECRETS.items():
+        monkeypatch.setenv(key, value)
+    if ray.is_initialized():
+        ray.shutdown()  # a job's runtime_env is fixed at ray.init: make it from this environment
+    connect()
+    proc, endpoint = start_moto_server(free_port(), buckets=["rt-env"])
+    try:
+        cfg = job("digits_smoke", "s3://rt-env/runs", "model.name=mlp", "tracking.mlflow=false",
+                  "tracking.prometheus=false", "train.max_steps=4", "checkpoint.interval_steps=2",
+                  f"checkpoint.endpoint_url={endpoint}")
+        out = train(cfg, "no-secrets", show_progress=False)
+        assert out.metrics["step"] == 4 and not out.error, out.error
+        with CheckpointManager(out.checkpoint_uri, endpoint_url=endpoint) as mgr:
+            ref, _ = mgr.latest_valid()
+        assert ref is not None and ref.step == 4  # the workers wrote to S3 without the driver's keys
+    finally:
+        stop_moto_server(proc)
+
+    job_id = ray.get_runtime_context().get_job_id()
+    [state] = [j for j in list_jobs(filters=[("job_id", "=", job_id)], detail=True)]
+    shown = json.dumps(state.runtime_env, default=str)  # what the Jobs API serves
+    assert "PYTHONPATH" in shown  # the settings the driver hands workers are what we read here
+    for key, value in DRIVER_SECRETS.items():
+        assert key not in shown and value not in shown, f"{key} is in the job's runtime_env"
+    in_process = json.dumps(ray.get_runtime_context().runtime_env, default=str)
+    assert not any(v in in_process for v in DRIVER_SECRETS.values())
+
+    @ray.remote(num_cpus=0)
+    def worker_env() -> dict[str, str]:
+        return dict(os.environ)
+
+    seen = ray.get(worker_env.remote())
+    assert not any(v in seen.values() for v in DRIVER_SECRETS.values()), "a driver secret reached a worker"
