@@ -39,6 +39,7 @@ from runtime.checkpoint.storage import (
     MANIFEST,
     CheckpointError,
     LocalStorage,
+    Staging,
     Storage,
     UnsafeNameError,
     check_name,
@@ -347,6 +348,7 @@ class CheckpointManager:
         name = step_name(step)
         t0 = time.monotonic()
         staging = None
+        keys = list(snapshot)
         try:
             staging = self.storage.stage(name, fsync=self.fsync)
             files: dict[str, dict[str, Any]] = {}
@@ -359,34 +361,59 @@ class CheckpointManager:
                     torch.save(value, cast(IO[bytes], sink))
                 files[fname] = {"sha256": sink.sha.hexdigest(), "size": sink.size}
                 staging.finish_file(fname)
+        except BaseException as exc:
+            if staging is not None:
+                staging.abort()
+            raise self.save_failed(name, exc) from exc
+        del snapshot
+        return self.commit(staging, step, files, meta, snap_time, kind="torch", keys=keys, started=t0)
+
+    def commit(
+        self,
+        staging: Staging,
+        step: int,
+        files: dict[str, dict[str, Any]],
+        meta: dict[str, Any],
+        snap_time: float,
+        *,
+        kind: Literal["torch", "dcp"],
+        keys: builtins.list[str],
+        started: float,
+    ) -> CheckpointRef:
+        """The one commit protocol of DDP and sharded saves, once every state file is staged.
+
+        Writes ``meta.json``, then ``manifest.json`` (sha256 + size of ``files`` and meta: the
+        commit), records the commit and prunes. ``started`` is the save's monotonic start.
+        On failure the staging is aborted and the CheckpointError from ``save_failed`` raised.
+        """
+        name = step_name(step)
+        try:
             meta_doc = self._meta_doc(step, meta, snap_time)
             with open(staging.local_path(META), "w") as f:
                 json.dump(meta_doc, f, indent=2, sort_keys=True, default=str)
-            files[META] = self._digest(staging.local_path(META))
+            files = {**files, META: self._digest(staging.local_path(META))}
             staging.finish_file(META)
             manifest = {
                 "format_version": FORMAT_VERSION,
-                "kind": "torch",
+                "kind": kind,
                 "name": name,
                 "step": step,
                 "world_size": meta_doc["world_size"],
                 "versions": meta_doc["versions"],
-                "keys": list(snapshot),
+                "keys": keys,
                 "files": files,
                 "committed_unix": time.time(),
             }
             blob = json.dumps(manifest, indent=2, sort_keys=True).encode()
             uri = staging.commit(blob)
         except BaseException as exc:
-            if staging is not None:
-                staging.abort()
-            raise self._failed(name, exc) from exc
-        del snapshot
+            staging.abort()
+            raise self.save_failed(name, exc) from exc
         ref = CheckpointRef(uri=uri, step=step, name=name)
         self._last = ref  # visible to last_committed() as soon as it is committed
         self._known_good[name] = hashlib.sha256(blob).hexdigest()
         nbytes = sum(f["size"] for f in files.values()) + len(blob)
-        seconds = time.monotonic() - t0
+        seconds = time.monotonic() - started
         self.metrics.record_commit(step, seconds, nbytes, manifest["committed_unix"])
         log.info("checkpoint %s committed: %d bytes in %.2fs", uri, nbytes, seconds)
         if self.keep:
@@ -408,8 +435,9 @@ class CheckpointManager:
         doc.update(step=step, versions=versions(), snapshot_unix=snap_time)
         return doc
 
-    def _failed(self, name: str, exc: BaseException) -> CheckpointError:
-        """Count, log and describe a failed save (the message names the uri and the cause)."""
+    def save_failed(self, name: str, exc: BaseException) -> CheckpointError:
+        """Count, log and describe a failed save of folder ``name`` (the message names the uri
+        and the cause); the caller raises it. Public for the sharded writer."""
         where = self.storage.uri_of(name)
         msg = f"checkpoint save to {where} failed: {exc}"
         if isinstance(self.storage, LocalStorage) and is_disk_full(exc):
@@ -506,8 +534,15 @@ class CheckpointManager:
 
     def verify(self, ref: CheckpointRef) -> None:
         """Raise CheckpointError naming the folder, file and reason unless ``ref`` is intact."""
+        self.verified_files(ref)
+
+    def verified_files(
+        self, ref: CheckpointRef, fetch_dir: str | None = None
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Verify ``ref``; returns its manifest and local paths of its files (remote files are
+        fetched into ``fetch_dir``). Raises CheckpointError naming the folder, file and reason."""
         try:
-            self._check(ref.name, self._listing(ref.name))
+            return self._check(ref.name, self._listing(ref.name), fetch_dir=fetch_dir)
         except _Invalid as exc:
             raise CheckpointError(f"{ref.uri}: {exc}") from None
 
@@ -567,10 +602,7 @@ class CheckpointManager:
     def load(self, ref: CheckpointRef) -> dict[str, Any]:
         """Verify, then ``torch.load(weights_only=True)`` every state file into one dict."""
         with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
-            try:
-                manifest, paths = self._check(ref.name, self._listing(ref.name), fetch_dir=tmp)
-            except _Invalid as exc:
-                raise CheckpointError(f"{ref.uri}: {exc}") from None
+            manifest, paths = self.verified_files(ref, fetch_dir=tmp)
             if manifest.get("kind") != "torch":
                 raise CheckpointError(
                     f"{ref.uri}: is a {manifest.get('kind')} checkpoint; use load_sharded"
@@ -652,6 +684,22 @@ class CheckpointManager:
         from runtime.checkpoint.sharded import load_sharded
 
         load_sharded(self, ref, state)
+
+    def load_latest_sharded(
+        self, state: dict[str, Any]
+    ) -> tuple[CheckpointRef | None, builtins.list[str]]:
+        """Every rank: load the newest sharded checkpoint that verifies *and* loads into ``state``
+        (in place), skipping newer ones with a warning as ``load_latest`` does."""
+        skipped: list[str] = []
+        self._recover()
+        for ref in self._refs_newest_first(self._folders()):
+            try:
+                self.load_sharded(ref, state)
+            except CheckpointError as exc:
+                skipped.append(f"{ref.name}: {str(exc).removeprefix(ref.uri + ': ')}")
+                continue
+            return ref, self._warn(skipped, ref.name)
+        return None, self._warn(skipped, None)
 
     # ------------------------------------------------------------- lifecycle
 
