@@ -567,25 +567,37 @@ class S3Storage:
             if m is None or f"{top}/{MANIFEST}" not in keys:
                 continue
             name = m.group(2)
-            if not self.exists(f"{name}/{MANIFEST}"):
-                publish(self, top, name, self.get_bytes(f"{top}/{MANIFEST}"))
+            manifest = self.get_bytes(f"{top}/{MANIFEST}")
+            if not self._same_bytes(f"{name}/{MANIFEST}", manifest):
+                publish(self, top, name, manifest)
                 log.warning("restored %s from %s (a re-save of it was interrupted)",
                             self.uri_of(name), self.uri_of(top))
                 restored.append(name)
-            self.delete_keys(keys)
+            self.delete_keys(keys)  # only once name/ holds this very commit
         return restored
+
+    def _same_bytes(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.get_bytes(key) == data
+        except CheckpointError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and cause.response.get("Error", {}).get("Code") == "NoSuchKey":
+                return False
+            raise
 
 
 def publish(storage: S3Storage, staged: str, name: str, manifest: bytes) -> None:
-    """Move a committed copy from ``staged/`` to ``name/``: S3 has no rename, so copy server-side.
+    """Copy a committed copy from ``staged/`` over ``name/``: S3 has no rename.
 
-    Order: unpublish the old manifest, copy the files, write the new manifest, drop files of
-    the old copy that the new one does not have. Until the new manifest lands the staged
-    copy stays committed, so a crash anywhere here loses nothing (see ``recover``).
+    Files first, manifest last, then files of the old copy the new one lacks. Until the new
+    manifest lands, ``name/`` holds the old manifest over partly new files, which fails
+    verification, while ``staged/`` stays committed: a crash or a failure anywhere here
+    loses nothing (``recover`` finishes it). Publishing twice is harmless.
     """
     files = [k.partition("/")[2] for k in storage.list(staged)]
     old = [k.partition("/")[2] for k in storage.list(name)]
-    storage.delete_keys([f"{name}/{MANIFEST}"])
     for fname in files:
         if fname != MANIFEST:
             storage.copy(f"{staged}/{fname}", f"{name}/{fname}")

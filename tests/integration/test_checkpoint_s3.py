@@ -321,7 +321,7 @@ def test_manifest_naming_a_key_outside_the_folder_writes_nothing_there_and_is_sk
 
 def test_resave_interrupted_by_an_outage_leaves_a_committed_copy_that_resume_uses(moto: MotoServer) -> None:
     """S3 has no rename: a re-saved step is committed under a temporary prefix, then copied over
-    the old one. The server stalls right after the old manifest was withdrawn."""
+    the old one. The server stalls right after the first file was copied over the old folder."""
     storage = _storage(moto, retry_seconds=3.0, retries=2, read_timeout=1.0)
     mgr = CheckpointManager(storage.uri, keep=0, storage=storage, on_failure="stop")
     mgr.save(_state(1.0), step=3, meta={}, blocking=True)
@@ -332,7 +332,7 @@ def test_resave_interrupted_by_an_outage_leaves_a_committed_copy_that_resume_use
             stalled.set()
             os.kill(moto.proc.pid, signal.SIGSTOP)
 
-    storage.client.meta.events.register("after-call.s3.DeleteObjects", stall)
+    storage.client.meta.events.register("after-call.s3.CopyObject", stall)
     try:
         mgr.save(_state(2.0), step=3, meta={})
         with pytest.raises(CheckpointError, match="gave up"):
@@ -341,8 +341,10 @@ def test_resave_interrupted_by_an_outage_leaves_a_committed_copy_that_resume_use
         os.kill(moto.proc.pid, signal.SIGCONT)
     assert stalled.is_set()
     listing = _storage(moto).list("")
-    assert "step_000000003/manifest.json" not in listing  # the old copy was withdrawn, the new one committed:
-    assert [k for k in listing if k.startswith(".tmp-step_000000003-") and k.endswith("/manifest.json")]
+    staged = [k for k in listing if k.startswith(".tmp-step_000000003-") and k.endswith("/manifest.json")]
+    assert staged, listing  # the new copy is committed aside ...
+    ref, warnings = CheckpointManager(storage.uri, storage=_storage(moto)).latest_valid()
+    assert ref is not None and ref.step == 3 and warnings == []  # ... and the next reader finishes it
 
     resumed = CheckpointManager(storage.uri, storage=_storage(moto))
     ref, state, warnings = resumed.load_latest()
