@@ -419,3 +419,19 @@ def test_s3_run_keeps_the_drivers_aws_credentials_out_of_the_job(
 
     seen = ray.get(worker_env.remote())
     assert not any(v in seen.values() for v in DRIVER_SECRETS.values()), "a driver secret reached a worker"
+
+
+def test_pbt_copy_of_an_s3_checkpoint_fetches_only_its_manifests_files(moto: MotoServer, tmp_path: Path) -> None:
+    """Tune relays a trial's checkpoint by copying it; a planted key with ../ must not land outside."""
+    from runtime.tune import _copy_checkpoint
+
+    uri = f"s3://{BUCKET}/trial"
+    with CheckpointManager(uri, endpoint_url=moto.endpoint) as mgr:
+        mgr.save(_state(4.0), step=4, meta={}, blocking=True)
+    moto.client().put_object(Bucket=BUCKET, Key="trial/step_000000004/../../../escaped", Body=b"x")
+    dest = tmp_path / "a" / "b" / "tune-ckpt"
+    dest.mkdir(parents=True)
+    assert _copy_checkpoint(uri, 4, str(dest), moto.endpoint) == 4
+    copied = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert copied == [f"a/b/tune-ckpt/step_000000004/{f}" for f in
+                      ("manifest.json", "meta.json", "model.pt", "optimizer.pt", "trainer.pt")]
