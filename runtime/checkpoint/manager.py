@@ -185,13 +185,21 @@ def write_pointer(ref: CheckpointRef, directory: str) -> str:
 
 
 def read_pointer(directory: str) -> CheckpointRef | None:
-    """The CheckpointRef in a directory written by write_pointer (e.g. ray.train.get_checkpoint)."""
+    """The CheckpointRef in a directory written by write_pointer (e.g. ray.train.get_checkpoint);
+    None when there is none or it is malformed (with a warning)."""
     path = os.path.join(directory, POINTER)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        d = json.load(f)
-    return CheckpointRef(uri=d["uri"], step=int(d["step"]), name=d["name"])
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if not (isinstance(d, dict) and isinstance(d.get("uri"), str) and _is_int(d.get("step"))
+                and d.get("name") == step_name(d["step"])):
+            raise ValueError(f"expected {{uri, step, name}}, got {d!r:.200}")
+    except ValueError as exc:  # the pointer is advisory: a bad one must not stop a resume
+        log.warning("ignoring checkpoint pointer %s: %s", path, exc)
+        return None
+    return CheckpointRef(uri=d["uri"], step=d["step"], name=d["name"])
 
 
 class _Invalid(Exception):
