@@ -93,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.data.cli import main as data_main
 
         return data_main(args.args)
-    from runtime.config import load_job
+    from runtime.config import load_job, validate_run_name
 
     try:
+        if getattr(args, "run_name", None) is not None:
+            validate_run_name(args.run_name)  # before anything is loaded or started
         cfg = load_job(args.job, args.overrides)
         if args.command == "validate":
             print(f"{args.job}: OK ({cfg.name}, global batch {cfg.global_batch_size()})")

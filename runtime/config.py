@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -377,6 +378,24 @@ def _model_at(loc: list[Any]) -> type[BaseModel] | None:
             return None
         model = ann
     return model
+
+
+RUN_NAME_MAX = 128
+_RUN_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def validate_run_name(name: object) -> str:
+    """Return ``name`` if it can be a run name, else raise ConfigError naming ``--run-name``.
+
+    A run name becomes a folder (``<storage>/<run name>``) and an S3 prefix, so it must be
+    one plain path component: ``../../x`` would put a run outside the storage folder.
+    """
+    if not isinstance(name, str) or len(name) > RUN_NAME_MAX or not _RUN_NAME_RE.fullmatch(name):
+        raise ConfigError(
+            f"--run-name (run_name) {name!r} is not a valid run name: use 1-{RUN_NAME_MAX} letters, "
+            "digits, '.', '_' or '-', not starting with '.'"
+        )
+    return name
 
 
 def load_job(

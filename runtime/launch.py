@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
-from runtime.config import JobConfig
+from runtime.config import JobConfig, validate_run_name
 from runtime.errors import ConfigError
 from runtime.progress import Progress
 from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
@@ -44,11 +44,17 @@ def connect(address: str | None = None) -> None:
              runtime_env={"env_vars": _worker_env()}, configure_logging=True)
 
 
+# What the driver hands every worker through the job's runtime_env. Ray shows a job's
+# runtime_env to anyone who can read the dashboard or the Jobs API, so it carries settings
+# only, never secrets: workers find AWS credentials the way the node does (instance role,
+# the raylet's own environment, ~/.aws or AWS_SHARED_CREDENTIALS_FILE); see docs/security.md.
+WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL",
+              "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
+              "PYTHONPATH")
+
+
 def _worker_env() -> dict[str, str]:
-    keep = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI",
-            "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-            "AWS_DEFAULT_REGION", "PYTHONPATH")
-    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
@@ -78,7 +84,9 @@ def preflight(cfg: JobConfig, use_gpu: bool) -> None:
 
 
 def storage_paths(cfg: JobConfig, run_name: str) -> tuple[str, str, str]:
-    """(Ray storage_path, our checkpoint URI, local run dir)."""
+    """(Ray storage_path, our checkpoint URI, local run dir); refuses a run name that is not
+    one plain path component (it would place the run outside the storage folder)."""
+    validate_run_name(run_name)
     storage = cfg.checkpoint.storage
     if storage.startswith("s3://"):
         base = storage.rstrip("/")

@@ -381,24 +381,28 @@ def _copy_checkpoint(ckpt_root: str, step: int, dest: str, endpoint_url: str | N
 
     The trial's own rotation may already have replaced `step` by a newer commit while the
     report travelled here: then the newest valid one is copied. Returns the step copied.
+    Only the files its manifest names are copied, each name checked (safe_join) before it
+    becomes a local path.
     """
-    from runtime.checkpoint import CheckpointManager, step_name
+    from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointRef, step_name
+    from runtime.checkpoint.storage import safe_join
 
     mgr = CheckpointManager(ckpt_root, keep=0, endpoint_url=endpoint_url)
     try:
-        name = step_name(step)
-        keys = mgr.storage.list(name)
-        if not any(k.endswith("manifest.json") for k in keys):
-            ref, _ = mgr.latest_valid()
-            if ref is None:
+        ref = CheckpointRef(mgr.storage.uri_of(step_name(step)), step, step_name(step))
+        try:
+            names = mgr.files_of(ref)
+        except CheckpointError as exc:
+            log.info("checkpoint %s not copied (%s); copying the newest valid one", ref.name, exc)
+            newest, _ = mgr.latest_valid()
+            if newest is None:
                 return None
-            step, name = ref.step, ref.name
-            keys = mgr.storage.list(name)
-        for key in keys:
-            out = os.path.join(dest, key)
+            ref, names = newest, mgr.files_of(newest)
+        for fname in names:
+            out = safe_join(dest, f"{ref.name}/{fname}")
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            mgr.storage.get_file(key, out)
-        return step
+            mgr.storage.get_file(f"{ref.name}/{fname}", out)
+        return ref.step
     finally:
         mgr.close()
 
@@ -407,7 +411,8 @@ def install_checkpoint(folder: str, ckpt_root: str, endpoint_url: str | None) ->
     """Replace a trial's own checkpoints with a donor's (PBT exploit); returns the installed step.
 
     The files are staged and committed with the donor's manifest, so the loop verifies
-    them like any checkpoint it wrote itself.
+    them like any checkpoint it wrote itself. The donor is committed before the trial's
+    own checkpoints are deleted: a crash in between leaves both, never neither.
     """
     from runtime.checkpoint import open_storage
     from runtime.checkpoint.storage import MANIFEST
@@ -417,20 +422,25 @@ def install_checkpoint(folder: str, ckpt_root: str, endpoint_url: str | None) ->
         raise RuntimeError(f"Tune checkpoint {folder} holds {step_dirs}, expected one step folder")
     name = step_dirs[0]
     dst = open_storage(ckpt_root, endpoint_url=endpoint_url)
-    for old in {k.split("/", 1)[0] for k in dst.list("") if k.startswith("step_")}:
-        dst.delete_prefix(old)
+    others = {k.split("/", 1)[0] for k in dst.list("") if k.startswith("step_")} - {name}
     stage = dst.stage(name)
     src = os.path.join(folder, name)
-    for dirpath, _dirs, files in os.walk(src):
-        for fname in files:
-            rel = os.path.relpath(os.path.join(dirpath, fname), src)
-            if rel == MANIFEST:
-                continue
-            out = stage.local_path(rel)
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-            shutil.copyfile(os.path.join(dirpath, fname), out)
-            stage.finish_file(rel)
-    stage.commit(Path(src, MANIFEST).read_bytes())
+    try:
+        for dirpath, _dirs, files in os.walk(src):
+            for fname in files:
+                rel = os.path.relpath(os.path.join(dirpath, fname), src)
+                if rel == MANIFEST:
+                    continue
+                out = stage.local_path(rel)
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                shutil.copyfile(os.path.join(dirpath, fname), out)
+                stage.finish_file(rel)
+        stage.commit(Path(src, MANIFEST).read_bytes())
+    except BaseException:
+        stage.abort()
+        raise
+    for old in sorted(others):
+        dst.delete_prefix(old)
     return int(name.removeprefix("step_"))
 
 

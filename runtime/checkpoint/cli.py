@@ -1,15 +1,17 @@
 """``python -m runtime checkpoints list|verify|prune <storage> [--keep N] [--endpoint-url URL]``.
 
-Exit codes: 0 ok, 1 an invalid checkpoint was found (verify) or storage failed, 2 bad usage.
+Exit codes: 0 ok, 1 an invalid checkpoint was found (verify) or storage failed, 2 bad usage
+(including a local folder that does not exist); verify also exits 1 when there is nothing to verify.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from runtime.checkpoint.manager import CheckpointManager
-from runtime.checkpoint.storage import CheckpointError
+from runtime.checkpoint.storage import CheckpointError, LocalStorage
 
 
 def _human(n: int) -> str:
@@ -58,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if isinstance(mgr.storage, LocalStorage) and not os.path.isdir(mgr.storage.root):
+        # A typo must not read as "0 valid, 0 invalid": nothing was verified.
+        print(f"error: checkpoint folder {mgr.storage.root} does not exist", file=sys.stderr)
+        mgr.close()
+        return 2
     try:
         if args.command == "prune":
             deleted = mgr.prune(args.keep)
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no checkpoints in {mgr.storage.uri}")
         if args.command == "verify":
             print(f"{len(rows) - len(invalid)} valid, {len(invalid)} invalid")
-            return 1 if invalid else 0
+            return 1 if invalid or not rows else 0  # verifying nothing is not a pass
         return 0
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)

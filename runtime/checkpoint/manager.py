@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import IO, Any, Literal, cast
+from typing import IO, Any, Literal, TypeGuard, cast
 
 import torch
 
@@ -39,9 +39,13 @@ from runtime.checkpoint.storage import (
     MANIFEST,
     CheckpointError,
     LocalStorage,
+    Staging,
     Storage,
+    UnsafeNameError,
+    check_name,
     is_disk_full,
     open_storage,
+    safe_join,
 )
 
 log = logging.getLogger("runtime.checkpoint")
@@ -51,6 +55,8 @@ META = "meta.json"
 POINTER = "checkpoint_pointer.json"
 _NAME_RE = re.compile(r"^step_(\d{9,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+KINDS = ("torch", "dcp")
 
 
 def step_name(step: int) -> str:
@@ -179,17 +185,87 @@ def write_pointer(ref: CheckpointRef, directory: str) -> str:
 
 
 def read_pointer(directory: str) -> CheckpointRef | None:
-    """The CheckpointRef in a directory written by write_pointer (e.g. ray.train.get_checkpoint)."""
+    """The CheckpointRef in a directory written by write_pointer (e.g. ray.train.get_checkpoint);
+    None when there is none or it is malformed (with a warning)."""
     path = os.path.join(directory, POINTER)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        d = json.load(f)
-    return CheckpointRef(uri=d["uri"], step=int(d["step"]), name=d["name"])
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if not (isinstance(d, dict) and isinstance(d.get("uri"), str) and _is_int(d.get("step"))
+                and d.get("name") == step_name(d["step"])):
+            raise ValueError(f"expected {{uri, step, name}}, got {d!r:.200}")
+    except ValueError as exc:  # the pointer is advisory: a bad one must not stop a resume
+        log.warning("ignoring checkpoint pointer %s: %s", path, exc)
+        return None
+    return CheckpointRef(uri=d["uri"], step=d["step"], name=d["name"])
 
 
 class _Invalid(Exception):
     """Why a folder is not a loadable checkpoint (short reason, folder name added by callers)."""
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shape_problems(doc: dict[str, Any], name: str) -> builtins.list[str]:
+    """Everything wrong with a parsed manifest's shape (empty when it is well formed)."""
+    problems = []
+    if not _is_int(doc.get("step")):
+        problems.append(f"step must be an integer, got {doc.get('step')!r}")
+    if doc.get("kind") not in KINDS:
+        problems.append(f"kind must be one of {', '.join(KINDS)}, got {doc.get('kind')!r}")
+    if "name" in doc and doc["name"] != name:
+        problems.append(f"name {doc['name']!r} is not the folder's name {name!r}")
+    files = doc.get("files")
+    if not isinstance(files, dict) or not files:
+        problems.append(f"files must be a non-empty object, got {type(files).__name__}")
+        files = {}
+    for fname, info in files.items():
+        try:
+            check_name(fname)
+        except UnsafeNameError as exc:
+            problems.append(f"unsafe file name: {exc}")
+            continue
+        if not isinstance(info, dict):
+            problems.append(f"files[{fname!r}] must be an object, got {type(info).__name__}")
+            continue
+        sha, size = info.get("sha256"), info.get("size")
+        if not isinstance(sha, str) or not _SHA256_RE.match(sha):
+            problems.append(f"files[{fname!r}].sha256 must be 64 lowercase hex digits, got {sha!r}")
+        if not (_is_int(size) and size >= 0):
+            problems.append(f"files[{fname!r}].size must be an integer >= 0, got {size!r}")
+    keys = doc.get("keys")
+    if not isinstance(keys, list):
+        problems.append(f"keys must be a list, got {type(keys).__name__}")
+        keys = []
+    for key in keys:
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            problems.append(f"key {key!r} is not a state key name")
+        elif doc.get("kind") == "torch" and f"{key}.pt" not in files:
+            problems.append(f"key {key!r} has no file {key}.pt in files")
+    return problems
+
+
+def parse_manifest(blob: bytes, name: str) -> dict[str, Any]:
+    """A manifest after checking its shape, so a well-formed JSON of the wrong shape is an
+    invalid checkpoint (skipped with the reason) rather than a KeyError during resume."""
+    try:
+        doc = json.loads(blob)
+    except ValueError as exc:
+        raise _Invalid(f"{MANIFEST} unreadable ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise _Invalid(f"{MANIFEST} has the wrong shape: expected an object, got {type(doc).__name__}")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise _Invalid(f"{MANIFEST} has unknown format_version {doc.get('format_version')!r}")
+    problems = _shape_problems(doc, name)
+    if problems:
+        raise _Invalid(f"{MANIFEST} has the wrong shape: {'; '.join(problems)}")
+    if step_name(doc["step"]) != name:
+        raise _Invalid(f"{MANIFEST} says step {doc['step']}, folder is {name}")
+    return doc
 
 
 class CheckpointManager:
@@ -280,6 +356,7 @@ class CheckpointManager:
         name = step_name(step)
         t0 = time.monotonic()
         staging = None
+        keys = list(snapshot)
         try:
             staging = self.storage.stage(name, fsync=self.fsync)
             files: dict[str, dict[str, Any]] = {}
@@ -292,34 +369,59 @@ class CheckpointManager:
                     torch.save(value, cast(IO[bytes], sink))
                 files[fname] = {"sha256": sink.sha.hexdigest(), "size": sink.size}
                 staging.finish_file(fname)
+        except BaseException as exc:
+            if staging is not None:
+                staging.abort()
+            raise self.save_failed(name, exc) from exc
+        del snapshot
+        return self.commit(staging, step, files, meta, snap_time, kind="torch", keys=keys, started=t0)
+
+    def commit(
+        self,
+        staging: Staging,
+        step: int,
+        files: dict[str, dict[str, Any]],
+        meta: dict[str, Any],
+        snap_time: float,
+        *,
+        kind: Literal["torch", "dcp"],
+        keys: builtins.list[str],
+        started: float,
+    ) -> CheckpointRef:
+        """The one commit protocol of DDP and sharded saves, once every state file is staged.
+
+        Writes ``meta.json``, then ``manifest.json`` (sha256 + size of ``files`` and meta: the
+        commit), records the commit and prunes. ``started`` is the save's monotonic start.
+        On failure the staging is aborted and the CheckpointError from ``save_failed`` raised.
+        """
+        name = step_name(step)
+        try:
             meta_doc = self._meta_doc(step, meta, snap_time)
             with open(staging.local_path(META), "w") as f:
                 json.dump(meta_doc, f, indent=2, sort_keys=True, default=str)
-            files[META] = self._digest(staging.local_path(META))
+            files = {**files, META: self._digest(staging.local_path(META))}
             staging.finish_file(META)
             manifest = {
                 "format_version": FORMAT_VERSION,
-                "kind": "torch",
+                "kind": kind,
                 "name": name,
                 "step": step,
                 "world_size": meta_doc["world_size"],
                 "versions": meta_doc["versions"],
-                "keys": list(snapshot),
+                "keys": keys,
                 "files": files,
                 "committed_unix": time.time(),
             }
             blob = json.dumps(manifest, indent=2, sort_keys=True).encode()
             uri = staging.commit(blob)
         except BaseException as exc:
-            if staging is not None:
-                staging.abort()
-            raise self._failed(name, exc) from exc
-        del snapshot
+            staging.abort()
+            raise self.save_failed(name, exc) from exc
         ref = CheckpointRef(uri=uri, step=step, name=name)
         self._last = ref  # visible to last_committed() as soon as it is committed
         self._known_good[name] = hashlib.sha256(blob).hexdigest()
         nbytes = sum(f["size"] for f in files.values()) + len(blob)
-        seconds = time.monotonic() - t0
+        seconds = time.monotonic() - started
         self.metrics.record_commit(step, seconds, nbytes, manifest["committed_unix"])
         log.info("checkpoint %s committed: %d bytes in %.2fs", uri, nbytes, seconds)
         if self.keep:
@@ -341,8 +443,9 @@ class CheckpointManager:
         doc.update(step=step, versions=versions(), snapshot_unix=snap_time)
         return doc
 
-    def _failed(self, name: str, exc: BaseException) -> CheckpointError:
-        """Count, log and describe a failed save (the message names the uri and the cause)."""
+    def save_failed(self, name: str, exc: BaseException) -> CheckpointError:
+        """Count, log and describe a failed save of folder ``name`` (the message names the uri
+        and the cause); the caller raises it. Public for the sharded writer."""
         where = self.storage.uri_of(name)
         msg = f"checkpoint save to {where} failed: {exc}"
         if isinstance(self.storage, LocalStorage) and is_disk_full(exc):
@@ -386,20 +489,10 @@ class CheckpointManager:
             raise _Invalid(f"{MANIFEST} missing (never committed: partial or interrupted save)")
         try:
             blob = self.storage.get_bytes(f"{name}/{MANIFEST}")
-            manifest = json.loads(blob)
-            files = manifest["files"]
-            step = int(manifest["step"])
-        except CheckpointError:
-            raise
-        except Exception as exc:
+        except OSError as exc:  # pruned or replaced since the listing
             raise _Invalid(f"{MANIFEST} unreadable ({exc})") from exc
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise _Invalid(
-                f"{MANIFEST} has unknown format_version {manifest.get('format_version')}"
-            )
-        if step_name(step) != name:
-            raise _Invalid(f"{MANIFEST} says step {step}, folder is {name}")
-        for fname, info in files.items():
+        manifest = parse_manifest(blob, name)
+        for fname, info in manifest["files"].items():
             if fname not in listing:
                 raise _Invalid(f"{fname} missing")
             if listing[fname] != info["size"]:
@@ -426,7 +519,7 @@ class CheckpointManager:
                 if path is None:
                     if fetch_dir is None:
                         tmp = tmp or tempfile.mkdtemp(prefix="ckpt-verify-")
-                    path = os.path.join(fetch_dir or tmp, fname)  # type: ignore[arg-type]
+                    path = safe_join(fetch_dir or tmp, fname)  # type: ignore[arg-type]
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     self.storage.get_file(f"{name}/{fname}", path)
                 sha, size = file_digest(path)
@@ -439,6 +532,8 @@ class CheckpointManager:
                 paths[fname] = path
         except FileNotFoundError as exc:
             raise _Invalid(f"{os.path.basename(str(exc.filename))} missing") from exc
+        except UnsafeNameError as exc:
+            raise _Invalid(str(exc)) from exc
         finally:
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -447,10 +542,26 @@ class CheckpointManager:
 
     def verify(self, ref: CheckpointRef) -> None:
         """Raise CheckpointError naming the folder, file and reason unless ``ref`` is intact."""
+        self.verified_files(ref)
+
+    def verified_files(
+        self, ref: CheckpointRef, fetch_dir: str | None = None
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Verify ``ref``; returns its manifest and local paths of its files (remote files are
+        fetched into ``fetch_dir``). Raises CheckpointError naming the folder, file and reason."""
         try:
-            self._check(ref.name, self._listing(ref.name))
+            return self._check(ref.name, self._listing(ref.name), fetch_dir=fetch_dir)
         except _Invalid as exc:
             raise CheckpointError(f"{ref.uri}: {exc}") from None
+
+    def files_of(self, ref: CheckpointRef) -> builtins.list[str]:
+        """The file names a committed checkpoint is made of (manifest last), each checked safe
+        to join to a local folder; raises CheckpointError if the manifest is missing or bad."""
+        try:
+            manifest, _ = self._manifest(ref.name, self._listing(ref.name))
+        except _Invalid as exc:
+            raise CheckpointError(f"{ref.uri}: {exc}") from None
+        return [*sorted(manifest["files"]), MANIFEST]
 
     def list(self) -> list[tuple[CheckpointRef, str]]:
         """Every checkpoint folder, newest first, with "valid" or "invalid: <reason>"."""
@@ -468,8 +579,16 @@ class CheckpointManager:
         """Total bytes per checkpoint folder (for the CLI table)."""
         return {n: sum(files.values()) for n, files in self._folders().items()}
 
+    def _recover(self) -> None:
+        """Before choosing a checkpoint: put back a copy a crashed re-save left aside."""
+        try:
+            self.storage.recover()
+        except (CheckpointError, OSError) as exc:  # reading must still work on read-only storage
+            log.warning("could not recover interrupted re-saves in %s: %s", self.storage.uri, exc)
+
     def latest_valid(self) -> tuple[CheckpointRef | None, builtins.list[str]]:
         """Newest checkpoint that verifies, plus one warning per newer folder that was skipped."""
+        self._recover()
         folders = self._folders()
         skipped: list[str] = []
         for ref in self._refs_newest_first(folders):
@@ -491,10 +610,7 @@ class CheckpointManager:
     def load(self, ref: CheckpointRef) -> dict[str, Any]:
         """Verify, then ``torch.load(weights_only=True)`` every state file into one dict."""
         with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
-            try:
-                manifest, paths = self._check(ref.name, self._listing(ref.name), fetch_dir=tmp)
-            except _Invalid as exc:
-                raise CheckpointError(f"{ref.uri}: {exc}") from None
+            manifest, paths = self.verified_files(ref, fetch_dir=tmp)
             if manifest.get("kind") != "torch":
                 raise CheckpointError(
                     f"{ref.uri}: is a {manifest.get('kind')} checkpoint; use load_sharded"
@@ -520,6 +636,7 @@ class CheckpointManager:
         Cheaper than latest_valid + load on S3 (each file is fetched once).
         """
         skipped: list[str] = []
+        self._recover()
         for ref in self._refs_newest_first(self._folders()):
             try:
                 state = self.load(ref)
@@ -575,6 +692,22 @@ class CheckpointManager:
         from runtime.checkpoint.sharded import load_sharded
 
         load_sharded(self, ref, state)
+
+    def load_latest_sharded(
+        self, state: dict[str, Any]
+    ) -> tuple[CheckpointRef | None, builtins.list[str]]:
+        """Every rank: load the newest sharded checkpoint that verifies *and* loads into ``state``
+        (in place), skipping newer ones with a warning as ``load_latest`` does."""
+        skipped: list[str] = []
+        self._recover()
+        for ref in self._refs_newest_first(self._folders()):
+            try:
+                self.load_sharded(ref, state)
+            except CheckpointError as exc:
+                skipped.append(f"{ref.name}: {str(exc).removeprefix(ref.uri + ': ')}")
+                continue
+            return ref, self._warn(skipped, ref.name)
+        return None, self._warn(skipped, None)
 
     # ------------------------------------------------------------- lifecycle
 

@@ -1,16 +1,19 @@
 """Sharded (FSDP/DTensor) checkpoints with ``torch.distributed.checkpoint`` in the same layout.
 
 Every rank writes its own shards with ``dcp.async_save`` into the step folder's staging
-area; when all ranks are done, rank 0 writes ``meta.json`` and ``manifest.json`` (hashes
-of every rank's files, gathered over a dedicated gloo group) and commits. The dedicated
-group keeps checkpoint collectives, which run on background threads, away from the
-training group's collectives.
+area; when all ranks are done, rank 0 hands the hashes of every rank's files (gathered
+over a dedicated gloo group) to ``CheckpointManager.commit``, the same commit protocol
+DDP saves use. The dedicated group keeps checkpoint collectives, which run on background
+threads, away from the training group's collectives.
+
+Loading never unpickles arbitrary objects: ``.metadata`` goes through an unpickler that
+allows only dcp's own classes, and byte entries (non-tensor values) through
+``torch.load(weights_only=True)``, where dcp's default planner uses ``weights_only=False``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import io
 import logging
 import os
 import pickle
@@ -24,16 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.planner import ReadItem
 
-from runtime.checkpoint.manager import (
-    FORMAT_VERSION,
-    META,
-    CheckpointRef,
-    _Invalid,
-    file_digest,
-    step_name,
-)
+from runtime.checkpoint.manager import META, CheckpointRef, file_digest, step_name
 from runtime.checkpoint.storage import CheckpointError, LocalStorage, Staging
 
 if TYPE_CHECKING:
@@ -89,6 +89,27 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """dcp's default planner loads byte entries with ``torch.load(weights_only=False)``, so a
+    planted shard could run code; this one allows only tensors and plain containers."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True, map_location="cpu")
+        except Exception as exc:
+            # torch's message is a page of advice; the line naming the refused global says why.
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if "GLOBAL" in ln), lines[0] if lines else type(exc).__name__)
+            raise CheckpointError(
+                f"dcp entry {fqn!r}: refused to load (only tensors and plain containers are allowed): {why}"
+            ) from exc
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
 class ShardedWriter:
     """Per-rank state for ``CheckpointManager.save_sharded``; one save in flight at a time."""
 
@@ -110,11 +131,12 @@ class ShardedWriter:
         shared = isinstance(self.manager.storage, LocalStorage)
         if self.rank == 0:
             staging = self.manager.storage.stage(name, fsync=self.manager.fsync)
-            folder = os.path.dirname(staging.local_path(META))
+            folder, prefix = os.path.dirname(staging.local_path(META)), staging.prefix
         else:
-            folder = ""
-        box = [folder]
+            folder, prefix = "", ""
+        box = [folder, prefix]
         dist.broadcast_object_list(box, src=0, group=self.group)
+        prefix = box[1]  # where every rank's files go until the commit (a re-save stages aside)
         if self.rank != 0:
             # A shared folder for LocalStorage; a private spool that gets uploaded for S3.
             folder = box[0] if shared else tempfile.mkdtemp(prefix=f"ckpt-{name}-r{self.rank}-")
@@ -123,10 +145,10 @@ class ShardedWriter:
         except BaseException as exc:
             if staging is not None:
                 staging.abort()
-            raise self.manager._failed(name, exc) from exc
+            raise self.manager.save_failed(name, exc) from exc
         self.manager.metrics.record_stall(time.monotonic() - t0)
         self._future = self._executor.submit(
-            self._finish, pending, staging, folder, name, step, dict(meta), time.time()
+            self._finish, pending, staging, folder, prefix, step, dict(meta), time.time()
         )
 
     def _own_files(self, folder: str) -> list[str]:
@@ -138,7 +160,7 @@ class ShardedWriter:
         pending: Any,
         staging: Staging | None,
         folder: str,
-        name: str,
+        prefix: str,
         step: int,
         meta: dict[str, Any],
         snap_time: float,
@@ -155,7 +177,7 @@ class ShardedWriter:
                     staging.finish_file(fname)
                 elif not isinstance(self.manager.storage, LocalStorage):
                     self.manager.storage.put_file(  # type: ignore[attr-defined]
-                        f"{name}/{fname}", os.path.join(folder, fname)
+                        f"{prefix}/{fname}", os.path.join(folder, fname)
                     )
         except Exception as exc:  # reported to rank 0 through the gather
             error = f"rank {self.rank}: {exc}"
@@ -167,46 +189,18 @@ class ShardedWriter:
         if self.rank != 0:
             return None
         assert staging is not None
-        try:
-            errors = [e for _, e in gathered if e]
-            if errors:
-                raise CheckpointError("; ".join(errors))
-            files: dict[str, dict[str, Any]] = {}
-            for d, _ in gathered:
-                files.update(d)
-            meta_doc = self.manager._meta_doc(
-                step, {**meta, "world_size": self.world_size}, snap_time
-            )
-            with open(staging.local_path(META), "w") as f:
-                json.dump(meta_doc, f, indent=2, sort_keys=True, default=str)
-            files[META] = self.manager._digest(staging.local_path(META))
-            staging.finish_file(META)
-            manifest = {
-                "format_version": FORMAT_VERSION,
-                "kind": "dcp",
-                "name": name,
-                "step": step,
-                "world_size": self.world_size,
-                "versions": meta_doc["versions"],
-                "keys": [],
-                "files": files,
-                "committed_unix": time.time(),
-            }
-            blob = json.dumps(manifest, indent=2, sort_keys=True).encode()
-            uri = staging.commit(blob)
-        except BaseException as exc:
+        errors = [e for _, e in gathered if e]
+        if errors:
             staging.abort()
-            raise self.manager._failed(name, exc) from exc
-        ref = CheckpointRef(uri=uri, step=step, name=name)
-        self.manager._known_good[name] = hashlib.sha256(blob).hexdigest()
-        nbytes = sum(f["size"] for f in files.values()) + len(blob)
-        self.manager.metrics.record_commit(step, time.monotonic() - t0, nbytes, time.time())
-        self.manager._last = ref
-        log.info(
-            "sharded checkpoint %s committed (%d ranks, %d bytes)", uri, self.world_size, nbytes
+            raise self.manager.save_failed(step_name(step), CheckpointError("; ".join(errors)))
+        files: dict[str, dict[str, Any]] = {}
+        for d, _ in gathered:
+            files.update(d)
+        ref = self.manager.commit(
+            staging, step, files, {**meta, "world_size": self.world_size}, snap_time,
+            kind="dcp", keys=[], started=t0,
         )
-        if self.manager.keep:
-            self.manager.prune(self.manager.keep)
+        log.info("sharded checkpoint %s committed (%d ranks)", ref.uri, self.world_size)
         return ref
 
     def wait(self) -> CheckpointRef | None:
@@ -223,13 +217,20 @@ class ShardedWriter:
 
 
 def load_sharded(manager: CheckpointManager, ref: CheckpointRef, state: dict[str, Any]) -> None:
-    """Verify every file, then ``dcp.load`` into ``state`` in place (resharding as needed)."""
+    """Verify every file, then ``dcp.load`` into ``state`` in place (resharding as needed).
+
+    Raises CheckpointError naming the checkpoint when a file fails verification or holds
+    anything but tensors and plain containers (nothing is unpickled beyond those).
+    """
     with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
-        try:
-            manifest, paths = manager._check(ref.name, manager._listing(ref.name), fetch_dir=tmp)
-        except _Invalid as exc:
-            raise CheckpointError(f"{ref.uri}: {exc}") from None
+        manifest, paths = manager.verified_files(ref, fetch_dir=tmp)
         if manifest.get("kind") != "dcp":
             raise CheckpointError(f"{ref.uri}: not a sharded checkpoint; use load")
         folder = os.path.dirname(paths[META])
-        dcp.load(state, storage_reader=SafeFileSystemReader(folder))
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner())
+        except CheckpointException as exc:  # a BaseException carrying each failed rank's error
+            why = "; ".join(f"rank {rank}: {err}" for rank, (err, _trace) in sorted(exc.failures.items()))
+            raise CheckpointError(f"{ref.uri}: {why}") from exc
+        except Exception as exc:
+            raise CheckpointError(f"{ref.uri}: {exc}") from exc

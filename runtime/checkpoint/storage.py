@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -25,6 +26,12 @@ log = logging.getLogger("runtime.checkpoint")
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
+# A committed folder moved aside while the same step is written again (local storage).
+OLD_PREFIX = f"{TMP_PREFIX}old-"
+# ``.tmp-step_000000010-1a2b3c4d`` (staging) or ``.tmp-old-step_000000010-1a2b3c4d`` (moved aside).
+_ASIDE_RE = re.compile(r"^\.tmp-(old-)?(step_\d{9,})-[0-9a-f]{8}$")
+_DRIVE_RE = re.compile(r"^[A-Za-z]:")
+SSE_CHOICES = ("AES256", "aws:kms", "aws:kms:dsse")
 
 T = TypeVar("T")
 
@@ -33,8 +40,42 @@ class CheckpointError(Exception):
     """A checkpoint could not be written, verified or read; the message names the file/uri."""
 
 
+class UnsafeNameError(CheckpointError):
+    """A file name from a manifest or a listing that could point outside its folder."""
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it is a safe relative POSIX file name inside a checkpoint folder.
+
+    Manifests and S3 listings come from storage that others may write to: a name is joined
+    to a local folder only after this check (no absolute path, drive, backslash, empty,
+    ``.`` or ``..`` part), so nothing is ever written or read outside that folder.
+    """
+    if not isinstance(name, str) or not name:
+        raise UnsafeNameError(f"file name {name!r} is not a non-empty string")
+    if "\\" in name or "\x00" in name:
+        raise UnsafeNameError(f"file name {name!r} contains a backslash or NUL")
+    if name.startswith("/") or _DRIVE_RE.match(name):
+        raise UnsafeNameError(f"file name {name!r} is absolute (names must be relative)")
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise UnsafeNameError(f"file name {name!r} has an empty, '.' or '..' part")
+    return name
+
+
+def safe_join(folder: str, name: str) -> str:
+    """``folder/name`` after check_name, refusing names that resolve (symlinks) outside ``folder``."""
+    check_name(name)
+    base = os.path.realpath(folder)
+    path = os.path.realpath(os.path.join(base, name))
+    if os.path.commonpath([base, path]) != base:
+        raise UnsafeNameError(f"file name {name!r} resolves outside {folder}")
+    return os.path.join(folder, name)
+
+
 class Staging(Protocol):
     """One checkpoint being written; nothing is visible to readers until ``commit``."""
+
+    prefix: str  # storage key prefix the files go under until the commit (other ranks upload there)
 
     def local_path(self, filename: str) -> str:
         """Local path to write ``filename`` to (the final place, or a spool file)."""
@@ -94,6 +135,15 @@ class Storage(Protocol):
         """Remove leftovers of interrupted writes; only safe when no save is in flight."""
         ...
 
+    def recover(self) -> builtins.list[str]:
+        """Put back committed copies that a crash left outside their ``step_*`` name.
+
+        Re-saving a step replaces its folder by writing the new copy first and removing
+        the old one last; a crash in between leaves a committed copy under a ``.tmp-``
+        name. Returns the names restored.
+        """
+        ...
+
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -111,7 +161,7 @@ class LocalStorage:
         self.uri = self.root
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, key) if key else self.root
+        return safe_join(self.root, key) if key else self.root
 
     def list(self, prefix: str = "") -> dict[str, int]:
         base = self._path(prefix)
@@ -165,10 +215,33 @@ class LocalStorage:
         return self._path(key)
 
     def clean_partials(self) -> builtins.list[str]:
+        self.recover()  # a moved-aside copy whose step folder is gone is the only copy
         partials = self.partial_uploads()
         for name in partials:
             self.delete_prefix(name)
         return partials
+
+    def recover(self) -> builtins.list[str]:
+        if not os.path.isdir(self.root):
+            return []
+        restored = []
+        for entry in sorted(os.listdir(self.root)):
+            m = _ASIDE_RE.match(entry)
+            if not m or not m.group(1):  # only moved-aside copies: staging may be in flight
+                continue
+            name = m.group(2)
+            final = os.path.join(self.root, name)
+            aside = os.path.join(self.root, entry)
+            if os.path.exists(final) or not os.path.exists(os.path.join(aside, MANIFEST)):
+                continue
+            try:
+                os.rename(aside, final)
+            except OSError as exc:  # another process restored it first
+                log.warning("could not restore %s to %s: %s", aside, final, exc)
+                continue
+            log.warning("restored %s from %s (a re-save of it was interrupted)", final, aside)
+            restored.append(name)
+        return restored
 
     def free_bytes(self) -> int | None:
         """Free space on the checkpoint filesystem (for error messages and metrics)."""
@@ -187,11 +260,12 @@ class _LocalStaging:
         self.name = name
         self.fsync = fsync
         os.makedirs(storage.root, exist_ok=True)
-        self.tmp = os.path.join(storage.root, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+        self.prefix = f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        self.tmp = os.path.join(storage.root, self.prefix)
         os.makedirs(self.tmp)
 
     def local_path(self, filename: str) -> str:
-        return os.path.join(self.tmp, filename)
+        return safe_join(self.tmp, filename)
 
     def finish_file(self, filename: str) -> None:
         if self.fsync:
@@ -209,11 +283,16 @@ class _LocalStaging:
         final = os.path.join(self.storage.root, self.name)
         old = None
         if os.path.exists(final):  # same step saved again: swap, never mix old and new files
-            old = os.path.join(
-                self.storage.root, f"{TMP_PREFIX}old-{self.name}-{uuid.uuid4().hex[:8]}"
-            )
+            # The old copy is moved aside, not deleted, until the new one is in place: a
+            # failure puts it back here, a crash leaves it for LocalStorage.recover().
+            old = os.path.join(self.storage.root, f"{OLD_PREFIX}{self.name}-{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
-        os.rename(self.tmp, final)
+        try:
+            os.rename(self.tmp, final)
+        except BaseException:
+            if old:
+                os.rename(old, final)
+            raise
         if self.fsync:
             _fsync_dir(self.storage.root)
         if old:
@@ -247,17 +326,21 @@ def _s3_retryable(exc: BaseException) -> bool:
 
 
 class S3Storage:
-    """``s3://bucket/prefix`` via boto3: multipart uploads, SSE, bounded retries with backoff.
+    """``s3://bucket/prefix`` via boto3: multipart uploads, bounded retries with backoff.
 
     Two retry layers: botocore's own (per HTTP request) and a loop around each object
     that survives the endpoint disappearing for a while, bounded by ``retry_seconds``.
+
+    Encryption: the bucket's default applies (e.g. its KMS key) unless ``sse`` (or the
+    ``RT_S3_SSE`` / ``RT_S3_SSE_KMS_KEY_ID`` environment) asks for one per object.
     """
 
     def __init__(
         self,
         uri: str,
         endpoint_url: str | None = None,
-        sse: str | None = "AES256",
+        sse: str | None = None,
+        sse_kms_key_id: str | None = None,
         retries: int = 5,
         retry_seconds: float = 60.0,
         multipart_mb: int = 16,
@@ -280,7 +363,14 @@ class S3Storage:
             or os.environ.get("AWS_ENDPOINT_URL_S3")
             or os.environ.get("AWS_ENDPOINT_URL")
         )
-        self.sse = sse
+        self.sse = sse or os.environ.get("RT_S3_SSE") or None
+        if self.sse is not None and self.sse not in SSE_CHOICES:
+            raise CheckpointError(
+                f"server-side encryption {self.sse!r} (RT_S3_SSE) is not one of {', '.join(SSE_CHOICES)}"
+            )
+        self.sse_kms_key_id = sse_kms_key_id or os.environ.get("RT_S3_SSE_KMS_KEY_ID") or None
+        if self.sse_kms_key_id and not (self.sse or "").startswith("aws:kms"):
+            raise CheckpointError("RT_S3_SSE_KMS_KEY_ID needs RT_S3_SSE=aws:kms (or aws:kms:dsse)")
         self.retries = retries
         self.retry_seconds = retry_seconds
         self.spool_dir = spool_dir
@@ -303,7 +393,10 @@ class S3Storage:
         return f"s3://{self.bucket}/{self._key(key)}"
 
     def _extra(self) -> dict[str, str]:
-        return {"ServerSideEncryption": self.sse} if self.sse else {}
+        extra = {"ServerSideEncryption": self.sse} if self.sse else {}
+        if self.sse_kms_key_id:
+            extra["SSEKMSKeyId"] = self.sse_kms_key_id
+        return extra
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` with exponential backoff; raise CheckpointError naming ``what`` at the end."""
@@ -374,6 +467,19 @@ class S3Storage:
             ),
         )
 
+    def copy(self, src: str, dst: str) -> None:
+        """Server-side copy of one object (multipart for large ones); no bytes pass through here."""
+        self.retry(
+            f"copy {self.uri_of(src)} to {self.uri_of(dst)}",
+            lambda: self.client.copy(
+                {"Bucket": self.bucket, "Key": self._key(src)},
+                self.bucket,
+                self._key(dst),
+                ExtraArgs=self._extra(),
+                Config=self.transfer,
+            ),
+        )
+
     def local_path(self, key: str) -> str | None:
         return None
 
@@ -436,27 +542,91 @@ class S3Storage:
 
         return self.retry(f"list multipart uploads under {self.uri}", run)
 
+    def _staged_prefixes(self) -> dict[str, builtins.list[str]]:
+        """``.tmp-step_*-<hex>`` prefix -> its keys (re-saves of a committed step)."""
+        out: dict[str, list[str]] = {}
+        for key in self.list(""):
+            top, _, rest = key.partition("/")
+            if _ASIDE_RE.match(top) and rest:
+                out.setdefault(top, []).append(key)
+        return out
+
     def clean_partials(self) -> builtins.list[str]:
-        return self.abort_uploads()
+        self.recover()
+        removed = []
+        for top, keys in self._staged_prefixes().items():
+            if f"{top}/{MANIFEST}" not in keys:  # never committed: an interrupted re-save
+                self.delete_keys(keys)
+                removed.append(top)
+        return removed + self.abort_uploads()
+
+    def recover(self) -> builtins.list[str]:
+        restored = []
+        for top, keys in sorted(self._staged_prefixes().items()):
+            m = _ASIDE_RE.match(top)
+            if m is None or f"{top}/{MANIFEST}" not in keys:
+                continue
+            name = m.group(2)
+            manifest = self.get_bytes(f"{top}/{MANIFEST}")
+            if not self._same_bytes(f"{name}/{MANIFEST}", manifest):
+                publish(self, top, name, manifest)
+                log.warning("restored %s from %s (a re-save of it was interrupted)",
+                            self.uri_of(name), self.uri_of(top))
+                restored.append(name)
+            self.delete_keys(keys)  # only once name/ holds this very commit
+        return restored
+
+    def _same_bytes(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.get_bytes(key) == data
+        except CheckpointError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and cause.response.get("Error", {}).get("Code") == "NoSuchKey":
+                return False
+            raise
+
+
+def publish(storage: S3Storage, staged: str, name: str, manifest: bytes) -> None:
+    """Copy a committed copy from ``staged/`` over ``name/``: S3 has no rename.
+
+    Files first, manifest last, then files of the old copy the new one lacks. Until the new
+    manifest lands, ``name/`` holds the old manifest over partly new files, which fails
+    verification, while ``staged/`` stays committed: a crash or a failure anywhere here
+    loses nothing (``recover`` finishes it). Publishing twice is harmless.
+    """
+    files = [k.partition("/")[2] for k in storage.list(staged)]
+    old = [k.partition("/")[2] for k in storage.list(name)]
+    for fname in files:
+        if fname != MANIFEST:
+            storage.copy(f"{staged}/{fname}", f"{name}/{fname}")
+    storage.put_bytes(f"{name}/{MANIFEST}", manifest)
+    storage.delete_keys([f"{name}/{f}" for f in old if f not in files])
 
 
 class _S3Staging:
-    """Uploads each file straight into ``<name>/``; the manifest is uploaded last."""
+    """Uploads each file, then the manifest last.
+
+    A new step goes straight into ``<name>/``. Re-saving a committed step goes into
+    ``.tmp-<name>-<hex>/`` and is committed there first; only then is it published over
+    the old folder (``publish``), so a valid copy exists at every moment.
+    """
 
     def __init__(self, storage: S3Storage, name: str) -> None:
         self.storage = storage
         self.name = name
-        # Re-saving a step: hide the old folder first so old and new files never mix.
-        if storage.exists(f"{name}/{MANIFEST}"):
-            storage.delete_prefix(name)
+        self.resave = storage.exists(f"{name}/{MANIFEST}")
+        self.prefix = f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}" if self.resave else name
         self.spool = tempfile.mkdtemp(prefix=f"ckpt-{name}-", dir=storage.spool_dir)
         self.uploaded: dict[str, int] = {}  # key -> size
+        self.committed = False
 
     def local_path(self, filename: str) -> str:
-        return os.path.join(self.spool, filename)
+        return safe_join(self.spool, filename)
 
     def finish_file(self, filename: str) -> None:
-        key = f"{self.name}/{filename}"
+        key = f"{self.prefix}/{filename}"
         size = os.path.getsize(self.local_path(filename))
         self.storage.put_file(key, self.local_path(filename))
         self.uploaded[key] = size
@@ -465,19 +635,25 @@ class _S3Staging:
     def commit(self, manifest: bytes) -> str:
         # A server that restarted mid-save may have lost objects it already acknowledged:
         # check them all before the manifest makes the folder visible.
-        listing = self.storage.list(self.name)
+        listing = self.storage.list(self.prefix)
         for key, size in self.uploaded.items():
             if listing.get(key) != size:
                 raise CheckpointError(
                     f"{self.storage.uri_of(key)} is missing or has the wrong size after upload "
                     f"(server lost it?); not committing {self.storage.uri_of(self.name)}"
                 )
-        self.storage.put_bytes(f"{self.name}/{MANIFEST}", manifest)
+        self.storage.put_bytes(f"{self.prefix}/{MANIFEST}", manifest)
+        self.committed = True
         shutil.rmtree(self.spool, ignore_errors=True)
+        if self.resave:
+            publish(self.storage, self.prefix, self.name, manifest)
+            self.storage.delete_prefix(self.prefix)
         return self.storage.uri_of(self.name)
 
     def abort(self) -> None:
         shutil.rmtree(self.spool, ignore_errors=True)
+        if self.committed:  # a staged re-save that failed to publish: recover() finishes it
+            return
         try:
             self.storage.delete_keys(self.uploaded)
         except Exception as exc:  # server may be gone; prune cleans orphans

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +26,18 @@ from runtime.checkpoint import CheckpointError, CheckpointManager, S3Storage
 from runtime.checkpoint.cli import main as cli_main
 
 BUCKET = "ckpt-test"
+
+# Workers get S3 credentials the way a node does, never through the job's runtime_env: here
+# from a credentials file only this user can read, named in the environment the local
+# cluster's raylet inherits (set at import, before the session's cluster starts).
+_CREDS_DIR = Path(tempfile.mkdtemp(prefix="rt-test-aws-"))
+_CREDS_FILE = _CREDS_DIR / "credentials"
+_CREDS_FILE.touch(mode=0o600)
+_CREDS_FILE.write_text(
+    f"[default]\naws_access_key_id = {CREDENTIALS['AWS_ACCESS_KEY_ID']}\n"
+    f"aws_secret_access_key = {CREDENTIALS['AWS_SECRET_ACCESS_KEY']}\n"
+)
+os.environ.setdefault("AWS_SHARED_CREDENTIALS_FILE", str(_CREDS_FILE))
 
 
 class MotoServer:
@@ -65,7 +80,7 @@ def _state(fill: float, mib: int = 1) -> dict[str, Any]:
     }
 
 
-def test_save_list_load_prune_on_s3_with_sse(moto: MotoServer) -> None:
+def test_save_list_load_prune_on_s3(moto: MotoServer) -> None:
     uri = f"s3://{BUCKET}/run1"
     with CheckpointManager(uri, keep=2, endpoint_url=moto.endpoint) as mgr:
         for step in (1, 2, 3):
@@ -77,10 +92,6 @@ def test_save_list_load_prune_on_s3_with_sse(moto: MotoServer) -> None:
     ref, warnings = fresh.latest_valid()
     assert ref is not None and ref.step == 3 and warnings == []
     assert torch.equal(fresh.load(ref)["model"]["w"], _state(3.0)["model"]["w"])
-    head = moto.client().head_object(Bucket=BUCKET, Key="run1/step_000000003/model.pt")
-    assert head["ServerSideEncryption"] == "AES256"
-    head = moto.client().head_object(Bucket=BUCKET, Key="run1/step_000000003/manifest.json")
-    assert head["ServerSideEncryption"] == "AES256"
 
     # A flipped byte in S3 is caught the same way as on disk.
     key = "run1/step_000000003/model.pt"
@@ -240,4 +251,187 @@ def test_large_state_uses_multipart_upload(moto: MotoServer) -> None:
         assert torch.equal(mgr.load(ref)["model"]["w"], _state(7.0, mib=12)["model"]["w"])
     head = moto.client().head_object(Bucket=BUCKET, Key="run1/step_000000007/model.pt")
     assert head["ETag"].strip('"').endswith("-3")  # 12 MiB in 5 MiB parts
+
+
+def _bucket_default_kms(moto: MotoServer) -> None:
+    moto.client().put_bucket_encryption(
+        Bucket=BUCKET,
+        ServerSideEncryptionConfiguration={
+            "Rules": [{"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "aws:kms", "KMSMasterKeyID": "k-1"}}]
+        },
+    )
+
+
+def test_uploads_keep_the_buckets_default_kms_encryption(moto: MotoServer) -> None:
+    """Forcing AES256 per object would override the bucket's KMS key (and its key policy)."""
+    _bucket_default_kms(moto)
+    storage = _storage(moto, multipart_mb=5)
+    with CheckpointManager(storage.uri, storage=storage) as mgr:
+        mgr.save(_state(1.0, mib=6), step=1, meta={}, blocking=True)  # model.pt goes multipart
+    for fname in ("model.pt", "manifest.json"):
+        head = moto.client().head_object(Bucket=BUCKET, Key=f"run1/step_000000001/{fname}")
+        assert (head["ServerSideEncryption"], head["SSEKMSKeyId"]) == ("aws:kms", "k-1"), fname
+
+
+def test_encryption_is_forced_only_when_configured(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RT_S3_SSE", "AES256")
+    with CheckpointManager(f"s3://{BUCKET}/forced", endpoint_url=moto.endpoint) as mgr:
+        mgr.save(_state(1.0), step=1, meta={}, blocking=True)
+    head = moto.client().head_object(Bucket=BUCKET, Key="forced/step_000000001/model.pt")
     assert head["ServerSideEncryption"] == "AES256"
+    monkeypatch.setenv("RT_S3_SSE", "aes")
+    with pytest.raises(CheckpointError, match="RT_S3_SSE"):
+        _storage(moto)
+
+
+@pytest.mark.parametrize("planted", ["../../outside-dotdot", "ABSOLUTE"])
+def test_manifest_naming_a_key_outside_the_folder_writes_nothing_there_and_is_skipped(
+    moto: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """Whoever can write the bucket plants an object and a manifest entry with a correct hash:
+    fetching it must not write outside the verification folder."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # fetch folders: scratch/ckpt-*/
+    name = str(tmp_path / "outside-absolute") if planted == "ABSOLUTE" else planted
+    uri = f"s3://{BUCKET}/plant"
+    with CheckpointManager(uri, endpoint_url=moto.endpoint) as mgr:
+        mgr.save(_state(1.0), step=1, meta={}, blocking=True)
+        mgr.save(_state(2.0), step=2, meta={}, blocking=True)
+    payload = b"written by whoever can write the bucket"
+    client = moto.client()
+    client.put_object(Bucket=BUCKET, Key=f"plant/step_000000002/{name}", Body=payload)
+    manifest_key = "plant/step_000000002/manifest.json"
+    manifest = json.loads(client.get_object(Bucket=BUCKET, Key=manifest_key)["Body"].read())
+    manifest["files"][name] = {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}
+    client.put_object(Bucket=BUCKET, Key=manifest_key, Body=json.dumps(manifest).encode())
+    before = sorted(tmp_path.rglob("*"))
+
+    fresh = CheckpointManager(uri, endpoint_url=moto.endpoint)
+    ref, warnings = fresh.latest_valid()
+    assert ref is not None and ref.step == 1
+    assert warnings[0].startswith("step_000000002: manifest.json has the wrong shape: unsafe file name"), warnings
+    ref, state, _ = fresh.load_latest()
+    assert ref is not None and ref.step == 1 and state is not None
+    fresh.close()
+    assert cli_main(["verify", uri, "--endpoint-url", moto.endpoint]) == 1
+    assert sorted(tmp_path.rglob("*")) == before, "a file was written outside the fetch folder"
+    assert not (tmp_path / "outside-dotdot").exists() and not (tmp_path / "outside-absolute").exists()
+
+
+def test_resave_interrupted_by_an_outage_leaves_a_committed_copy_that_resume_uses(moto: MotoServer) -> None:
+    """S3 has no rename: a re-saved step is committed under a temporary prefix, then copied over
+    the old one. The server stalls right after the first file was copied over the old folder."""
+    storage = _storage(moto, retry_seconds=3.0, retries=2, read_timeout=1.0)
+    mgr = CheckpointManager(storage.uri, keep=0, storage=storage, on_failure="stop")
+    mgr.save(_state(1.0), step=3, meta={}, blocking=True)
+    stalled = threading.Event()
+
+    def stall(**_: Any) -> None:
+        if not stalled.is_set():
+            stalled.set()
+            os.kill(moto.proc.pid, signal.SIGSTOP)
+
+    storage.client.meta.events.register("after-call.s3.CopyObject", stall)
+    try:
+        mgr.save(_state(2.0), step=3, meta={})
+        with pytest.raises(CheckpointError, match="gave up"):
+            mgr.wait()
+    finally:
+        os.kill(moto.proc.pid, signal.SIGCONT)
+    assert stalled.is_set()
+    listing = _storage(moto).list("")
+    staged = [k for k in listing if k.startswith(".tmp-step_000000003-") and k.endswith("/manifest.json")]
+    assert staged, listing  # the new copy is committed aside ...
+    ref, warnings = CheckpointManager(storage.uri, storage=_storage(moto)).latest_valid()
+    assert ref is not None and ref.step == 3 and warnings == []  # ... and the next reader finishes it
+
+    resumed = CheckpointManager(storage.uri, storage=_storage(moto))
+    ref, state, warnings = resumed.load_latest()
+    assert ref is not None and ref.step == 3 and state is not None and warnings == []
+    assert state["trainer"]["global_step"] == 2
+    assert not [k for k in _storage(moto).list("") if k.startswith(".tmp-")]
+    resumed.close()
+    mgr.close()
+
+
+def test_resaving_a_step_on_s3_replaces_it(moto: MotoServer) -> None:
+    with CheckpointManager(f"s3://{BUCKET}/again", endpoint_url=moto.endpoint) as mgr:
+        mgr.save(_state(1.0), step=3, meta={}, blocking=True)
+        mgr.save({"trainer": {"global_step": 9}}, step=3, meta={}, blocking=True)  # fewer files
+        ref, state, warnings = mgr.load_latest()
+        assert ref is not None and state == {"trainer": {"global_step": 9}} and warnings == []
+    keys = sorted(_storage(moto, prefix="again").list(""))
+    assert keys == ["step_000000003/manifest.json", "step_000000003/meta.json", "step_000000003/trainer.pt"]
+
+
+# What an operator's driver environment holds (SSO/STS keys come with a session token).
+DRIVER_SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIADRIVERSENTINEL01",
+    "AWS_SECRET_ACCESS_KEY": "driver-secret-access-key-sentinel",
+    "AWS_SESSION_TOKEN": "driver-session-token-sentinel",
+}
+
+
+@pytest.mark.slow
+def test_s3_run_keeps_the_drivers_aws_credentials_out_of_the_job(
+    cluster: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's Jobs API shows a job's runtime_env to whoever reads the dashboard: no secret may be
+    in it, and workers must still reach S3 with the node's own credentials."""
+    import ray
+    from ray.util.state import list_jobs
+    from rt_helpers import job
+
+    from runtime.launch import connect, train
+
+    monkeypatch.chdir(tmp_path)  # an S3 run's local folder is ./runs/<name>
+    for key, value in DRIVER_SECRETS.items():
+        monkeypatch.setenv(key, value)
+    if ray.is_initialized():
+        ray.shutdown()  # a job's runtime_env is fixed at ray.init: make it from this environment
+    connect()
+    proc, endpoint = start_moto_server(free_port(), buckets=["rt-env"])
+    try:
+        cfg = job("digits_smoke", "s3://rt-env/runs", "model.name=mlp", "tracking.mlflow=false",
+                  "tracking.prometheus=false", "train.max_steps=4", "checkpoint.interval_steps=2",
+                  f"checkpoint.endpoint_url={endpoint}")
+        out = train(cfg, "no-secrets", show_progress=False)
+        assert out.metrics["step"] == 4 and not out.error, out.error
+        with CheckpointManager(out.checkpoint_uri, endpoint_url=endpoint) as mgr:
+            ref, _ = mgr.latest_valid()
+        assert ref is not None and ref.step == 4  # the workers wrote to S3 without the driver's keys
+    finally:
+        stop_moto_server(proc)
+
+    job_id = ray.get_runtime_context().get_job_id()
+    [state] = [j for j in list_jobs(filters=[("job_id", "=", job_id)], detail=True)]
+    shown = json.dumps(state.runtime_env, default=str)  # what the Jobs API serves
+    assert "PYTHONPATH" in shown  # the settings the driver hands workers are what we read here
+    for key, value in DRIVER_SECRETS.items():
+        assert key not in shown and value not in shown, f"{key} is in the job's runtime_env"
+    in_process = json.dumps(ray.get_runtime_context().runtime_env, default=str)
+    assert not any(v in in_process for v in DRIVER_SECRETS.values())
+
+    @ray.remote(num_cpus=0)
+    def worker_env() -> dict[str, str]:
+        return dict(os.environ)
+
+    seen = ray.get(worker_env.remote())
+    assert not any(v in seen.values() for v in DRIVER_SECRETS.values()), "a driver secret reached a worker"
+
+
+def test_pbt_copy_of_an_s3_checkpoint_fetches_only_its_manifests_files(moto: MotoServer, tmp_path: Path) -> None:
+    """Tune relays a trial's checkpoint by copying it; a planted key with ../ must not land outside."""
+    from runtime.tune import _copy_checkpoint
+
+    uri = f"s3://{BUCKET}/trial"
+    with CheckpointManager(uri, endpoint_url=moto.endpoint) as mgr:
+        mgr.save(_state(4.0), step=4, meta={}, blocking=True)
+    moto.client().put_object(Bucket=BUCKET, Key="trial/step_000000004/../../../escaped", Body=b"x")
+    dest = tmp_path / "a" / "b" / "tune-ckpt"
+    dest.mkdir(parents=True)
+    assert _copy_checkpoint(uri, 4, str(dest), moto.endpoint) == 4
+    copied = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert copied == [f"a/b/tune-ckpt/step_000000004/{f}" for f in
+                      ("manifest.json", "meta.json", "model.pt", "optimizer.pt", "trainer.pt")]

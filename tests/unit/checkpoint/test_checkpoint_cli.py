@@ -61,3 +61,19 @@ def test_verify_on_a_clean_store_exits_0(tmp_path: Path, trainer) -> None:
 def test_bad_usage_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert capsys.readouterr().err
+
+
+def test_verify_of_a_folder_that_does_not_exist_fails_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "runs" / "typo" / "checkpoints"
+    for command in ("verify", "list", "prune"):
+        assert main([command, str(missing)]) == 2
+        assert f"checkpoint folder {missing} does not exist" in capsys.readouterr().err
+    assert not missing.exists()  # nothing was created on the way
+
+
+def test_verify_with_nothing_to_verify_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"no checkpoints in {tmp_path}" in out and "0 valid, 0 invalid" in out

@@ -8,6 +8,7 @@ import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,12 +40,80 @@ def _garble_manifest(folder: Path) -> None:
     (folder / "manifest.json").write_text("{not json")
 
 
+def _edit_manifest(edit: Callable[[dict[str, Any]], object]) -> Callable[[Path], None]:
+    """Valid JSON of the wrong shape: what a buggy writer or a tampered bucket leaves."""
+
+    def damage(folder: Path) -> None:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        edit(manifest)
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+    return damage
+
+
+def _manifest_a_list(folder: Path) -> None:
+    (folder / "manifest.json").write_text(json.dumps(["model.pt", "optimizer.pt"]))
+
+
+def _plant_outside_name(name: str) -> Callable[[dict[str, Any]], None]:
+    """A manifest entry whose name points outside the folder, with a correct hash and size."""
+
+    def edit(manifest: dict[str, Any]) -> None:
+        manifest["files"][name] = manifest["files"]["meta.json"]
+
+    return edit
+
+
+WRONG_SHAPE = "manifest.json has the wrong shape: "
 DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "truncated": (_truncate, "model.pt size"),
     "byte_flipped": (_flip_byte, "optimizer.pt sha256 mismatch"),
     "file_deleted": (_delete_file, "scheduler.pt missing"),
     "manifest_missing": (_delete_manifest, "manifest.json missing"),
     "manifest_garbled": (_garble_manifest, "manifest.json unreadable"),
+    "manifest_a_list": (_manifest_a_list, WRONG_SHAPE + "expected an object, got list"),
+    "files_a_list": (
+        _edit_manifest(lambda m: m.update(files=list(m["files"]))),
+        WRONG_SHAPE + "files must be a non-empty object, got list",
+    ),
+    "sha256_missing": (
+        _edit_manifest(lambda m: m["files"]["model.pt"].pop("sha256")),
+        WRONG_SHAPE + "files['model.pt'].sha256 must be 64 lowercase hex digits, got None",
+    ),
+    "size_missing": (
+        _edit_manifest(lambda m: m["files"]["optimizer.pt"].pop("size")),
+        WRONG_SHAPE + "files['optimizer.pt'].size must be an integer >= 0, got None",
+    ),
+    "size_a_string": (
+        _edit_manifest(lambda m: m["files"]["model.pt"].update(size="12")),
+        WRONG_SHAPE + "files['model.pt'].size must be an integer >= 0, got '12'",
+    ),
+    "file_entry_a_string": (
+        _edit_manifest(lambda m: m["files"].update({"rng.pt": "abc"})),
+        WRONG_SHAPE + "files['rng.pt'] must be an object, got str",
+    ),
+    "key_not_in_files": (
+        _edit_manifest(lambda m: m["files"].pop("scheduler.pt")),
+        WRONG_SHAPE + "key 'scheduler' has no file scheduler.pt in files",
+    ),
+    "keys_missing": (_edit_manifest(lambda m: m.pop("keys")), WRONG_SHAPE + "keys must be a list, got NoneType"),
+    "step_a_string": (
+        _edit_manifest(lambda m: m.update(step="120")),
+        WRONG_SHAPE + "step must be an integer, got '120'",
+    ),
+    "step_a_float": (_edit_manifest(lambda m: m.update(step=120.0)), WRONG_SHAPE + "step must be an integer"),
+    "parent_dir_name": (
+        _edit_manifest(_plant_outside_name("../x")),
+        WRONG_SHAPE + "unsafe file name: file name '../x' has an empty, '.' or '..' part",
+    ),
+    "absolute_name": (
+        _edit_manifest(_plant_outside_name("/tmp/x")),
+        WRONG_SHAPE + "unsafe file name: file name '/tmp/x' is absolute",
+    ),
+    "backslash_name": (
+        _edit_manifest(_plant_outside_name("..\\x")),
+        WRONG_SHAPE + "unsafe file name: file name '..\\\\x' contains a backslash",
+    ),
 }
 
 

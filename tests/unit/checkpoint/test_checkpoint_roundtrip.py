@@ -6,6 +6,7 @@ import json
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from runtime.checkpoint import (
@@ -145,3 +146,14 @@ def test_repeated_async_saves_each_hold_the_state_of_their_own_step(tmp_path) ->
         for ref, status in listed:
             assert status == "valid", status
             assert torch.equal(mgr.load(ref)["model"]["w"], torch.full((256, 256), float(ref.step)))
+
+
+@pytest.mark.parametrize(
+    "content", ["{not json", "[]", '{"uri": "x", "step": "5", "name": "step_000000005"}', '{"step": 5}']
+)
+def test_malformed_ray_pointer_is_ignored_with_a_warning(
+    tmp_path, content: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "checkpoint_pointer.json").write_text(content)
+    assert read_pointer(str(tmp_path)) is None
+    assert "ignoring checkpoint pointer" in caplog.text

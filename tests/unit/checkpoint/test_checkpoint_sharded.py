@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from runtime.checkpoint import CheckpointError, CheckpointManager
+from runtime.checkpoint import CheckpointError, CheckpointManager, step_name
 
 WORLD = 2
 
@@ -121,3 +123,73 @@ def test_dcp_metadata_pickle_bomb_is_refused_without_running_code(tmp_path: Path
     with pytest.raises(CheckpointError, match=r"posix\.system is not allowed"):
         SafeFileSystemReader(str(tmp_path)).read_metadata()
     assert not sentinel.exists()
+
+
+def _commit_dcp(mgr: CheckpointManager, step: int, state: dict[str, Any]) -> Path:
+    """A committed sharded checkpoint from one process (dcp runs without a process group),
+    through the manager's public commit API: the same protocol ShardedWriter uses."""
+    from torch.distributed.checkpoint import save as dcp_save
+
+    from runtime.checkpoint.manager import file_digest
+
+    staging = mgr.storage.stage(step_name(step))
+    folder = Path(staging.local_path("meta.json")).parent
+    dcp_save(state, checkpoint_id=str(folder), no_dist=True)
+    files = {}
+    for f in sorted(folder.iterdir()):
+        sha, size = file_digest(str(f))
+        files[f.name] = {"sha256": sha, "size": size}
+    ref = mgr.commit(staging, step, files, {"world_size": 1}, time.time(), kind="dcp", keys=[],
+                     started=time.monotonic())
+    assert ref.step == step and mgr.last_committed() == ref
+    return Path(ref.uri)
+
+
+def _target() -> dict[str, Any]:
+    return {"model": {"w": torch.zeros(4)}, "trainer": {"step": 0}}
+
+
+def test_dcp_byte_entry_pickle_bomb_is_refused_and_the_previous_checkpoint_is_used(tmp_path: Path) -> None:
+    """dcp's default planner torch.loads non-tensor entries with weights_only=False."""
+    sentinel = tmp_path / "pwned"
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), keep=0)
+    _commit_dcp(mgr, 1, {"model": {"w": torch.ones(4)}, "trainer": {"step": 1}})
+    _commit_dcp(mgr, 2, {"model": {"w": torch.full((4,), 2.0)}, "trainer": {"step": _Bomb(str(sentinel))}})
+    bad = mgr.last_committed()
+    assert bad is not None
+    mgr.verify(bad)  # hashes match: only the loader stands in the way
+    with pytest.raises(CheckpointError, match=r"step_000000002: .*'trainer\.step': refused to load"):
+        mgr.load_sharded(bad, _target())
+    target = _target()
+    ref, warnings = mgr.load_latest_sharded(target)
+    assert not sentinel.exists(), "unpickling ran code"
+    assert ref is not None and ref.step == 1 and target["trainer"]["step"] == 1
+    assert torch.equal(target["model"]["w"], torch.ones(4))
+    assert len(warnings) == 1 and warnings[0].startswith("step_000000002: ") and "refused to load" in warnings[0]
+    mgr.close()
+
+
+def test_planted_dcp_metadata_is_refused_through_the_manager_and_skipped(tmp_path: Path) -> None:
+    import hashlib
+    import pickle
+
+    sentinel = tmp_path / "pwned"
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), keep=0)
+    _commit_dcp(mgr, 1, {"model": {"w": torch.ones(4)}, "trainer": {"step": 1}})
+    folder = _commit_dcp(mgr, 2, {"model": {"w": torch.full((4,), 2.0)}, "trainer": {"step": 2}})
+    bomb = pickle.dumps(_Bomb(str(sentinel)))
+    (folder / ".metadata").write_bytes(bomb)  # re-signed: whoever can write storage can do that
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"sha256": hashlib.sha256(bomb).hexdigest(), "size": len(bomb)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+    bad = mgr.last_committed()
+    assert bad is not None
+    with pytest.raises(CheckpointError, match=r"step_000000002: .*posix\.system is not allowed in dcp metadata"):
+        mgr.load_sharded(bad, _target())
+    target = _target()
+    ref, warnings = mgr.load_latest_sharded(target)
+    assert not sentinel.exists(), "unpickling ran code"
+    assert ref is not None and ref.step == 1 and target["trainer"]["step"] == 1
+    assert "not allowed in dcp metadata" in warnings[0]
+    mgr.close()

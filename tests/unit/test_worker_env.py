@@ -1,0 +1,31 @@
+"""The job's runtime_env (readable through Ray's Jobs API) carries settings, never AWS secrets."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.launch import _worker_env
+
+SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIASENTINEL",
+    "AWS_SECRET_ACCESS_KEY": "secret-sentinel",
+    "AWS_SESSION_TOKEN": "token-sentinel",
+    "AWS_SECURITY_TOKEN": "legacy-token-sentinel",
+}
+SETTINGS = {
+    "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000",
+    "AWS_DEFAULT_REGION": "eu-west-1",
+    "RT_S3_SSE": "aws:kms",
+    "RT_S3_SSE_KMS_KEY_ID": "alias/ckpt",
+}
+
+
+def test_worker_env_forwards_endpoint_region_and_encryption_but_no_credentials(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key, value in {**SECRETS, **SETTINGS}.items():
+        monkeypatch.setenv(key, value)
+    env = _worker_env()
+    assert not set(SECRETS) & set(env)
+    assert not set(SECRETS.values()) & set(env.values())
+    assert {k: env[k] for k in SETTINGS} == SETTINGS
