@@ -90,8 +90,8 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """dcp's default planner loads byte entries with ``torch.load(weights_only=False)``, so a
-    planted shard could run code; this one allows only tensors and plain containers."""
+    """dcp's default planner unpickles byte entries without torch's weights-only restriction, so
+    a planted shard could run code; this one allows only tensors and plain containers."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
