@@ -212,6 +212,8 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     """Run one training job to completion (or preemption) on the Ray cluster."""
     from runtime.tracking import Tracker
 
+    if run_name is not None:
+        validate_run_name(run_name)  # before the cluster, MLflow or storage are touched
     connect(address)
     run_name = run_name or default_run_name(cfg)
     tracker = Tracker.for_job(cfg, run_name)
