@@ -49,10 +49,11 @@ def host_batches(loader: EpochLoader, batches_per_epoch: int, epoch: int, index:
 def make_stage(device: torch.device, bundle: DataBundle, memory_format: torch.memory_format,
                device_stage: Stage | None = None) -> Stage:
     """Host batch -> normalised (x, y) on the device. uint8 images are normalised there with the
-    bundle's mean/std (given in 0..1 units, applied in 0..255 units: one subtract, one divide)."""
+    bundle's mean/std (given in 0..1 units, applied in 0..255 units: one subtract, one divide);
+    without them uint8 images are only scaled to 0..1."""
     channels = bundle.in_channels
     mean = torch.tensor([255.0 * m for m in (bundle.mean or (0.0,) * channels)], device=device).view(1, -1, 1, 1)
-    std = torch.tensor([255.0 * s for s in (bundle.std or (1.0 / 255,) * channels)], device=device).view(1, -1, 1, 1)
+    std = torch.tensor([255.0 * s for s in (bundle.std or (1.0,) * channels)], device=device).view(1, -1, 1, 1)
 
     def stage(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if device_stage is not None:

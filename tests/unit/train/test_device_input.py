@@ -92,3 +92,9 @@ def test_synthetic_images_are_made_once_and_looked_up_by_sample_id() -> None:
     assert loaders.batches_per_epoch == 8 and loaders.val is not None
     vx, _ = val_stage((ids, ids))
     assert not torch.equal(vx[0], x[0])  # held-out samples are not training samples
+
+
+def test_uint8_images_without_mean_and_std_are_scaled_to_unit_range() -> None:
+    stage = make_stage(CPU, DataBundle(None, None, 10, 1, 2), torch.contiguous_format)
+    out, _ = stage((torch.full((1, 1, 2, 2), 255, dtype=torch.uint8), torch.tensor([0])))
+    assert torch.equal(out, torch.ones(1, 1, 2, 2))
