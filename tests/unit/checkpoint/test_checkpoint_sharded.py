@@ -149,21 +149,29 @@ def _target() -> dict[str, Any]:
     return {"model": {"w": torch.zeros(4)}, "trainer": {"step": 0}}
 
 
+def _refused_then_previous_loaded(mgr: CheckpointManager, sentinel: Path,
+                                  why: str) -> tuple[dict[str, Any], list[str]]:
+    """Loading the planted step 2 raises naming it and ``why``; the newest load falls back to step 1
+    without running the planted code. Returns (the loaded target, the load's warnings)."""
+    bad = mgr.last_committed()
+    assert bad is not None
+    with pytest.raises(CheckpointError, match=rf"step_000000002: .*{why}"):
+        mgr.load_sharded(bad, _target())
+    target = _target()
+    ref, warnings = mgr.load_latest_sharded(target)
+    assert not sentinel.exists(), "unpickling ran code"
+    assert ref is not None and ref.step == 1 and target["trainer"]["step"] == 1
+    return target, warnings
+
+
 def test_dcp_byte_entry_pickle_bomb_is_refused_and_the_previous_checkpoint_is_used(tmp_path: Path) -> None:
     """dcp's default planner torch.loads non-tensor entries with weights_only=False."""
     sentinel = tmp_path / "pwned"
     mgr = CheckpointManager(str(tmp_path / "ckpt"), keep=0)
     _commit_dcp(mgr, 1, {"model": {"w": torch.ones(4)}, "trainer": {"step": 1}})
     _commit_dcp(mgr, 2, {"model": {"w": torch.full((4,), 2.0)}, "trainer": {"step": _Bomb(str(sentinel))}})
-    bad = mgr.last_committed()
-    assert bad is not None
-    mgr.verify(bad)  # hashes match: only the loader stands in the way
-    with pytest.raises(CheckpointError, match=r"step_000000002: .*'trainer\.step': refused to load"):
-        mgr.load_sharded(bad, _target())
-    target = _target()
-    ref, warnings = mgr.load_latest_sharded(target)
-    assert not sentinel.exists(), "unpickling ran code"
-    assert ref is not None and ref.step == 1 and target["trainer"]["step"] == 1
+    mgr.verify(mgr.last_committed())  # hashes match: only the loader stands in the way
+    target, warnings = _refused_then_previous_loaded(mgr, sentinel, r"'trainer\.step': refused to load")
     assert torch.equal(target["model"]["w"], torch.ones(4))
     assert len(warnings) == 1 and warnings[0].startswith("step_000000002: ") and "refused to load" in warnings[0]
     mgr.close()
@@ -183,13 +191,6 @@ def test_planted_dcp_metadata_is_refused_through_the_manager_and_skipped(tmp_pat
     manifest["files"][".metadata"] = {"sha256": hashlib.sha256(bomb).hexdigest(), "size": len(bomb)}
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
-    bad = mgr.last_committed()
-    assert bad is not None
-    with pytest.raises(CheckpointError, match=r"step_000000002: .*posix\.system is not allowed in dcp metadata"):
-        mgr.load_sharded(bad, _target())
-    target = _target()
-    ref, warnings = mgr.load_latest_sharded(target)
-    assert not sentinel.exists(), "unpickling ran code"
-    assert ref is not None and ref.step == 1 and target["trainer"]["step"] == 1
+    _, warnings = _refused_then_previous_loaded(mgr, sentinel, r"posix\.system is not allowed in dcp metadata")
     assert "not allowed in dcp metadata" in warnings[0]
     mgr.close()
