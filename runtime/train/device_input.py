@@ -142,19 +142,26 @@ class SyntheticPool:
     """Images made once on the device: a class template plus noise, sample i = entry i mod P.
 
     P holds at least two batches and at most ``budget_bytes`` of images (all samples if they
-    fit), so memory stays within a batch or two of a bare loop's one pre-made batch.
+    fit), so memory stays within a batch or two of a bare loop's one pre-made batch. Class
+    templates are made ``TEMPLATE_CHUNK`` classes at a time (1,000 classes at 224x224 would be
+    600 MB at once), each chunk from its own seed, so every split shares them.
     """
+
+    TEMPLATE_CHUNK = 64
 
     def __init__(self, n: int, num_classes: int, image_size: int, seed: int, split: int, device: torch.device,
                  batch_size: int, budget_bytes: int = 64 << 20) -> None:
         per_sample = 3 * image_size * image_size * 4
         self.size = max(1, min(n, max(2 * batch_size, budget_bytes // per_sample)))
-        g = torch.Generator(device=device).manual_seed(seed)  # the class templates: shared by every split
-        templates = torch.randn(num_classes, 3, image_size, image_size, generator=g, device=device)
-        g.manual_seed(seed * 1_000_003 + split + 1)  # each split's own labels and noise
+        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + split + 1)  # this split's own
         self.labels = torch.randint(num_classes, (self.size,), generator=g, device=device)
-        noise = torch.randn(self.size, 3, image_size, image_size, generator=g, device=device)
-        self.images = templates[self.labels] + 1.5 * noise
+        self.images = 1.5 * torch.randn(self.size, 3, image_size, image_size, generator=g, device=device)
+        for first in range(0, num_classes, self.TEMPLATE_CHUNK):
+            count = min(self.TEMPLATE_CHUNK, num_classes - first)
+            g.manual_seed(seed * 7_919 + first)  # the templates: shared by every split
+            templates = torch.randn(count, 3, image_size, image_size, generator=g, device=device)
+            rows = ((self.labels >= first) & (self.labels < first + count)).nonzero().squeeze(1)  # set-up: syncs
+            self.images[rows] += templates[self.labels[rows] - first]
 
     def stage(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         ids, _ = batch
@@ -175,6 +182,8 @@ def synthetic_loaders(cfg: DataConfig, world: int, rank: int, device: torch.devi
         if cfg.val_samples else None
     bundle = DataBundle(train, val, cfg.num_classes, 3, cfg.image_size)
     train_pool = SyntheticPool(cfg.num_samples, cfg.num_classes, cfg.image_size, cfg.seed, 0, device, cfg.batch_size)
-    val_pool = SyntheticPool(max(cfg.val_samples, 1), cfg.num_classes, cfg.image_size, cfg.seed, 1, device,
-                             cfg.batch_size)
-    return Loaders(train, val, train.per_rank // cfg.batch_size, bundle), train_pool.stage, val_pool.stage
+    val_stage = train_pool.stage  # never called without validation samples
+    if cfg.val_samples:
+        val_stage = SyntheticPool(cfg.val_samples, cfg.num_classes, cfg.image_size, cfg.seed, 1, device,
+                                  cfg.batch_size).stage
+    return Loaders(train, val, train.per_rank // cfg.batch_size, bundle), train_pool.stage, val_stage

@@ -98,3 +98,15 @@ def test_uint8_images_without_mean_and_std_are_scaled_to_unit_range() -> None:
     stage = make_stage(CPU, DataBundle(None, None, 10, 1, 2), torch.contiguous_format)
     out, _ = stage((torch.full((1, 1, 2, 2), 255, dtype=torch.uint8), torch.tensor([0])))
     assert torch.equal(out, torch.ones(1, 1, 2, 2))
+
+
+def test_synthetic_class_templates_are_shared_by_train_and_validation_across_template_chunks() -> None:
+    from runtime.train.device_input import SyntheticPool
+
+    pools = [SyntheticPool(6000, 130, 4, seed=5, split=s, device=CPU, batch_size=8) for s in (0, 1)]
+    assert pools[0].size == 6000 and 130 > SyntheticPool.TEMPLATE_CHUNK  # classes span several chunks
+    means = [torch.stack([p.images[p.labels == c].mean(0) for c in range(130)]) for p in pools]
+    corr = torch.corrcoef(torch.stack([means[0].flatten(), means[1].flatten()]))[0, 1]
+    assert corr > 0.8  # same templates under independent noise
+    again = SyntheticPool(6000, 130, 4, seed=5, split=0, device=CPU, batch_size=8)
+    assert torch.equal(again.images, pools[0].images) and torch.equal(again.labels, pools[0].labels)
