@@ -141,19 +141,28 @@ def test_apt_refuses_the_offline_repository_signed_by_another_key(hosts):
     assert out.rc != 0 and "NO_PUBKEY" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-def _prometheus(lab, inventory, path: str, password: str | None = None,
-                method: str = "GET") -> tuple[int, bytes]:
-    """(status, body) of a request to the head's Prometheus, with basic auth when password is given."""
-    request = urllib.request.Request(f"http://{lab.subnet}.11:9090{path}", method=method)
-    if password is None:
-        password = json.loads(inventory.read_text())["all"]["vars"]["prometheus_web_password"]
+def _basic_auth(url: str, user: str, password: str, method: str = "GET") -> tuple[int, bytes]:
+    """(status, body) of a request, with basic auth unless the password is empty."""
+    request = urllib.request.Request(url, method=method)
     if password:
-        request.add_header("Authorization", "Basic " + base64.b64encode(f"prometheus:{password}".encode()).decode())
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
     try:
         with urllib.request.urlopen(request, timeout=10) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()
+
+
+def _inventory_password(inventory, name: str) -> str:
+    return json.loads(inventory.read_text())["all"]["vars"][name]
+
+
+def _prometheus(lab, inventory, path: str, password: str | None = None,
+                method: str = "GET") -> tuple[int, bytes]:
+    """The head's Prometheus; password None = the inventory's."""
+    if password is None:
+        password = _inventory_password(inventory, "prometheus_web_password")
+    return _basic_auth(f"http://{lab.subnet}.11:9090{path}", "prometheus", password, method)
 
 
 def _prometheus_targets(lab, inventory) -> list[dict]:
@@ -275,16 +284,10 @@ def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(host
 
 
 def _alertmanager(lab, inventory, path: str, password: str | None = None) -> tuple[int, bytes]:
-    request = urllib.request.Request(f"http://{lab.subnet}.11:9093{path}")
+    """The head's Alertmanager; password None = the inventory's."""
     if password is None:
-        password = json.loads(inventory.read_text())["all"]["vars"]["alertmanager_web_password"]
-    if password:
-        request.add_header("Authorization", "Basic " + base64.b64encode(f"alertmanager:{password}".encode()).decode())
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
+        password = _inventory_password(inventory, "alertmanager_web_password")
+    return _basic_auth(f"http://{lab.subnet}.11:9093{path}", "alertmanager", password)
 
 
 def test_alertmanager_listens_on_the_private_address_behind_basic_auth(hosts, lab, inventory):
