@@ -21,12 +21,12 @@ alerts-runbook-base: ## Point every alert's runbook_url (rules and tests) at RUN
 	@grep -ho 'runbook_url: "[^"]*"' $(ALERT_RULES) | sort -u | head -n 3
 
 .PHONY: dashboards
-dashboards: ## Regenerate the Grafana dashboards (dashboards/*.json) from dashboards/generate.py.
-	$(PYTHON) "$(ROOT)/dashboards/generate.py"
+dashboards: ## Regenerate the Grafana dashboards (dashboards/*.json) from dashboards/boards/*.py.
+	cd "$(ROOT)" && $(PYTHON) -m dashboards.generate
 
 .PHONY: dashboards-check
 dashboards-check: ## Fail when the committed dashboard JSON differs from the generator's output.
-	$(PYTHON) "$(ROOT)/dashboards/generate.py" --check
+	cd "$(ROOT)" && $(PYTHON) -m dashboards.generate --check
 
 .PHONY: observability-test
 observability-test: prometheus-tools ## Run the dashboard and alert tests (pytest, real Prometheus on loopback).

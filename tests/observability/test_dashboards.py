@@ -38,7 +38,7 @@ EXPECTED_UIDS = {
 ALL = {"job": ".*", "instance": ".*", "gpu": ".*"}
 METRICS_DOC = (ROOT / "docs" / "metrics.md").read_text()
 
-# Which label filter each metric family must carry (the contract in generate.py).
+# Which label filter each metric family must carry (the contract in dashboards/lib.py).
 JOB_FILTER = 'job_id=~"$job"'
 GPU_FILTER = 'gpu=~"$gpu"'
 INSTANCE_FILTER = 'instance=~"$instance"'
@@ -56,7 +56,7 @@ def required_filters(metric: str) -> list[str]:
         return [INSTANCE_FILTER, GPU_FILTER]
     if metric.startswith("node_") or metric == "up":
         return [INSTANCE_FILTER]
-    raise AssertionError(f"metric {metric} has no filtering rule: add one to generate.py and this test")
+    raise AssertionError(f"metric {metric} has no filtering rule: add one to dashboards/lib.py and this test")
 
 
 SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
@@ -97,7 +97,8 @@ def test_committed_dashboard_json_equals_generator_output():
     for name, text in rendered.items():
         assert (DASHBOARDS_DIR / name).read_text() == text, f"{name} is stale: run `make dashboards`"
     check = subprocess.run(
-        [sys.executable, str(DASHBOARDS_DIR / "generate.py"), "--check"],
+        [sys.executable, "-m", "dashboards.generate", "--check"],
+        cwd=DASHBOARDS_DIR.parent,
         check=False,
         capture_output=True,
         text=True,

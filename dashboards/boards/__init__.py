@@ -1,0 +1,1 @@
+"""One module per dashboard; each exposes build() -> dashboard JSON (a dict)."""
