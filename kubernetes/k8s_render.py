@@ -41,13 +41,14 @@ JOBS_DIR = ROOT / "jobs"
 ALERTS_DIR = ROOT / "alerts"
 RULES_FILE = K8S_DIR / "base" / "monitoring" / "prometheusrule.yaml"
 JOBS_MOUNT = "/opt/rt/jobs"  # where the rt-jobs ConfigMap is mounted in the head pod
-TOKEN_SECRET = "rt-ray-auth"
+TOKEN_SECRET = "rt-ray-auth"  # noqa: S105 (the Secret's name, never its content)
 GPU = "nvidia.com/gpu"
 # RayJob name = rt-train-<run>; KubeRay derives longer names (cluster, pods, services)
 # from it, and Kubernetes caps Service names at 63 characters.
 MAX_RUN_NAME_FOR_K8S = 30
 # An image reference that names a tag (repo:tag) or a digest (repo@sha256:...).
-_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[0-9]+)?[a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127}|@sha256:[0-9a-f]{64})$")
+_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[0-9]+)?[a-z0-9._/-]*"  # registry[:port]/repository
+                       r"(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127}|@sha256:[0-9a-f]{64})$")  # :tag or @digest
 
 EXIT_BAD_INPUT = 2
 EXIT_NO_CLUSTER = 3
@@ -92,7 +93,8 @@ def kustomize(path: Path) -> list[dict[str, Any]]:
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RenderError(f"kubectl kustomize {path} failed: {proc.stderr.strip()}", 1)
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # ~4,000 lines: libyaml when built
+    return [d for d in yaml.load_all(proc.stdout, Loader=loader) if d]  # noqa: S506 (a safe loader)
 
 
 def find(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -140,6 +142,9 @@ def resolve(job: str, overlay: str, *, image: str | None = None, gpus: str | int
     if image is not None and not _IMAGE_RE.fullmatch(image):
         raise RenderError(f"IMAGE {image!r} has no tag: expected repository:tag or repository@sha256:<digest> "
                           "(an untagged image is whatever :latest is on the day a node pulls it)")
+    if image is not None and image.endswith(":latest"):
+        raise RenderError(f"IMAGE {image!r}: :latest moves, so a retried job could run other code; "
+                          "expected a tag that names one build (or @sha256:<digest>)")
     run = run_name or job
     from runtime.config import load_job, validate_run_name
     from runtime.errors import ConfigError
@@ -337,9 +342,19 @@ def problems(objs: list[dict[str, Any]], v: RunValues) -> list[str]:
                            for c in containers(pod) for m in c.get("volumeMounts", []))]
             if not shm:
                 out.append(f"RayJob {where}: no memory-backed /dev/shm for NCCL")
+    rendered = {(o["kind"], o["metadata"]["name"]) for o in objs}
     for obj in objs:
         kind, name = obj["kind"], obj["metadata"]["name"]
         for where, pod in pod_specs(obj):
+            # What a pod mounts must come with it (the token Secret is the one exception, above).
+            refs = [("ConfigMap", vol["configMap"]["name"]) for vol in pod.get("volumes", []) if "configMap" in vol]
+            refs += [("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
+                     for vol in pod.get("volumes", []) if "persistentVolumeClaim" in vol]
+            if "serviceAccountName" in pod:
+                refs.append(("ServiceAccount", pod["serviceAccountName"]))
+            for ref in refs:
+                if ref not in rendered:
+                    out.append(f"{kind} {name} {where}: uses {ref[0]} {ref[1]}, which is not rendered")
             if pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"):
                 out.append(f"{kind} {name} {where}: host namespaces are not allowed")
             for c in containers(pod):
