@@ -74,6 +74,7 @@ class RunValues:
     workers: int
     cpus_per_worker: float
     overrides: tuple[str, ...]
+    namespace: str | None = None
 
 
 # ---------------------------------------------------------------- kustomize
@@ -131,7 +132,7 @@ def _k8s_name(run_name: str) -> str:
 
 
 def resolve(job: str, overlay: str, *, image: str | None = None, gpus: str | int | None = None,
-            workers: str | int | None = None, run_name: str | None = None,
+            workers: str | int | None = None, run_name: str | None = None, namespace: str | None = None,
             base_objs: list[dict[str, Any]] | None = None) -> RunValues:
     """Check every input and derive the run's values from the job file (nothing is rendered yet)."""
     if overlay not in overlays():
@@ -142,6 +143,9 @@ def resolve(job: str, overlay: str, *, image: str | None = None, gpus: str | int
     if image is not None and not _IMAGE_RE.fullmatch(image):
         raise RenderError(f"IMAGE {image!r} has no tag: expected repository:tag or repository@sha256:<digest> "
                           "(an untagged image is whatever :latest is on the day a node pulls it)")
+    if namespace is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", namespace):
+        raise RenderError(f"NAMESPACE {namespace!r} is not a Kubernetes namespace name: expected 1-63 lower-case "
+                          "letters, digits or '-'")
     if image is not None and image.endswith(":latest"):
         raise RenderError(f"IMAGE {image!r}: :latest moves, so a retried job could run other code; "
                           "expected a tag that names one build (or @sha256:<digest>)")
@@ -193,7 +197,8 @@ def resolve(job: str, overlay: str, *, image: str | None = None, gpus: str | int
     except ConfigError as e:
         raise RenderError(str(e)) from None
     return RunValues(job=job, overlay=overlay, run_name=run, image=image, gpus=n_gpus, workers=n_workers,
-                     cpus_per_worker=cfg.distributed.cpus_per_worker, overrides=tuple(overrides))
+                     cpus_per_worker=cfg.distributed.cpus_per_worker, overrides=tuple(overrides),
+                     namespace=namespace)
 
 
 def _int_at_least(value: str | int, low: int, name: str) -> int:
@@ -257,6 +262,9 @@ def apply_values(objs: list[dict[str, Any]], v: RunValues) -> list[dict[str, Any
     if not v.gpus:
         # CPU pods: one training worker each (Ray would pack two into a pod with spare CPUs).
         group["rayStartParams"]["num-cpus"] = str(math.ceil(v.cpus_per_worker))
+    if v.namespace is not None:
+        for obj in out:
+            obj["metadata"]["namespace"] = v.namespace
     for template in (cluster["headGroupSpec"]["template"], group["template"]):
         template.setdefault("metadata", {}).setdefault("labels", {})["app.kubernetes.io/instance"] = name
     return out
@@ -329,8 +337,10 @@ def problems(objs: list[dict[str, Any]], v: RunValues) -> list[str]:
             if gpus != want:
                 out.append(f"RayJob {where} container {c['name']}: {GPU} limit {gpus}, expected {want} "
                            f"(the job's distributed.gpus_per_worker)")
-            if gpus and str(res.get("requests", {}).get(GPU, gpus)) != str(res["limits"][GPU]):
-                out.append(f"RayJob {where} container {c['name']}: GPU requests must equal limits")
+            if gpus and any(str(res.get("requests", {}).get(r)) != str(res["limits"].get(r))
+                            for r in ("cpu", "memory", GPU)):
+                out.append(f"RayJob {where} container {c['name']}: a GPU pod's requests must equal its limits "
+                           "(cpu, memory, GPUs), so it is never throttled or evicted first")
             if where.startswith("workerGroupSpecs") and not gpus:
                 cpus = _quantity(res.get("limits", {}).get("cpu", 0))
                 if cpus < v.cpus_per_worker:
@@ -441,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--gpus", help="GPUs per worker pod (default: the job's distributed.gpus_per_worker)")
         s.add_argument("--workers", help="worker pods (default: the job's distributed.num_workers)")
         s.add_argument("--run-name", help="the run's name; a retry or resubmission with it resumes (default: job)")
+        s.add_argument("--namespace", help="namespace for every object (default: the kube context's)")
         if name == "render":
             s.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     r = sub.add_parser("rules")
@@ -457,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
             _write_atomic(RULES_FILE, text)
             return 0
         v = resolve(args.job, args.overlay, image=args.image or None, gpus=args.gpus or None,
-                    workers=args.workers or None, run_name=args.run_name or None)
+                    workers=args.workers or None, run_name=args.run_name or None,
+                    namespace=args.namespace or None)
         text = dump(render_objects(v))
         if args.command == "submit":
             return _submit(text, v)

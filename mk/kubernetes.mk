@@ -7,9 +7,11 @@ OVERLAY ?= cpu-demo
 IMAGE   ?=
 GPUS    ?=
 WORKERS ?=
+NAMESPACE ?=
 K8S_OUT ?=
 K8S_RENDER_ARGS = --job $(JOB) --overlay $(OVERLAY) $(if $(IMAGE),--image $(IMAGE)) $(if $(GPUS),--gpus $(GPUS)) \
-                  $(if $(WORKERS),--workers $(WORKERS)) $(if $(RUN),--run-name $(RUN))
+                  $(if $(WORKERS),--workers $(WORKERS)) $(if $(RUN),--run-name $(RUN)) \
+                  $(if $(NAMESPACE),--namespace $(NAMESPACE))
 
 .PHONY: k8s-tools
 k8s-tools: ## Check that kubectl with kustomize v5 is installed (nothing to install: it ships with the image).
@@ -18,7 +20,7 @@ k8s-tools: ## Check that kubectl with kustomize v5 is installed (nothing to inst
 	  || { echo "kubectl has no kustomize v5 (kubectl version --client): install kubectl >= 1.27" >&2; exit 3; }
 
 .PHONY: k8s-render
-k8s-render: setup k8s-tools ## Render the manifests for a job: make k8s-render JOB=resnet50 OVERLAY=eks [IMAGE=repo:tag GPUS=n WORKERS=n RUN=name K8S_OUT=file].
+k8s-render: setup k8s-tools ## Render the manifests for a job: make k8s-render JOB=resnet50 OVERLAY=eks [IMAGE=repo:tag GPUS=n WORKERS=n RUN=name NAMESPACE=ns K8S_OUT=file].
 	$(PY) kubernetes/k8s_render.py render $(K8S_RENDER_ARGS) $(if $(K8S_OUT),-o $(K8S_OUT))
 
 .PHONY: k8s-submit

@@ -257,6 +257,10 @@ def _two_images(objs: list[dict[str, Any]]) -> None:
     _worker(objs)["template"]["spec"]["containers"][0]["image"] = "ghcr.io/example-org/rt-runtime:0.2.0"
 
 
+def _gpu_burstable(objs: list[dict[str, Any]]) -> None:
+    _worker(objs)["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] = "8Gi"
+
+
 @pytest.mark.parametrize(("change", "expected"), [
     (_set_worker_gpus, "nvidia.com/gpu limit 2, expected 1"),
     (_inline_token, "RAY_AUTH_TOKEN is inlined"),
@@ -269,6 +273,7 @@ def _two_images(objs: list[dict[str, Any]]) -> None:
     (_no_shm, "no memory-backed /dev/shm"),
     (_missing_claim, "uses PersistentVolumeClaim rt-runs, which is not rendered"),
     (_two_images, "one and the same image"),
+    (_gpu_burstable, "a GPU pod's requests must equal its limits"),
 ], ids=lambda x: getattr(x, "__name__", "")[1:] if callable(x) else "")
 def test_semantic_checks_name_what_is_wrong(rendered: dict, change: Any, expected: str) -> None:
     found = _mutated(rendered, "local-gpu", change)

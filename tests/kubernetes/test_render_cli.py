@@ -34,6 +34,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     ("local-gpu", {"run_name": "../escape"}, "RUN: --run-name (run_name) '../escape' is not a valid run name"),
     ("local-gpu", {"run_name": "a" * 40}, "RUN 'aaaaaaaa"),
     ("cpu-demo", {"gpus": "1"}, "GPUS=1: overlay 'cpu-demo' has no GPU worker group"),
+    ("local-gpu", {"namespace": "Training"}, "NAMESPACE 'Training' is not a Kubernetes namespace name"),
     ("gke", {}, "OVERLAY 'gke' does not exist: expected one of cpu-demo, eks, local-gpu"),
 ])
 def test_bad_values_fail_naming_the_value(kustomized: dict, overlay: str, kwargs: dict[str, Any],
@@ -56,7 +57,7 @@ def test_fractional_gpus_per_worker_in_the_job_file_is_refused_for_pods(kustomiz
 
 
 def test_gpus_override_sets_pod_limits_and_the_jobs_own_setting(kustomized: dict) -> None:
-    v = k8s_render.resolve("resnet50", "eks", gpus="4", workers="3", run_name="rn50-a",
+    v = k8s_render.resolve("resnet50", "eks", gpus="4", workers="3", run_name="rn50-a", namespace="ml-team",
                            image="ghcr.io/example-org/rt-runtime:0.2.0", base_objs=kustomized["eks"])
     objs = k8s_render.render_objects(v, kustomized["eks"])
     job = next(o for o in objs if o["kind"] == "RayJob")
@@ -68,6 +69,7 @@ def test_gpus_override_sets_pod_limits_and_the_jobs_own_setting(kustomized: dict
     assert "--set distributed.num_workers=3" in job["spec"]["entrypoint"]
     assert "--run-name rn50-a" in job["spec"]["entrypoint"]
     assert job["metadata"]["name"] == "rt-train-rn50-a"
+    assert {o["metadata"]["namespace"] for o in objs} == {"ml-team"}
     images = {c["image"] for o in objs for _w, pod in k8s_render.pod_specs(o) for c in k8s_render.containers(pod)}
     assert images == {"ghcr.io/example-org/rt-runtime:0.2.0"}
 
