@@ -2,6 +2,7 @@
 
     python kubernetes/k8s_render.py render --job resnet50 --overlay eks [-o out.yaml]
     python kubernetes/k8s_render.py submit --job resnet50 --overlay eks      # kubectl apply
+    python kubernetes/k8s_render.py cluster --job resnet50 --overlay eks     # a long-lived RayCluster instead
     python kubernetes/k8s_render.py rules [--check]                          # alerts/ -> PrometheusRule
 
 Renders an overlay with `kubectl kustomize`, then fills in one training run's
@@ -109,10 +110,10 @@ def containers(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
 def pod_specs(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, pod spec) for every pod template in an object, custom resources included."""
     spec = obj.get("spec", {})
-    if obj.get("kind") == "RayJob":
+    if obj.get("kind") in ("RayJob", "RayCluster"):
         if "submitterPodTemplate" in spec:
             yield "submitterPodTemplate", spec["submitterPodTemplate"]["spec"]
-        cluster = spec.get("rayClusterSpec", {})
+        cluster = spec["rayClusterSpec"] if obj["kind"] == "RayJob" else spec
         yield "headGroupSpec", cluster["headGroupSpec"]["template"]["spec"]
         for g in cluster.get("workerGroupSpecs", []):
             yield f"workerGroupSpecs[{g['groupName']}]", g["template"]["spec"]
@@ -311,12 +312,6 @@ def problems(objs: list[dict[str, Any]], v: RunValues) -> list[str]:
     for key in ("shutdownAfterJobFinishes", "backoffLimit", "activeDeadlineSeconds"):
         if key not in spec:
             out.append(f"RayJob spec.{key} is not set")
-    auth = cluster.get("authOptions", {})
-    if auth.get("mode") != "token" or auth.get("secretName") != TOKEN_SECRET:
-        out.append(f"RayJob rayClusterSpec.authOptions must be mode token with secretName {TOKEN_SECRET}, got {auth}")
-    for s in find(objs, "Secret"):
-        out.append(f"Secret {s['metadata']['name']} is rendered into the manifests: tokens must be created "
-                   "in the cluster, never written here")
     expected = shlex.split(entrypoint(v))
     if shlex.split(spec.get("entrypoint", "")) != expected:
         out.append(f"RayJob entrypoint is {spec.get('entrypoint')!r}, expected {shlex.join(expected)!r}")
@@ -352,6 +347,15 @@ def problems(objs: list[dict[str, Any]], v: RunValues) -> list[str]:
                            for c in containers(pod) for m in c.get("volumeMounts", []))]
             if not shm:
                 out.append(f"RayJob {where}: no memory-backed /dev/shm for NCCL")
+    return out + pod_problems(objs)
+
+
+def pod_problems(objs: list[dict[str, Any]]) -> list[str]:
+    """Checks for every pod template in any object: references, privileges, requests, inlined tokens."""
+    out: list[str] = []
+    for s in find(objs, "Secret"):
+        out.append(f"Secret {s['metadata']['name']} is rendered into the manifests: tokens must be created "
+                   "in the cluster, never written here")
     rendered = {(o["kind"], o["metadata"]["name"]) for o in objs}
     for obj in objs:
         kind, name = obj["kind"], obj["metadata"]["name"]
@@ -380,11 +384,47 @@ def problems(objs: list[dict[str, Any]], v: RunValues) -> list[str]:
                     if "TOKEN" in env["name"].upper() and "value" in env:
                         out.append(f"{kind} {name} {where} container {c['name']}: {env['name']} is inlined; "
                                    "reference a Secret instead")
-        if kind == "RayJob":
-            autoscaler = obj["spec"]["rayClusterSpec"].get("autoscalerOptions", {})
-            if obj["spec"]["rayClusterSpec"].get("enableInTreeAutoscaling") and \
+        if kind in ("RayJob", "RayCluster"):
+            cluster = obj["spec"]["rayClusterSpec"] if kind == "RayJob" else obj["spec"]
+            autoscaler = cluster.get("autoscalerOptions", {})
+            if cluster.get("enableInTreeAutoscaling") and \
                     "cpu" not in autoscaler.get("resources", {}).get("requests", {}):
-                out.append(f"RayJob {name}: the autoscaler sidecar has no resource requests")
+                out.append(f"{kind} {name}: the autoscaler sidecar has no resource requests")
+            auth = cluster.get("authOptions", {})
+            if auth.get("mode") != "token" or auth.get("secretName") != TOKEN_SECRET:
+                out.append(f"{kind} {name}: authOptions must be mode token with secretName {TOKEN_SECRET}, "
+                           f"got {auth}")
+    return out
+
+
+# ---------------------------------------------------------------- standalone cluster
+
+
+def cluster_objects(objs: list[dict[str, Any]], v: RunValues) -> list[dict[str, Any]]:
+    """A long-lived RayCluster in place of the RayJob, sized for the job but scaled from zero.
+
+    For interactive work and `ray job submit` (Tune searches, notebooks): the same head,
+    worker pods, image, token and storage as the job's own cluster; the autoscaler adds
+    worker pods up to WORKERS while work waits and removes them when idle.
+    """
+    out = []
+    for obj in objs:
+        if obj["kind"] != "RayJob":
+            out.append(obj)
+            continue
+        spec = copy.deepcopy(obj["spec"]["rayClusterSpec"])
+        group = spec["workerGroupSpecs"][0]
+        group["replicas"] = group["minReplicas"] = 0
+        group["maxReplicas"] = max(int(group["maxReplicas"]), v.workers)
+        spec["enableInTreeAutoscaling"] = True
+        labels = {**obj["metadata"].get("labels", {}), "app.kubernetes.io/component": "ray-cluster"}
+        meta: dict[str, Any] = {"name": f"rt-cluster-{_k8s_name(v.run_name)}", "labels": labels}
+        if "namespace" in obj["metadata"]:
+            meta["namespace"] = obj["metadata"]["namespace"]
+        out.append({"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta, "spec": spec})
+    bad = pod_problems(out)
+    if bad:
+        raise RenderError("the rendered RayCluster fails its checks:\n  " + "\n  ".join(bad), 1)
     return out
 
 
@@ -443,8 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kubernetes/k8s_render.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("render", "submit"):
-        s = sub.add_parser(name)
+    for name in ("render", "submit", "cluster"):
+        s = sub.add_parser(name, help={"render": "print one run's manifests", "submit": "render and kubectl apply",
+                                       "cluster": "print a long-lived RayCluster (scales from zero) instead "
+                                                  "of the RayJob"}[name])
         s.add_argument("--job", required=True, help="a job name from jobs/")
         s.add_argument("--overlay", required=True, help="a folder in kubernetes/overlays/")
         s.add_argument("--image", help="repository:tag (default: the overlay's)")
@@ -452,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--workers", help="worker pods (default: the job's distributed.num_workers)")
         s.add_argument("--run-name", help="the run's name; a retry or resubmission with it resumes (default: job)")
         s.add_argument("--namespace", help="namespace for every object (default: the kube context's)")
-        if name == "render":
+        if name != "submit":
             s.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     r = sub.add_parser("rules")
     r.add_argument("--check", action="store_true", help="fail when the committed file is stale")
@@ -470,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         v = resolve(args.job, args.overlay, image=args.image or None, gpus=args.gpus or None,
                     workers=args.workers or None, run_name=args.run_name or None,
                     namespace=args.namespace or None)
-        text = dump(render_objects(v))
+        objs = render_objects(v)
+        text = dump(cluster_objects(objs, v) if args.command == "cluster" else objs)
         if args.command == "submit":
             return _submit(text, v)
         if args.output:

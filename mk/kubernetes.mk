@@ -35,4 +35,9 @@ k8s-rules: setup ## Regenerate the PrometheusRule (kubernetes/base/monitoring) f
 k8s-check: setup k8s-tools ## Render every overlay and check it (schemas, semantics, Containerfile): the tests/kubernetes suite.
 	$(PY) -m pytest -q tests/kubernetes
 
+
+.PHONY: k8s-cluster
+k8s-cluster: setup k8s-tools ## Render a long-lived RayCluster sized for a job (workers scale from zero): make k8s-cluster JOB=resnet50 OVERLAY=eks [WORKERS=8].
+	$(PY) kubernetes/k8s_render.py cluster $(K8S_RENDER_ARGS) $(if $(K8S_OUT),-o $(K8S_OUT))
+
 # tests/kubernetes runs in the root Makefile's test-python; k8s-check runs it alone.

@@ -278,3 +278,24 @@ def _gpu_burstable(objs: list[dict[str, Any]]) -> None:
 def test_semantic_checks_name_what_is_wrong(rendered: dict, change: Any, expected: str) -> None:
     found = _mutated(rendered, "local-gpu", change)
     assert any(expected in p for p in found), found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_standalone_raycluster_matches_the_crd_and_scales_from_zero(rendered: dict, overlay: str) -> None:
+    v, objs = rendered[overlay]
+    out = k8s_render.cluster_objects(objs, v)
+    assert not [o for o in out if o["kind"] == "RayJob"]
+    cluster = next(o for o in out if o["kind"] == "RayCluster")
+    assert _errors(_validator("raycluster-v1.json"), cluster) == []
+    group = cluster["spec"]["workerGroupSpecs"][0]
+    assert (group["minReplicas"], group["replicas"]) == (0, 0) and group["maxReplicas"] >= v.workers
+    assert cluster["spec"]["enableInTreeAutoscaling"] is True
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "rt-ray-auth"}
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {p["name"] for p in head["ports"]} >= {"gcs-server", "dashboard", "client", "metrics"}
+
+
+def test_base_renders_on_its_own(kustomized: dict) -> None:
+    objs = k8s_render.kustomize(ROOT / "kubernetes" / "base")
+    v = k8s_render.resolve("resnet50", "local-gpu", base_objs=objs)
+    assert k8s_render.problems(objs, v) == []
