@@ -347,7 +347,7 @@ def problems(objs: list[dict[str, Any]], v: RunValues) -> list[str]:
                            for c in containers(pod) for m in c.get("volumeMounts", []))]
             if not shm:
                 out.append(f"RayJob {where}: no memory-backed /dev/shm for NCCL")
-    return out + pod_problems(objs)
+    return out + pod_problems(objs) + monitor_problems(objs)
 
 
 def pod_problems(objs: list[dict[str, Any]]) -> list[str]:
@@ -397,6 +397,48 @@ def pod_problems(objs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != val for k, val in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": has and value in e.get("values", []), "NotIn": not has or value not in e.get("values", []),
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def monitor_problems(objs: list[dict[str, Any]]) -> list[str]:
+    """Every PodMonitor selects rendered pods whose containers name the port it scrapes."""
+    out = []
+    templates = [(o, g) for o in objs for g in _templates(o)]
+    for pm in find(objs, "PodMonitor"):
+        name = pm["metadata"]["name"]
+        selector = pm["spec"]["selector"]
+        chosen = [(o, t) for o, t in templates if _selects(selector, t.get("metadata", {}).get("labels", {}))]
+        if not chosen:
+            out.append(f"PodMonitor {name}: its selector matches no rendered pod")
+        for ep in pm["spec"]["podMetricsEndpoints"]:
+            for o, t in chosen:
+                names = {p.get("name") for c in containers(t["spec"]) for p in c.get("ports", [])}
+                if ep["port"] not in names:
+                    out.append(f"PodMonitor {name}: port {ep['port']!r} is not a named port of the pods it selects "
+                               f"in {o['kind']} {o['metadata']['name']} (ports: {sorted(n for n in names if n)})")
+    return out
+
+
+def _templates(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """Pod templates (metadata + spec) of an object, as pod_specs() walks them."""
+    spec = obj.get("spec", {})
+    if obj.get("kind") in ("RayJob", "RayCluster"):
+        cluster = spec["rayClusterSpec"] if obj["kind"] == "RayJob" else spec
+        return [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster.get("workerGroupSpecs", []))]
+    if obj.get("kind") in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+        return [spec["template"]]
+    return []
+
+
 # ---------------------------------------------------------------- standalone cluster
 
 
@@ -422,7 +464,7 @@ def cluster_objects(objs: list[dict[str, Any]], v: RunValues) -> list[dict[str, 
         if "namespace" in obj["metadata"]:
             meta["namespace"] = obj["metadata"]["namespace"]
         out.append({"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta, "spec": spec})
-    bad = pod_problems(out)
+    bad = pod_problems(out) + monitor_problems(out)
     if bad:
         raise RenderError("the rendered RayCluster fails its checks:\n  " + "\n  ".join(bad), 1)
     return out

@@ -180,8 +180,8 @@ def test_job_and_dashboard_configmaps_ship_every_file(rendered: dict) -> None:
     maps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
     jobs = {p.name: p.read_text() for p in (ROOT / "jobs").glob("*.yaml")}
     assert maps["rt-jobs"]["data"] == jobs
-    dashboards = {p.name for p in (ROOT / "dashboards").glob("*.json")}
-    assert set(maps["rt-dashboards"]["data"]) == dashboards
+    dashboards = {p.name: p.read_text() for p in (ROOT / "dashboards").glob("*.json")}
+    assert maps["rt-dashboards"]["data"] == dashboards
     assert maps["rt-dashboards"]["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
@@ -257,6 +257,16 @@ def _two_images(objs: list[dict[str, Any]]) -> None:
     _worker(objs)["template"]["spec"]["containers"][0]["image"] = "ghcr.io/example-org/rt-runtime:0.2.0"
 
 
+def _unnamed_metrics_port(objs: list[dict[str, Any]]) -> None:
+    for p in _worker(objs)["template"]["spec"]["containers"][0]["ports"]:
+        if p["name"] == "rt-metrics":
+            p["name"] = "exporter"
+
+
+def _relabelled_workers(objs: list[dict[str, Any]]) -> None:
+    _worker(objs)["template"]["metadata"]["labels"]["app.kubernetes.io/component"] = "worker"
+
+
 def _gpu_burstable(objs: list[dict[str, Any]]) -> None:
     _worker(objs)["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] = "8Gi"
 
@@ -274,6 +284,8 @@ def _gpu_burstable(objs: list[dict[str, Any]]) -> None:
     (_missing_claim, "uses PersistentVolumeClaim rt-runs, which is not rendered"),
     (_two_images, "one and the same image"),
     (_gpu_burstable, "a GPU pod's requests must equal its limits"),
+    (_unnamed_metrics_port, "PodMonitor rt-training: port 'rt-metrics' is not a named port"),
+    (_relabelled_workers, "PodMonitor rt-training: its selector matches no rendered pod"),
 ], ids=lambda x: getattr(x, "__name__", "")[1:] if callable(x) else "")
 def test_semantic_checks_name_what_is_wrong(rendered: dict, change: Any, expected: str) -> None:
     found = _mutated(rendered, "local-gpu", change)
