@@ -63,7 +63,7 @@ test: setup prometheus-tools test-python $(TEST_TARGETS) ## Run every test suite
 
 .PHONY: test-python
 test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integration on a local Ray cluster, observability).
-	RT_PROMETHEUS_BIN=$(PROMETHEUS) $(PY) -m pytest tests/unit tests/integration tests/observability tests/gpu -q $(PYTEST_ARGS)
+	RT_PROMETHEUS_BIN=$(PROMETHEUS) $(PY) -m pytest tests/unit tests/integration tests/observability tests/kubernetes tests/gpu -q $(PYTEST_ARGS)
 
 .PHONY: bench
 bench: setup cluster-ready ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.

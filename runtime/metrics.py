@@ -127,7 +127,15 @@ class WorkerMetrics:
 
     def _start(self, sd_dir: str | None, job_id: str, rank: int) -> None:
         addr = os.environ.get("RT_METRICS_BIND", "0.0.0.0")  # noqa: S104 (Prometheus scrapes from another node)
-        server, _thread = start_http_server(0, addr=addr, registry=self.registry)
+        # RT_METRICS_PORT: a fixed port a Kubernetes PodMonitor can name (kubernetes/); taken already
+        # (a second worker in the same pod), a free port as everywhere else.
+        fixed = int(os.environ.get("RT_METRICS_PORT", "0"))
+        try:
+            server, _thread = start_http_server(fixed, addr=addr, registry=self.registry)
+        except OSError:
+            if not fixed:
+                raise
+            server, _thread = start_http_server(0, addr=addr, registry=self.registry)
         self._server = server
         self.port = server.server_port
         if not sd_dir:
