@@ -267,6 +267,18 @@ def _relabelled_workers(objs: list[dict[str, Any]]) -> None:
     _worker(objs)["template"]["metadata"]["labels"]["app.kubernetes.io/component"] = "worker"
 
 
+def _old_ray(objs: list[dict[str, Any]]) -> None:
+    _job(objs)["spec"]["rayClusterSpec"]["rayVersion"] = "2.51.1"
+
+
+def _min_above_max(objs: list[dict[str, Any]]) -> None:
+    _worker(objs)["minReplicas"] = 5
+
+
+def _long_name(objs: list[dict[str, Any]]) -> None:
+    _job(objs)["metadata"]["name"] = "rt-train-" + "x" * 40
+
+
 def _gpu_burstable(objs: list[dict[str, Any]]) -> None:
     _worker(objs)["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] = "8Gi"
 
@@ -284,6 +296,9 @@ def _gpu_burstable(objs: list[dict[str, Any]]) -> None:
     (_missing_claim, "uses PersistentVolumeClaim rt-runs, which is not rendered"),
     (_two_images, "one and the same image"),
     (_gpu_burstable, "a GPU pod's requests must equal its limits"),
+    (_old_ray, "token authentication needs rayVersion >= 2.52.0, got '2.51.1'"),
+    (_min_above_max, "expected 0 <= minReplicas (5) <= replicas (2) <= maxReplicas (4)"),
+    (_long_name, "the name must be a DNS-1035 label of at most 47 characters"),
     (_unnamed_metrics_port, "PodMonitor rt-training: port 'rt-metrics' is not a named port"),
     (_relabelled_workers, "PodMonitor rt-training: its selector matches no rendered pod"),
 ], ids=lambda x: getattr(x, "__name__", "")[1:] if callable(x) else "")
