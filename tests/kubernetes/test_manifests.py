@@ -157,7 +157,7 @@ def test_eks_keeps_checkpoints_on_s3_and_the_others_on_the_shared_claim(rendered
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_entrypoint_runs_a_job_file_the_runtime_validates(rendered: dict, overlay: str, tmp_path: Path) -> None:
-    """The job file as shipped in the ConfigMap, with the entrypoint's own arguments."""
+    """The job file as shipped in the ConfigMap, with the entrypoint's arguments and the head's RT_* env."""
     v, objs = rendered[overlay]
     job = next(o for o in objs if o["kind"] == "RayJob")
     args = job["spec"]["entrypoint"].split()
@@ -168,9 +168,13 @@ def test_entrypoint_runs_a_job_file_the_runtime_validates(rendered: dict, overla
     job_file = tmp_path / Path(args[4]).name
     job_file.write_text(shipped["data"][job_file.name])
     sets = [a for i, a in enumerate(args) if i and args[i - 1] == "--set"]
+    head_env = {e["name"]: e["value"] for e in job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+                ["containers"][0]["env"] if e["name"].startswith("RT_")}
+    assert "RT_CHECKPOINT__STORAGE" in head_env
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RT_")}
     proc = subprocess.run([sys.executable, "-m", "runtime", "validate", str(job_file),
                            *[x for s in sets for x in ("--set", s)]],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, cwd=ROOT, env={**env, **head_env, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert f"{job_file}: OK" in proc.stdout
 
