@@ -562,8 +562,19 @@ def _submit(text: str, v: RunValues) -> int:
         raise RenderError("no Kubernetes context: `kubectl config current-context` has none. Point kubectl at a "
                           "cluster with the KubeRay operator (e.g. `aws eks update-kubeconfig --name <cluster>`), "
                           "or render only: make k8s-render", EXIT_NO_CLUSTER)
+    ns = ["--namespace", v.namespace] if v.namespace else []
+    # Without the token Secret every Ray pod fails to start: say so before applying anything.
+    secret = subprocess.run([kubectl, "get", "secret", TOKEN_SECRET, *ns, "-o", "name"], capture_output=True,
+                            text=True, check=False)
+    if secret.returncode != 0 and "NotFound" in secret.stderr:
+        raise RenderError(f"the Ray token Secret {TOKEN_SECRET} does not exist in the target namespace; create it "
+                          f"first: kubectl {' '.join(ns)} create secret generic {TOKEN_SECRET} "
+                          "--from-literal=auth_token=\"$(openssl rand -hex 32)\"")
+    if secret.returncode != 0:
+        raise RenderError(f"cannot reach the cluster of context {ctx.stdout.strip()} to check the Ray token Secret: "
+                          f"{secret.stderr.strip()}", EXIT_NO_CLUSTER)
     print(f"applying to context {ctx.stdout.strip()}", file=sys.stderr)
-    proc = subprocess.run([kubectl, "apply", "-f", "-"], input=text, text=True, check=False)
+    proc = subprocess.run([kubectl, "apply", *ns, "-f", "-"], input=text, text=True, check=False)
     if proc.returncode != 0:
         return 1
     name = find(list(yaml.safe_load_all(text)), "RayJob")[0]["metadata"]["name"]
@@ -602,10 +613,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             _write_atomic(RULES_FILE, text)
             return 0
+        if args.overlay not in overlays():
+            raise RenderError(f"OVERLAY {args.overlay!r} does not exist: expected one of {', '.join(overlays())}")
+        base = kustomize(OVERLAYS_DIR / args.overlay)
         v = resolve(args.job, args.overlay, image=args.image or None, gpus=args.gpus or None,
                     workers=args.workers or None, run_name=args.run_name or None,
-                    namespace=args.namespace or None)
-        objs = render_objects(v)
+                    namespace=args.namespace or None, base_objs=base)
+        objs = render_objects(v, base)
         text = dump(cluster_objects(objs, v) if args.command == "cluster" else objs)
         if args.command == "submit":
             return _submit(text, v)
