@@ -326,6 +326,14 @@ def test_standalone_raycluster_matches_the_crd_and_scales_from_zero(rendered: di
     assert {p["name"] for p in head["ports"]} >= {"gcs-server", "dashboard", "client", "metrics"}
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_plain_kustomize_output_is_already_the_overlays_default_run(
+        kustomized: dict, rendered: dict, overlay: str) -> None:
+    """`kubectl kustomize overlays/<name> | kubectl apply -f -` runs a consistent job, not a half-filled one."""
+    _v, objs = rendered[overlay]
+    assert kustomized[overlay] == objs
+
+
 def test_base_renders_on_its_own(kustomized: dict) -> None:
     objs = k8s_render.kustomize(ROOT / "kubernetes" / "base")
     v = k8s_render.resolve("resnet50", "local-gpu", base_objs=objs)
