@@ -182,9 +182,12 @@ def test_entrypoint_runs_a_job_file_the_runtime_validates(rendered: dict, overla
 def test_job_and_dashboard_configmaps_ship_every_file(rendered: dict) -> None:
     _v, objs = rendered["local-gpu"]
     maps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    where = "list it under configMapGenerator in kubernetes/base/kustomization.yaml"
     jobs = {p.name: p.read_text() for p in (ROOT / "jobs").glob("*.yaml")}
+    assert sorted(maps["rt-jobs"]["data"]) == sorted(jobs), f"a job file is missing or extra: {where}"
     assert maps["rt-jobs"]["data"] == jobs
     dashboards = {p.name: p.read_text() for p in (ROOT / "dashboards").glob("*.json")}
+    assert sorted(maps["rt-dashboards"]["data"]) == sorted(dashboards), f"a dashboard is missing or extra: {where}"
     assert maps["rt-dashboards"]["data"] == dashboards
     assert maps["rt-dashboards"]["metadata"]["labels"]["grafana_dashboard"] == "1"
 
