@@ -55,7 +55,7 @@ $(SETUP_STAMP):
 
 .PHONY: lint
 lint: setup ## Ruff over Python code, mypy over runtime/.
-	$(VENV)/bin/ruff check runtime tests benchmarks
+	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes
 	$(VENV)/bin/mypy
 
 .PHONY: test

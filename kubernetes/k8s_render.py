@@ -347,7 +347,7 @@ def problems(objs: list[dict[str, Any]], v: RunValues) -> list[str]:
                            for c in containers(pod) for m in c.get("volumeMounts", []))]
             if not shm:
                 out.append(f"RayJob {where}: no memory-backed /dev/shm for NCCL")
-    return out + pod_problems(objs) + monitor_problems(objs)
+    return out + pod_problems(objs) + monitor_problems(objs) + operator_problems(objs)
 
 
 def pod_problems(objs: list[dict[str, Any]]) -> list[str]:
@@ -439,6 +439,57 @@ def _templates(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+# The operator's own admission rules (KubeRay v1.7.0, controllers/ray/utils/validation.go)
+# that the CRD schema does not express: the operator refuses such objects only after
+# `kubectl apply` has accepted them, leaving a RayJob that never starts.
+MAX_RAYCLUSTER_NAME = 53
+MAX_RAYJOB_NAME = MAX_RAYCLUSTER_NAME - 6  # KubeRay appends a 5-character suffix for the cluster
+MIN_RAY_FOR_TOKEN_AUTH = (2, 52, 0)
+_DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def operator_problems(objs: list[dict[str, Any]]) -> list[str]:
+    """What KubeRay's operator would reject in a RayJob or RayCluster that passes the schema."""
+    out = []
+    for obj in objs:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        if kind not in ("RayJob", "RayCluster"):
+            continue
+        limit = MAX_RAYJOB_NAME if kind == "RayJob" else MAX_RAYCLUSTER_NAME
+        if len(name) > limit or not _DNS1035.fullmatch(name):
+            out.append(f"{kind} {name}: the name must be a DNS-1035 label of at most {limit} characters")
+        spec = obj["spec"]
+        if kind == "RayJob":
+            if spec.get("ttlSecondsAfterFinished", 0) < 0 or spec.get("backoffLimit", 0) < 0:
+                out.append(f"RayJob {name}: ttlSecondsAfterFinished and backoffLimit must not be negative")
+            if spec.get("activeDeadlineSeconds", 1) <= 0:
+                out.append(f"RayJob {name}: activeDeadlineSeconds must be positive")
+            if spec.get("backoffLimit", 0) > 0 and (spec.get("clusterSelector")
+                                                    or spec.get("submissionMode") == "InteractiveMode"):
+                out.append(f"RayJob {name}: backoffLimit needs a cluster of the job's own (rayClusterSpec, "
+                           "not clusterSelector or InteractiveMode)")
+            spec = spec["rayClusterSpec"]
+        if not spec["headGroupSpec"]["template"]["spec"].get("containers"):
+            out.append(f"{kind} {name}: the head has no container")
+        autoscaling = bool(spec.get("enableInTreeAutoscaling"))
+        for g in spec.get("workerGroupSpecs", []):
+            lo, hi = g.get("minReplicas"), g.get("maxReplicas")
+            if not g["template"]["spec"].get("containers"):
+                out.append(f"{kind} {name} worker group {g['groupName']}: no container")
+            if not autoscaling and (lo is None or hi is None):
+                out.append(f"{kind} {name} worker group {g['groupName']}: minReplicas and maxReplicas are "
+                           "required without autoscaling")
+            if lo is not None and hi is not None and not 0 <= lo <= g.get("replicas", lo) <= hi:
+                out.append(f"{kind} {name} worker group {g['groupName']}: expected 0 <= minReplicas ({lo}) "
+                           f"<= replicas ({g.get('replicas')}) <= maxReplicas ({hi})")
+        if spec.get("authOptions", {}).get("mode") == "token":
+            parts = re.findall(r"\d+", str(spec.get("rayVersion", "")))[:3]
+            if len(parts) < 3 or tuple(map(int, parts)) < MIN_RAY_FOR_TOKEN_AUTH:
+                out.append(f"{kind} {name}: token authentication needs rayVersion >= 2.52.0, "
+                           f"got {spec.get('rayVersion')!r}")
+    return out
+
+
 # ---------------------------------------------------------------- standalone cluster
 
 
@@ -464,7 +515,7 @@ def cluster_objects(objs: list[dict[str, Any]], v: RunValues) -> list[dict[str, 
         if "namespace" in obj["metadata"]:
             meta["namespace"] = obj["metadata"]["namespace"]
         out.append({"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta, "spec": spec})
-    bad = pod_problems(out) + monitor_problems(out)
+    bad = pod_problems(out) + monitor_problems(out) + operator_problems(out)
     if bad:
         raise RenderError("the rendered RayCluster fails its checks:\n  " + "\n  ".join(bad), 1)
     return out
@@ -511,8 +562,19 @@ def _submit(text: str, v: RunValues) -> int:
         raise RenderError("no Kubernetes context: `kubectl config current-context` has none. Point kubectl at a "
                           "cluster with the KubeRay operator (e.g. `aws eks update-kubeconfig --name <cluster>`), "
                           "or render only: make k8s-render", EXIT_NO_CLUSTER)
+    ns = ["--namespace", v.namespace] if v.namespace else []
+    # Without the token Secret every Ray pod fails to start: say so before applying anything.
+    secret = subprocess.run([kubectl, "get", "secret", TOKEN_SECRET, *ns, "-o", "name"], capture_output=True,
+                            text=True, check=False)
+    if secret.returncode != 0 and "NotFound" in secret.stderr:
+        raise RenderError(f"the Ray token Secret {TOKEN_SECRET} does not exist in the target namespace; create it "
+                          f"first: kubectl {' '.join(ns)} create secret generic {TOKEN_SECRET} "
+                          "--from-literal=auth_token=\"$(openssl rand -hex 32)\"")
+    if secret.returncode != 0:
+        raise RenderError(f"cannot reach the cluster of context {ctx.stdout.strip()} to check the Ray token Secret: "
+                          f"{secret.stderr.strip()}", EXIT_NO_CLUSTER)
     print(f"applying to context {ctx.stdout.strip()}", file=sys.stderr)
-    proc = subprocess.run([kubectl, "apply", "-f", "-"], input=text, text=True, check=False)
+    proc = subprocess.run([kubectl, "apply", *ns, "-f", "-"], input=text, text=True, check=False)
     if proc.returncode != 0:
         return 1
     name = find(list(yaml.safe_load_all(text)), "RayJob")[0]["metadata"]["name"]
@@ -551,10 +613,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             _write_atomic(RULES_FILE, text)
             return 0
+        if args.overlay not in overlays():
+            raise RenderError(f"OVERLAY {args.overlay!r} does not exist: expected one of {', '.join(overlays())}")
+        base = kustomize(OVERLAYS_DIR / args.overlay)
         v = resolve(args.job, args.overlay, image=args.image or None, gpus=args.gpus or None,
                     workers=args.workers or None, run_name=args.run_name or None,
-                    namespace=args.namespace or None)
-        objs = render_objects(v)
+                    namespace=args.namespace or None, base_objs=base)
+        objs = render_objects(v, base)
         text = dump(cluster_objects(objs, v) if args.command == "cluster" else objs)
         if args.command == "submit":
             return _submit(text, v)

@@ -33,6 +33,7 @@ k8s-rules: setup ## Regenerate the PrometheusRule (kubernetes/base/monitoring) f
 
 .PHONY: k8s-check
 k8s-check: setup k8s-tools ## Render every overlay and check it (schemas, semantics, Containerfile): the tests/kubernetes suite.
+	$(VENV)/bin/mypy --strict kubernetes/k8s_render.py kubernetes/crd_schemas.py
 	$(PY) -m pytest -q tests/kubernetes
 
 

@@ -157,7 +157,7 @@ def test_eks_keeps_checkpoints_on_s3_and_the_others_on_the_shared_claim(rendered
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_entrypoint_runs_a_job_file_the_runtime_validates(rendered: dict, overlay: str, tmp_path: Path) -> None:
-    """The job file as shipped in the ConfigMap, with the entrypoint's own arguments."""
+    """The job file as shipped in the ConfigMap, with the entrypoint's arguments and the head's RT_* env."""
     v, objs = rendered[overlay]
     job = next(o for o in objs if o["kind"] == "RayJob")
     args = job["spec"]["entrypoint"].split()
@@ -168,9 +168,13 @@ def test_entrypoint_runs_a_job_file_the_runtime_validates(rendered: dict, overla
     job_file = tmp_path / Path(args[4]).name
     job_file.write_text(shipped["data"][job_file.name])
     sets = [a for i, a in enumerate(args) if i and args[i - 1] == "--set"]
+    head_env = {e["name"]: e["value"] for e in job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+                ["containers"][0]["env"] if e["name"].startswith("RT_")}
+    assert "RT_CHECKPOINT__STORAGE" in head_env
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RT_")}
     proc = subprocess.run([sys.executable, "-m", "runtime", "validate", str(job_file),
                            *[x for s in sets for x in ("--set", s)]],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, cwd=ROOT, env={**env, **head_env, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert f"{job_file}: OK" in proc.stdout
 
@@ -178,9 +182,12 @@ def test_entrypoint_runs_a_job_file_the_runtime_validates(rendered: dict, overla
 def test_job_and_dashboard_configmaps_ship_every_file(rendered: dict) -> None:
     _v, objs = rendered["local-gpu"]
     maps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    where = "list it under configMapGenerator in kubernetes/base/kustomization.yaml"
     jobs = {p.name: p.read_text() for p in (ROOT / "jobs").glob("*.yaml")}
+    assert sorted(maps["rt-jobs"]["data"]) == sorted(jobs), f"a job file is missing or extra: {where}"
     assert maps["rt-jobs"]["data"] == jobs
     dashboards = {p.name: p.read_text() for p in (ROOT / "dashboards").glob("*.json")}
+    assert sorted(maps["rt-dashboards"]["data"]) == sorted(dashboards), f"a dashboard is missing or extra: {where}"
     assert maps["rt-dashboards"]["data"] == dashboards
     assert maps["rt-dashboards"]["metadata"]["labels"]["grafana_dashboard"] == "1"
 
@@ -267,6 +274,18 @@ def _relabelled_workers(objs: list[dict[str, Any]]) -> None:
     _worker(objs)["template"]["metadata"]["labels"]["app.kubernetes.io/component"] = "worker"
 
 
+def _old_ray(objs: list[dict[str, Any]]) -> None:
+    _job(objs)["spec"]["rayClusterSpec"]["rayVersion"] = "2.51.1"
+
+
+def _min_above_max(objs: list[dict[str, Any]]) -> None:
+    _worker(objs)["minReplicas"] = 5
+
+
+def _long_name(objs: list[dict[str, Any]]) -> None:
+    _job(objs)["metadata"]["name"] = "rt-train-" + "x" * 40
+
+
 def _gpu_burstable(objs: list[dict[str, Any]]) -> None:
     _worker(objs)["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] = "8Gi"
 
@@ -284,6 +303,9 @@ def _gpu_burstable(objs: list[dict[str, Any]]) -> None:
     (_missing_claim, "uses PersistentVolumeClaim rt-runs, which is not rendered"),
     (_two_images, "one and the same image"),
     (_gpu_burstable, "a GPU pod's requests must equal its limits"),
+    (_old_ray, "token authentication needs rayVersion >= 2.52.0, got '2.51.1'"),
+    (_min_above_max, "expected 0 <= minReplicas (5) <= replicas (2) <= maxReplicas (4)"),
+    (_long_name, "the name must be a DNS-1035 label of at most 47 characters"),
     (_unnamed_metrics_port, "PodMonitor rt-training: port 'rt-metrics' is not a named port"),
     (_relabelled_workers, "PodMonitor rt-training: its selector matches no rendered pod"),
 ], ids=lambda x: getattr(x, "__name__", "")[1:] if callable(x) else "")
@@ -305,6 +327,14 @@ def test_standalone_raycluster_matches_the_crd_and_scales_from_zero(rendered: di
     assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "rt-ray-auth"}
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert {p["name"] for p in head["ports"]} >= {"gcs-server", "dashboard", "client", "metrics"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_plain_kustomize_output_is_already_the_overlays_default_run(
+        kustomized: dict, rendered: dict, overlay: str) -> None:
+    """`kubectl kustomize overlays/<name> | kubectl apply -f -` runs a consistent job, not a half-filled one."""
+    _v, objs = rendered[overlay]
+    assert kustomized[overlay] == objs
 
 
 def test_base_renders_on_its_own(kustomized: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,20 @@ def test_submit_without_a_kube_context_exits_3_with_a_message(tmp_path: Path) ->
     proc = _run("submit", "--job", "digits_smoke", "--overlay", "cpu-demo", env={"KUBECONFIG": str(kubeconfig)})
     assert proc.returncode == 3, proc.stderr
     assert "no Kubernetes context" in proc.stderr and "make k8s-render" in proc.stderr
+
+
+def test_submit_to_an_unreachable_cluster_exits_3_before_applying(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "dead",
+        "clusters": [{"name": "dead", "cluster": {"server": f"https://127.0.0.1:{port}"}}],
+        "contexts": [{"name": "dead", "context": {"cluster": "dead", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "x"}}],
+    }))
+    proc = _run("submit", "--job", "digits_smoke", "--overlay", "cpu-demo", env={"KUBECONFIG": str(kubeconfig)})
+    assert proc.returncode == 3, proc.stderr
+    assert "cannot reach the cluster of context dead to check the Ray token Secret" in proc.stderr
+    assert "applying" not in proc.stderr
