@@ -52,6 +52,9 @@ def _worker(rank: int, root: str, port: int) -> None:
         mgr.save_sharded({"model": msd, "optimizer": osd, "trainer": {"step": 2}}, step=2, meta={})
         mgr.close()
         saved = {k: _local(v).clone() for k, v in msd.items()}
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in msd.items()}  # a collective
+        if rank == 0:
+            torch.save(full, os.path.join(root, "full_model.pt"))
 
         fresh = _model(seed=123)
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
@@ -89,12 +92,17 @@ def test_fsdp2_sharded_checkpoint_round_trip_on_two_gloo_ranks(tmp_path: Path) -
     assert manifest["kind"] == "dcp" and manifest["world_size"] == WORLD
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"} <= set(manifest["files"])
 
-    # The same verification protects sharded checkpoints; plain load() refuses them.
+    # Resharded 2 -> 1: one process without a process group reads the whole state, equal to the
+    # full parameters the two ranks gathered.
     mgr = CheckpointManager(str(root))
     ref, _ = mgr.latest_valid()
     assert ref is not None
-    with pytest.raises(CheckpointError, match="load_sharded"):
-        mgr.load(ref)
+    whole = mgr.load(ref)
+    expected = torch.load(root / "full_model.pt", weights_only=True)
+    assert whole["model"].keys() == expected.keys()
+    assert all(torch.equal(whole["model"][k], expected[k]) for k in expected)
+    assert whole["trainer"] == {"step": 2}
+    # The same verification protects sharded checkpoints.
     shard = root / "step_000000002" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
