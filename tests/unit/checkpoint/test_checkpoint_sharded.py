@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -201,4 +202,32 @@ def test_planted_dcp_metadata_is_refused_through_the_manager_and_skipped(tmp_pat
 
     _, warnings = _refused_then_previous_loaded(mgr, sentinel, r"posix\.system is not allowed in dcp metadata")
     assert "not allowed in dcp metadata" in warnings[0]
+    mgr.close()
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    ("flip", "__0_0.distcp sha256 mismatch"),
+    ("truncate", r"__0_0.distcp size \d+ != \d+ in manifest \(truncated\?\)"),
+    ("delete", "__0_0.distcp missing"),
+])
+def test_a_damaged_shard_is_skipped_with_a_warning_naming_it_and_the_previous_checkpoint_used(
+        tmp_path: Path, damage: str, why: str) -> None:
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), keep=0)
+    _commit_dcp(mgr, 1, {"model": {"w": torch.ones(4)}, "trainer": {"step": 1}})
+    shard = _commit_dcp(mgr, 2, {"model": {"w": torch.full((4,), 2.0)}, "trainer": {"step": 2}}) / "__0_0.distcp"
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    else:
+        shard.unlink()
+    target = _target()
+    ref, warnings = mgr.load_latest_sharded(target)  # every rank's path under FSDP
+    assert ref is not None and ref.step == 1 and torch.equal(target["model"]["w"], torch.ones(4))
+    ref, whole, warnings_whole = mgr.load_latest()  # a DDP run's or one process's path
+    assert ref is not None and ref.step == 1 and whole is not None and whole["trainer"] == {"step": 1}
+    for w in (warnings, warnings_whole):
+        assert len(w) == 1 and re.match(rf"step_000000002: {why}; using step_000000001$", w[0]), w
     mgr.close()
