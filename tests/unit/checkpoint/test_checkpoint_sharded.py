@@ -231,3 +231,43 @@ def test_a_damaged_shard_is_skipped_with_a_warning_naming_it_and_the_previous_ch
     for w in (warnings, warnings_whole):
         assert len(w) == 1 and re.match(rf"step_000000002: {why}; using step_000000001$", w[0]), w
     mgr.close()
+
+
+def _s3_worker(rank: int, port: int, uri: str, endpoint: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        model = _model(seed=0)
+        msd = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))[0]
+        with CheckpointManager(uri, endpoint_url=endpoint, keep=1) as mgr:
+            for step in (1, 2):  # the second commit rotates the first away, as for DDP
+                mgr.save_sharded({"model": msd, "trainer": {"step": step}}, step=step, meta={})
+        full = {k: v.full_tensor() for k, v in msd.items()}  # a collective
+        if rank == 0:
+            torch.save(full, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_on_s3_commits_every_ranks_shards_and_rotates(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.integration.s3_server import CREDENTIALS, start_moto_server, stop_moto_server
+
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    proc, endpoint = start_moto_server(_free_port(), buckets=["ckpt"])
+    try:
+        uri, out = "s3://ckpt/run", str(tmp_path / "full.pt")
+        mp.spawn(_s3_worker, args=(_free_port(), uri, endpoint, out), nprocs=WORLD, join=True)
+        with CheckpointManager(uri, endpoint_url=endpoint) as mgr:
+            assert [(r.step, status) for r, status in mgr.list()] == [(2, "valid")]
+            ref, whole, warnings = mgr.load_latest()
+            files = set(mgr.manifest(ref)["files"]) if ref else set()
+        assert ref is not None and whole is not None and not warnings
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"} == files
+        expected = torch.load(out, weights_only=True)
+        assert all(torch.equal(whole["model"][k], expected[k]) for k in expected)
+        assert whole["trainer"] == {"step": 2}
+    finally:
+        stop_moto_server(proc)
