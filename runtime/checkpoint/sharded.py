@@ -25,6 +25,7 @@ import pickle
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, Protocol
@@ -290,7 +291,9 @@ def read_full(folder: str) -> dict[str, Any]:
                 flat[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
             else:
                 flat[fqn] = None  # a byte entry: replaced by the loaded (weights-only) object
-        dcp.load(flat, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(), no_dist=True)
+        with warnings.catch_warnings():  # dcp warns that no process group is used: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(flat, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(), no_dist=True)
     except BaseException as exc:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
