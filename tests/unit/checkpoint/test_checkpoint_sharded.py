@@ -271,3 +271,15 @@ def test_sharded_checkpoint_on_s3_commits_every_ranks_shards_and_rotates(tmp_pat
         assert whole["trainer"] == {"step": 2}
     finally:
         stop_moto_server(proc)
+
+
+def test_the_sharded_writer_depends_on_format_and_storage_not_on_the_manager() -> None:
+    """One commit protocol, no import cycle: sharded.py gets storage + callbacks, never manager internals."""
+    import ast
+
+    import runtime.checkpoint.sharded as sharded
+
+    tree = ast.parse(Path(sharded.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    ours = {m for m in imported if m.startswith("runtime.")}
+    assert ours == {"runtime.checkpoint.format", "runtime.checkpoint.storage"}, ours
