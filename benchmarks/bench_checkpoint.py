@@ -9,6 +9,10 @@ shared 2-core machine drifts by 20% between minutes; we report medians and the s
 - synchronous save: the same state saved with ``blocking=True`` (snapshot, write, sha256, fsync, commit).
 - disk: a dd-like sequential write of the same byte count in 4 MiB blocks plus fsync, same folder.
 - load: verify sha256 + ``torch.load(weights_only=True)``, with the files dropped from the page cache first.
+- sharded: the same job FSDP2-sharded over 2 gloo ranks (spawned processes), the trainer's sharded payload
+  (``build_payload(sharded=True)``). Stall: time ``save_sharded`` holds the training thread (staging this
+  rank's shards to CPU; DCP writes in the background, rank 0 commits); blocking: ``save_sharded`` + ``wait``
+  of the same state. Per round the slower rank counts. Goal: stall / blocking <= 0.05.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any
 import torch
 
 REPEATS = 9
+SHARDED_ROUNDS = 5
+SHARDED_WORLD = 2
 BLOCK = 4 * 1024 * 1024
 
 
@@ -74,6 +80,93 @@ def drop_from_page_cache(folder: Path) -> None:
                 os.close(fd)
 
 
+def _sharded_worker(rank: int, world: int, port: int, work: str) -> None:
+    """One rank: shard ResNet-50 with FSDP2, then interleave async and blocking sharded saves."""
+    import json
+
+    import torch.distributed as dist
+
+    from runtime.checkpoint import CheckpointManager
+    from runtime.config import load_job
+    from runtime.models import build_model
+    from runtime.train.parallel import apply_fsdp
+    from runtime.train.resume import Trainables, TrainerState, build_payload
+    from runtime.train.setup import build_optimizer, lr_lambda
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # 2 ranks on 2 cores
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = load_job("resnet50", [], environ={})
+        torch.manual_seed(0)
+        model = build_model(cfg.model, cfg.data.num_classes, 3, cfg.data.image_size)
+        model = apply_fsdp(model, cfg.distributed.fsdp, None, torch.device("cpu"), world)
+        opt = build_optimizer(cfg, model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, 100))
+        x = torch.randn(2, 3, cfg.data.image_size, cfg.data.image_size)
+        torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1])).backward()
+        opt.step()  # fills the momentum buffers
+        sched.step()
+        state = build_payload(Trainables(model, opt, sched), TrainerState(global_step=1), True, world, sharded=True)
+        meta = {"config": cfg.model_dump(mode="json"), "world_size": world}
+        stall, blocking = [], []
+        with CheckpointManager(os.path.join(work, "sharded"), keep=2) as mgr:
+            mgr.save_sharded(state, 0, meta)  # warm-up: the checkpoint group, staging buffers
+            mgr.wait()
+            for i in range(SHARDED_ROUNDS):
+                dist.barrier()
+                t0 = time.perf_counter()
+                mgr.save_sharded(state, 2 * i + 1, meta)  # returns once this rank's shards are staged
+                stall.append(time.perf_counter() - t0)
+                mgr.wait()
+                dist.barrier()
+                t0 = time.perf_counter()
+                mgr.save_sharded(state, 2 * i + 2, meta)
+                mgr.wait()  # rank 0: until the manifest is committed
+                blocking.append(time.perf_counter() - t0)
+            nbytes = mgr.metrics.bytes
+        per_rank: list[Any] = [None] * world
+        dist.all_gather_object(per_rank, (stall, blocking))
+        if rank == 0:
+            out = {"stall": [max(r[0][i] for r in per_rank) for i in range(SHARDED_ROUNDS)],
+                   "blocking": [max(r[1][i] for r in per_rank) for i in range(SHARDED_ROUNDS)], "bytes": nbytes}
+            Path(work, "sharded.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(results_dir: Path) -> dict[str, Any]:
+    """The sharded async save's training stall vs a blocking sharded save of the same state."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-sharded-", dir=results_dir))
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        mp.spawn(_sharded_worker, args=(SHARDED_WORLD, port, str(work)), nprocs=SHARDED_WORLD, join=True)
+        got = json.loads((work / "sharded.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = statistics.median
+    stall, blocking = got["stall"], got["blocking"]
+    ratios = [a / b for a, b in zip(stall, blocking, strict=True)]
+    return {
+        "world_size": SHARDED_WORLD,
+        "rounds": SHARDED_ROUNDS,
+        "state_mb": round(got["bytes"] / 1e6, 1),
+        "stall_seconds_median": round(med(stall), 4),
+        "blocking_save_seconds_median": round(med(blocking), 3),
+        "stall_over_blocking_ratio": round(med(stall) / med(blocking), 4),
+        "stall_over_blocking_ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
+        "goal_ratio": 0.05,
+        "samples": {"stall_s": stall, "blocking_s": blocking},
+    }
+
+
 def run(results_dir: Path) -> dict[str, Any]:
     from runtime.checkpoint import CheckpointManager
 
@@ -122,4 +215,5 @@ def run(results_dir: Path) -> dict[str, Any]:
                     "load_s": load},
         "notes": "save = background write incl. sha256, fsync and commit; load = verify + torch.load "
                  "(weights_only) after evicting the files from the page cache",
+        "sharded": sharded(results_dir),
     }

@@ -3,6 +3,8 @@
 ``CheckpointManager`` snapshots state on the training thread, writes it in one
 background thread, commits with a manifest of sha256 hashes written last, and on
 restore skips any folder that does not verify. Files load with ``weights_only=True``.
+Under FSDP every rank writes its own shards (``save_sharded``, the ``sharded`` module);
+both writers share the format and commit protocol of the ``format`` module.
 """
 
 from runtime.checkpoint.manager import (

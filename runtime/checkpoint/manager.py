@@ -9,6 +9,8 @@ Layout under the storage root::
 
 A folder without a valid manifest is never loaded: ``latest_valid`` skips it with a
 warning naming the file and the reason, and falls back to the previous valid one.
+The format and the commit protocol live in ``format``; sharded (FSDP) saves write the same
+layout through ``sharded.ShardedWriter``, which commits through ``commit`` here.
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ import io
 import json
 import logging
 import os
-import platform
-import re
-import shutil
 import tempfile
 import threading
 import time
@@ -29,11 +28,27 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from importlib import metadata as importlib_metadata
-from typing import IO, Any, Literal, TypeGuard, cast
+from typing import IO, Any, Literal, cast
 
 import torch
 
+from runtime.checkpoint.format import (
+    KEY_RE,
+    META,
+    NAME_RE,
+    CheckpointRef,
+    InvalidCheckpoint,
+    Kind,
+    commit_staged,
+    config_hash,
+    file_digest,
+    is_int,
+    read_manifest,
+    step_name,
+    verify_files,
+    versions,
+)
+from runtime.checkpoint.sharded import ShardedWriter, load_into, read_full
 from runtime.checkpoint.state import SnapshotBuffers
 from runtime.checkpoint.storage import (
     MANIFEST,
@@ -41,35 +56,17 @@ from runtime.checkpoint.storage import (
     LocalStorage,
     Staging,
     Storage,
-    UnsafeNameError,
-    check_name,
     is_disk_full,
     open_storage,
-    safe_join,
 )
 
 log = logging.getLogger("runtime.checkpoint")
 
-FORMAT_VERSION = 1
-META = "meta.json"
 POINTER = "checkpoint_pointer.json"
-_NAME_RE = re.compile(r"^step_(\d{9,})$")
-_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-KINDS = ("torch", "dcp")
 
-
-def step_name(step: int) -> str:
-    return f"step_{step:09d}"
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    """One committed checkpoint folder."""
-
-    uri: str
-    step: int
-    name: str
+# Re-exported: callers import these from the manager as well.
+__all__ = ["CheckpointManager", "CheckpointMetrics", "CheckpointRef", "config_hash", "file_digest", "read_pointer",
+           "step_name", "versions", "write_pointer"]
 
 
 @dataclass
@@ -116,17 +113,6 @@ class CheckpointMetrics:
             self.on_failure(exc)
 
 
-def file_digest(path: str) -> tuple[str, int]:
-    """sha256 hex and size of a local file."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(4 * 1024 * 1024):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
-
-
 class _HashingWriter:
     """File wrapper for torch.save that hashes the bytes on their way to disk.
 
@@ -146,29 +132,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self._out.flush()
-
-
-def versions() -> dict[str, str]:
-    """Versions recorded with every checkpoint (from package metadata: importing ray is slow)."""
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("ray", "numpy"):
-        try:
-            out[dist] = importlib_metadata.version(dist)
-        except importlib_metadata.PackageNotFoundError:
-            continue
-    return out
-
-
-def config_hash(config: Any) -> str:
-    """Stable hash of a resolved config (key order does not matter)."""
-    blob = json.dumps(config, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
 
 
 def write_pointer(ref: CheckpointRef, directory: str) -> str:
@@ -193,79 +156,13 @@ def read_pointer(directory: str) -> CheckpointRef | None:
     try:
         with open(path) as f:
             d = json.load(f)
-        if not (isinstance(d, dict) and isinstance(d.get("uri"), str) and _is_int(d.get("step"))
+        if not (isinstance(d, dict) and isinstance(d.get("uri"), str) and is_int(d.get("step"))
                 and d.get("name") == step_name(d["step"])):
             raise ValueError(f"expected {{uri, step, name}}, got {d!r:.200}")
     except ValueError as exc:  # the pointer is advisory: a bad one must not stop a resume
         log.warning("ignoring checkpoint pointer %s: %s", path, exc)
         return None
     return CheckpointRef(uri=d["uri"], step=d["step"], name=d["name"])
-
-
-class _Invalid(Exception):
-    """Why a folder is not a loadable checkpoint (short reason, folder name added by callers)."""
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _shape_problems(doc: dict[str, Any], name: str) -> builtins.list[str]:
-    """Everything wrong with a parsed manifest's shape (empty when it is well formed)."""
-    problems = []
-    if not _is_int(doc.get("step")):
-        problems.append(f"step must be an integer, got {doc.get('step')!r}")
-    if doc.get("kind") not in KINDS:
-        problems.append(f"kind must be one of {', '.join(KINDS)}, got {doc.get('kind')!r}")
-    if "name" in doc and doc["name"] != name:
-        problems.append(f"name {doc['name']!r} is not the folder's name {name!r}")
-    files = doc.get("files")
-    if not isinstance(files, dict) or not files:
-        problems.append(f"files must be a non-empty object, got {type(files).__name__}")
-        files = {}
-    for fname, info in files.items():
-        try:
-            check_name(fname)
-        except UnsafeNameError as exc:
-            problems.append(f"unsafe file name: {exc}")
-            continue
-        if not isinstance(info, dict):
-            problems.append(f"files[{fname!r}] must be an object, got {type(info).__name__}")
-            continue
-        sha, size = info.get("sha256"), info.get("size")
-        if not isinstance(sha, str) or not _SHA256_RE.match(sha):
-            problems.append(f"files[{fname!r}].sha256 must be 64 lowercase hex digits, got {sha!r}")
-        if not (_is_int(size) and size >= 0):
-            problems.append(f"files[{fname!r}].size must be an integer >= 0, got {size!r}")
-    keys = doc.get("keys")
-    if not isinstance(keys, list):
-        problems.append(f"keys must be a list, got {type(keys).__name__}")
-        keys = []
-    for key in keys:
-        if not isinstance(key, str) or not _KEY_RE.match(key):
-            problems.append(f"key {key!r} is not a state key name")
-        elif doc.get("kind") == "torch" and f"{key}.pt" not in files:
-            problems.append(f"key {key!r} has no file {key}.pt in files")
-    return problems
-
-
-def parse_manifest(blob: bytes, name: str) -> dict[str, Any]:
-    """A manifest after checking its shape, so a well-formed JSON of the wrong shape is an
-    invalid checkpoint (skipped with the reason) rather than a KeyError during resume."""
-    try:
-        doc = json.loads(blob)
-    except ValueError as exc:
-        raise _Invalid(f"{MANIFEST} unreadable ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise _Invalid(f"{MANIFEST} has the wrong shape: expected an object, got {type(doc).__name__}")
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise _Invalid(f"{MANIFEST} has unknown format_version {doc.get('format_version')!r}")
-    problems = _shape_problems(doc, name)
-    if problems:
-        raise _Invalid(f"{MANIFEST} has the wrong shape: {'; '.join(problems)}")
-    if step_name(doc["step"]) != name:
-        raise _Invalid(f"{MANIFEST} says step {doc['step']}, folder is {name}")
-    return doc
 
 
 class CheckpointManager:
@@ -299,7 +196,7 @@ class CheckpointManager:
         self._last: CheckpointRef | None = None
         self._known_good: dict[str, str] = {}  # name -> sha256 of a manifest verified/written here
         self._closed = False
-        self._sharded: Any = None  # runtime.checkpoint.sharded._ShardedWriter, made on first use
+        self._sharded: ShardedWriter | None = None  # made on the first save_sharded
         self._buffers = SnapshotBuffers()  # reused: safe because save() drains the write first
 
     # ---------------------------------------------------------------- saving
@@ -315,7 +212,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"checkpoint manager for {self.storage.uri} is closed")
         for key in state:
-            if not _KEY_RE.match(key) or key in ("meta", "manifest"):
+            if not KEY_RE.match(key) or key in ("meta", "manifest"):
                 raise ValueError(f"state key {key!r} cannot be a checkpoint file name")
         t0 = time.monotonic()
         self._drain(None)  # back-pressure: at most one save in flight
@@ -328,9 +225,12 @@ class CheckpointManager:
     def wait(self, timeout: float | None = None) -> CheckpointRef | None:
         """Flush the save in flight; returns the newest commit of this manager.
 
-        Raises the save's CheckpointError when on_failure="stop" (logged either way).
+        Raises the save's CheckpointError when on_failure="stop" (logged either way). After
+        a sharded save only rank 0's manager has a commit to return.
         """
         self._drain(timeout)
+        if self._sharded is not None:
+            self._sharded.wait()
         return self._last
 
     def _drain(self, timeout: float | None) -> None:
@@ -384,64 +284,33 @@ class CheckpointManager:
         meta: dict[str, Any],
         snap_time: float,
         *,
-        kind: Literal["torch", "dcp"],
+        kind: Kind,
         keys: builtins.list[str],
         started: float,
     ) -> CheckpointRef:
-        """The one commit protocol of DDP and sharded saves, once every state file is staged.
+        """Commit a staged folder (``format.commit_staged``), then record it and prune.
 
-        Writes ``meta.json``, then ``manifest.json`` (sha256 + size of ``files`` and meta: the
-        commit), records the commit and prunes. ``started`` is the save's monotonic start.
-        On failure the staging is aborted and the CheckpointError from ``save_failed`` raised.
+        The commit callback of both writers: the DDP writer calls it from its thread, the
+        sharded writer from rank 0's once every rank's files are staged. ``started`` is the
+        save's monotonic start. On failure the staging is aborted and the CheckpointError
+        from ``save_failed`` raised.
         """
-        name = step_name(step)
         try:
-            meta_doc = self._meta_doc(step, meta, snap_time)
-            with open(staging.local_path(META), "w") as f:
-                json.dump(meta_doc, f, indent=2, sort_keys=True, default=str)
-            files = {**files, META: self._digest(staging.local_path(META))}
-            staging.finish_file(META)
-            manifest = {
-                "format_version": FORMAT_VERSION,
-                "kind": kind,
-                "name": name,
-                "step": step,
-                "world_size": meta_doc["world_size"],
-                "versions": meta_doc["versions"],
-                "keys": keys,
-                "files": files,
-                "committed_unix": time.time(),
-            }
-            blob = json.dumps(manifest, indent=2, sort_keys=True).encode()
-            uri = staging.commit(blob)
+            done = commit_staged(staging, self.storage, step, files, meta, snap_time, kind=kind, keys=keys)
         except BaseException as exc:
-            staging.abort()
-            raise self.save_failed(name, exc) from exc
-        ref = CheckpointRef(uri=uri, step=step, name=name)
+            raise self.save_failed(step_name(step), exc) from exc
+        ref = done.ref
         self._last = ref  # visible to last_committed() as soon as it is committed
-        self._known_good[name] = hashlib.sha256(blob).hexdigest()
-        nbytes = sum(f["size"] for f in files.values()) + len(blob)
+        self._known_good[ref.name] = done.manifest_sha256
         seconds = time.monotonic() - started
-        self.metrics.record_commit(step, seconds, nbytes, manifest["committed_unix"])
-        log.info("checkpoint %s committed: %d bytes in %.2fs", uri, nbytes, seconds)
+        self.metrics.record_commit(step, seconds, done.nbytes, done.committed_unix)
+        log.info("checkpoint %s committed: %d bytes in %.2fs", ref.uri, done.nbytes, seconds)
         if self.keep:
             try:
                 self.prune(self.keep)
             except Exception as exc:  # housekeeping never fails a good save
                 log.warning("pruning %s failed: %s", self.storage.uri, exc)
         return ref
-
-    def _digest(self, path: str) -> dict[str, Any]:
-        sha, size = file_digest(path)
-        return {"sha256": sha, "size": size}
-
-    def _meta_doc(self, step: int, meta: dict[str, Any], snap_time: float) -> dict[str, Any]:
-        doc = dict(meta)
-        doc.setdefault("world_size", _world_size())
-        if "config" in doc and "config_hash" not in doc:
-            doc["config_hash"] = config_hash(doc["config"])
-        doc.update(step=step, versions=versions(), snapshot_unix=snap_time)
-        return doc
 
     def save_failed(self, name: str, exc: BaseException) -> CheckpointError:
         """Count, log and describe a failed save of folder ``name`` (the message names the uri
@@ -469,7 +338,7 @@ class CheckpointManager:
         out: dict[str, dict[str, int]] = {}
         for key, size in self.storage.list("").items():
             folder, _, fname = key.partition("/")
-            if _NAME_RE.match(folder) and fname:
+            if NAME_RE.match(folder) and fname:
                 out.setdefault(folder, {})[fname] = size
         return out
 
@@ -479,27 +348,13 @@ class CheckpointManager:
 
     def _refs_newest_first(self, folders: dict[str, dict[str, int]]) -> list[CheckpointRef]:
         refs = [
-            CheckpointRef(self.storage.uri_of(n), int(_NAME_RE.match(n).group(1)), n)  # type: ignore[union-attr]
+            CheckpointRef(self.storage.uri_of(n), int(NAME_RE.match(n).group(1)), n)  # type: ignore[union-attr]
             for n in folders
         ]
         return sorted(refs, key=lambda r: r.step, reverse=True)
 
     def _manifest(self, name: str, listing: dict[str, int]) -> tuple[dict[str, Any], bytes]:
-        if MANIFEST not in listing:
-            raise _Invalid(f"{MANIFEST} missing (never committed: partial or interrupted save)")
-        try:
-            blob = self.storage.get_bytes(f"{name}/{MANIFEST}")
-        except OSError as exc:  # pruned or replaced since the listing
-            raise _Invalid(f"{MANIFEST} unreadable ({exc})") from exc
-        manifest = parse_manifest(blob, name)
-        for fname, info in manifest["files"].items():
-            if fname not in listing:
-                raise _Invalid(f"{fname} missing")
-            if listing[fname] != info["size"]:
-                raise _Invalid(
-                    f"{fname} size {listing[fname]} != {info['size']} in manifest (truncated?)"
-                )
-        return manifest, blob
+        return read_manifest(self.storage, name, listing)
 
     def _check(
         self, name: str, listing: dict[str, int], fetch_dir: str | None = None, deep: bool = True
@@ -508,35 +363,10 @@ class CheckpointManager:
 
         deep=False trusts sizes for folders whose manifest this manager wrote or verified.
         """
-        manifest, blob = self._manifest(name, listing)
+        manifest, blob = read_manifest(self.storage, name, listing)
         if not deep and self._known_good.get(name) == hashlib.sha256(blob).hexdigest():
             return manifest, {}
-        paths: dict[str, str] = {}
-        tmp = None
-        try:
-            for fname, info in sorted(manifest["files"].items()):
-                path = self.storage.local_path(f"{name}/{fname}")
-                if path is None:
-                    if fetch_dir is None:
-                        tmp = tmp or tempfile.mkdtemp(prefix="ckpt-verify-")
-                    path = safe_join(fetch_dir or tmp, fname)  # type: ignore[arg-type]
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    self.storage.get_file(f"{name}/{fname}", path)
-                sha, size = file_digest(path)
-                if size != info["size"]:
-                    raise _Invalid(
-                        f"{fname} size {size} != {info['size']} in manifest (truncated?)"
-                    )
-                if sha != info["sha256"]:
-                    raise _Invalid(f"{fname} sha256 mismatch")
-                paths[fname] = path
-        except FileNotFoundError as exc:
-            raise _Invalid(f"{os.path.basename(str(exc.filename))} missing") from exc
-        except UnsafeNameError as exc:
-            raise _Invalid(str(exc)) from exc
-        finally:
-            if tmp:
-                shutil.rmtree(tmp, ignore_errors=True)
+        paths = verify_files(self.storage, name, manifest, fetch_dir)
         self._known_good[name] = hashlib.sha256(blob).hexdigest()
         return manifest, paths
 
@@ -551,7 +381,7 @@ class CheckpointManager:
         fetched into ``fetch_dir``). Raises CheckpointError naming the folder, file and reason."""
         try:
             return self._check(ref.name, self._listing(ref.name), fetch_dir=fetch_dir)
-        except _Invalid as exc:
+        except InvalidCheckpoint as exc:
             raise CheckpointError(f"{ref.uri}: {exc}") from None
 
     def files_of(self, ref: CheckpointRef) -> builtins.list[str]:
@@ -559,7 +389,7 @@ class CheckpointManager:
         to join to a local folder; raises CheckpointError if the manifest is missing or bad."""
         try:
             manifest, _ = self._manifest(ref.name, self._listing(ref.name))
-        except _Invalid as exc:
+        except InvalidCheckpoint as exc:
             raise CheckpointError(f"{ref.uri}: {exc}") from None
         return [*sorted(manifest["files"]), MANIFEST]
 
@@ -571,7 +401,7 @@ class CheckpointManager:
             try:
                 self._check(ref.name, folders[ref.name])
                 out.append((ref, "valid"))
-            except _Invalid as exc:
+            except InvalidCheckpoint as exc:
                 out.append((ref, f"invalid: {exc}"))
         return out
 
@@ -594,7 +424,7 @@ class CheckpointManager:
         for ref in self._refs_newest_first(folders):
             try:
                 self._check(ref.name, folders[ref.name])
-            except _Invalid as exc:
+            except InvalidCheckpoint as exc:
                 skipped.append(f"{ref.name}: {exc}")
                 continue
             return ref, self._warn(skipped, ref.name)
@@ -608,14 +438,35 @@ class CheckpointManager:
         return warnings
 
     def load(self, ref: CheckpointRef) -> dict[str, Any]:
-        """Verify, then ``torch.load(weights_only=True)`` every state file into one dict."""
+        """Verify, then load the whole state into one dict: ``torch.load(weights_only=True)`` of
+        every file, or for a sharded checkpoint every rank's shards joined (``sharded.read_full``:
+        no process group needed, so a sharded checkpoint resumes a DDP or 1-process run)."""
         with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
             manifest, paths = self.verified_files(ref, fetch_dir=tmp)
-            if manifest.get("kind") != "torch":
-                raise CheckpointError(
-                    f"{ref.uri}: is a {manifest.get('kind')} checkpoint; use load_sharded"
-                )
+            if manifest["kind"] == "dcp":
+                try:
+                    return read_full(os.path.dirname(paths[META]))
+                except CheckpointError as exc:
+                    raise CheckpointError(f"{ref.uri}: {exc}") from exc
             return {key: self._safe_load(ref, paths[f"{key}.pt"]) for key in manifest["keys"]}
+
+    def manifest(self, ref: CheckpointRef) -> dict[str, Any]:
+        """The parsed manifest of ``ref`` (kind, world_size, keys, files), without hashing its
+        files; raises CheckpointError naming the folder when it is missing or malformed."""
+        try:
+            return self._manifest(ref.name, self._listing(ref.name))[0]
+        except InvalidCheckpoint as exc:
+            raise CheckpointError(f"{ref.uri}: {exc}") from None
+
+    def candidates(self) -> builtins.list[CheckpointRef]:
+        """Every checkpoint folder, newest first, unverified (after putting back an interrupted
+        re-save): what a resume tries in order, skipping those that fail with ``warn_skipped``."""
+        self._recover()
+        return self._refs_newest_first(self._folders())
+
+    def warn_skipped(self, skipped: builtins.list[str], using: str | None) -> builtins.list[str]:
+        """Log one warning per skipped folder (``"<name>: <reason>"``), saying which one is used."""
+        return self._warn(skipped, using)
 
     def _safe_load(self, ref: CheckpointRef, path: str) -> Any:
         try:
@@ -664,7 +515,7 @@ class CheckpointManager:
                     self._check(ref.name, folders[ref.name], deep=False)
                     valid += 1
                     continue
-                except _Invalid:
+                except InvalidCheckpoint:
                     if valid == 0:
                         continue
             self.storage.delete_prefix(ref.name)
@@ -680,18 +531,27 @@ class CheckpointManager:
     # ------------------------------------------------------------- sharded
 
     def save_sharded(self, state: dict[str, Any], step: int, meta: dict[str, Any]) -> None:
-        """Every rank calls this with its FSDP/DTensor state dict; see the sharded module."""
-        from runtime.checkpoint.sharded import ShardedWriter
-
+        """Every rank, together, with its FSDP/DTensor state dict: stage the shards to CPU and
+        write them in the background; rank 0 commits through ``commit`` (see the sharded module).
+        The time spent here is the training stall, recorded like ``save``'s."""
+        if self._closed:
+            raise CheckpointError(f"checkpoint manager for {self.storage.uri} is closed")
         if self._sharded is None:
-            self._sharded = ShardedWriter(self)
+            self._sharded = ShardedWriter(self.storage, self.commit, self.save_failed, fsync=self.fsync,
+                                          on_failure=self.on_failure, on_stall=self.metrics.record_stall)
         self._sharded.save(state, step, meta)
 
     def load_sharded(self, ref: CheckpointRef, state: dict[str, Any]) -> None:
-        """Verify, then load a sharded checkpoint into ``state`` in place (every rank)."""
-        from runtime.checkpoint.sharded import load_sharded
-
-        load_sharded(self, ref, state)
+        """Every rank, together: verify, then load a sharded checkpoint into ``state`` in place,
+        resharding to whatever ``state`` holds (this run's shards, or full tensors)."""
+        with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
+            manifest, paths = self.verified_files(ref, fetch_dir=tmp)
+            if manifest["kind"] != "dcp":
+                raise CheckpointError(f"{ref.uri}: not a sharded checkpoint; use load")
+            try:
+                load_into(os.path.dirname(paths[META]), state)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{ref.uri}: {exc}") from exc
 
     def load_latest_sharded(
         self, state: dict[str, Any]
@@ -718,7 +578,7 @@ class CheckpointManager:
         try:
             self.wait()
             if self._sharded is not None:
-                self._sharded.wait()
+                self._sharded.close()
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)

@@ -1,10 +1,15 @@
 """Sharded (FSDP/DTensor) checkpoints with ``torch.distributed.checkpoint`` in the same layout.
 
 Every rank writes its own shards with ``dcp.async_save`` into the step folder's staging
-area; when all ranks are done, rank 0 hands the hashes of every rank's files (gathered
-over a dedicated gloo group) to ``CheckpointManager.commit``, the same commit protocol
-DDP saves use. The dedicated group keeps checkpoint collectives, which run on background
-threads, away from the training group's collectives.
+area: the call stages the rank's shards to CPU memory (reused from save to save) and
+returns, so the training stall is that copy; the files are written in the background.
+When all ranks are done, rank 0 hands the hashes of every rank's files (gathered over a
+dedicated gloo group) to its commit callback, which runs ``format.commit_staged``: the
+same commit protocol DDP saves use. The dedicated group keeps checkpoint collectives,
+which run on background threads, away from the training group's collectives.
+
+The writer gets a storage and callbacks, not a manager: this module depends on
+``format`` and ``storage`` only.
 
 Loading never unpickles arbitrary objects: ``.metadata`` goes through an unpickler that
 allows only dcp's own classes, and byte entries (non-tensor values) through
@@ -20,8 +25,10 @@ import pickle
 import shutil
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,12 +39,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from runtime.checkpoint.manager import META, CheckpointRef, file_digest, step_name
-from runtime.checkpoint.storage import CheckpointError, LocalStorage, Staging
-
-if TYPE_CHECKING:
-    from runtime.checkpoint.manager import CheckpointManager
+from runtime.checkpoint.format import META, CheckpointRef, Kind, file_digest, step_name
+from runtime.checkpoint.storage import CheckpointError, LocalStorage, S3Storage, Staging, Storage
 
 log = logging.getLogger("runtime.checkpoint")
 
@@ -110,28 +115,55 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-class ShardedWriter:
-    """Per-rank state for ``CheckpointManager.save_sharded``; one save in flight at a time."""
+class CommitCallback(Protocol):
+    """Commits a staged folder once every state file is in it (``CheckpointManager.commit``)."""
 
-    def __init__(self, manager: CheckpointManager) -> None:
+    def __call__(self, staging: Staging, step: int, files: dict[str, dict[str, Any]], meta: dict[str, Any],
+                 snap_time: float, *, kind: Kind, keys: list[str], started: float) -> CheckpointRef: ...
+
+
+class ShardedWriter:
+    """Every rank's half of a sharded save; one save in flight at a time.
+
+    ``commit`` runs on rank 0 only, once every rank's files are staged; ``failed`` turns a
+    failure into the CheckpointError to raise (counting and logging it); ``on_stall`` gets
+    the seconds each ``save`` held the training thread.
+    """
+
+    def __init__(self, storage: Storage, commit: CommitCallback,
+                 failed: Callable[[str, BaseException], CheckpointError], *, fsync: bool = True,
+                 on_failure: Literal["continue", "stop"] = "continue",
+                 on_stall: Callable[[float], None] | None = None) -> None:
         if not dist.is_initialized():
-            raise CheckpointError("save_sharded needs torch.distributed to be initialized")
-        self.manager = manager
+            raise CheckpointError("a sharded save needs torch.distributed to be initialized")
+        self.storage = storage
+        self.commit = commit
+        self.failed = failed
+        self.fsync = fsync
+        self.on_failure = on_failure
+        self.on_stall = on_stall
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.group = dist.new_group(backend="gloo")  # collective: every rank gets here together
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-dcp")
         self._future: Future[CheckpointRef | None] | None = None
+        cuda = torch.cuda.is_available()
+        # Synchronous staging into CPU buffers kept from save to save (pinned on GPU hosts): the
+        # stall is one device-to-host copy of this rank's shards, and the next optimizer step
+        # cannot race a copy still in progress.
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=cuda))
 
     def save(self, state: dict[str, Any], step: int, meta: dict[str, Any]) -> None:
+        """Every rank, together: stage this rank's shards to CPU and write them in the background."""
         t0 = time.monotonic()
-        self.wait()
+        self.wait()  # back-pressure: the staging buffers are reused, so the last write must be done
         name = step_name(step)
         staging: Staging | None = None
-        shared = isinstance(self.manager.storage, LocalStorage)
+        shared = isinstance(self.storage, LocalStorage)
         if self.rank == 0:
-            staging = self.manager.storage.stage(name, fsync=self.manager.fsync)
-            folder, prefix = os.path.dirname(staging.local_path(META)), staging.prefix
+            staging = self.storage.stage(name, fsync=self.fsync)
+            folder, prefix = os.path.dirname(staging.local_path(META)), getattr(staging, "prefix", name)
         else:
             folder, prefix = "", ""
         box = [folder, prefix]
@@ -141,14 +173,16 @@ class ShardedWriter:
             # A shared folder for LocalStorage; a private spool that gets uploaded for S3.
             folder = box[0] if shared else tempfile.mkdtemp(prefix=f"ckpt-{name}-r{self.rank}-")
         try:
-            pending = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+            pending = dcp.async_save(state, checkpoint_id=folder, process_group=self.group,
+                                     async_stager=self._stager)
         except BaseException as exc:
             if staging is not None:
                 staging.abort()
-            raise self.manager.save_failed(name, exc) from exc
-        self.manager.metrics.record_stall(time.monotonic() - t0)
+            raise self.failed(name, exc) from exc
+        if self.on_stall:
+            self.on_stall(time.monotonic() - t0)
         self._future = self._executor.submit(
-            self._finish, pending, staging, folder, prefix, step, dict(meta), time.time()
+            self._finish, pending, staging, folder, prefix, step, dict(meta), time.time(), sorted(state)
         )
 
     def _own_files(self, folder: str) -> list[str]:
@@ -164,6 +198,7 @@ class ShardedWriter:
         step: int,
         meta: dict[str, Any],
         snap_time: float,
+        keys: list[str],
     ) -> CheckpointRef | None:
         t0 = time.monotonic()
         digests: dict[str, dict[str, Any]] = {}
@@ -175,14 +210,12 @@ class ShardedWriter:
                 digests[fname] = {"sha256": sha, "size": size}
                 if self.rank == 0 and staging is not None:
                     staging.finish_file(fname)
-                elif not isinstance(self.manager.storage, LocalStorage):
-                    self.manager.storage.put_file(  # type: ignore[attr-defined]
-                        f"{prefix}/{fname}", os.path.join(folder, fname)
-                    )
+                elif isinstance(self.storage, S3Storage):
+                    self.storage.put_file(f"{prefix}/{fname}", os.path.join(folder, fname))
         except Exception as exc:  # reported to rank 0 through the gather
             error = f"rank {self.rank}: {exc}"
         finally:
-            if self.rank != 0 and not isinstance(self.manager.storage, LocalStorage):
+            if self.rank != 0 and not isinstance(self.storage, LocalStorage):
                 shutil.rmtree(folder, ignore_errors=True)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (digests, error), group=self.group)
@@ -192,45 +225,80 @@ class ShardedWriter:
         errors = [e for _, e in gathered if e]
         if errors:
             staging.abort()
-            raise self.manager.save_failed(step_name(step), CheckpointError("; ".join(errors)))
+            raise self.failed(step_name(step), CheckpointError("; ".join(errors)))
         files: dict[str, dict[str, Any]] = {}
         for d, _ in gathered:
             files.update(d)
-        ref = self.manager.commit(
-            staging, step, files, {**meta, "world_size": self.world_size}, snap_time,
-            kind="dcp", keys=[], started=t0,
-        )
+        ref = self.commit(staging, step, files, {**meta, "world_size": self.world_size}, snap_time,
+                          kind="dcp", keys=keys, started=t0)
         log.info("sharded checkpoint %s committed (%d ranks)", ref.uri, self.world_size)
         return ref
 
     def wait(self) -> CheckpointRef | None:
-        """Flush the save in flight (every rank must call it: it ends with a collective)."""
+        """Flush this rank's save in flight; rank 0 gets the commit (None elsewhere)."""
         fut, self._future = self._future, None
         if fut is None:
             return None
         try:
             return fut.result()
         except CheckpointError:
-            if self.manager.on_failure == "stop":
+            if self.on_failure == "stop":
                 raise
             return None
 
-
-def load_sharded(manager: CheckpointManager, ref: CheckpointRef, state: dict[str, Any]) -> None:
-    """Verify every file, then ``dcp.load`` into ``state`` in place (resharding as needed).
-
-    Raises CheckpointError naming the checkpoint when a file fails verification or holds
-    anything but tensors and plain containers (nothing is unpickled beyond those).
-    """
-    with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
-        manifest, paths = manager.verified_files(ref, fetch_dir=tmp)
-        if manifest.get("kind") != "dcp":
-            raise CheckpointError(f"{ref.uri}: not a sharded checkpoint; use load")
-        folder = os.path.dirname(paths[META])
+    def close(self) -> None:
+        """Flush the save in flight and release the staging buffers."""
         try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner())
-        except CheckpointException as exc:  # a BaseException carrying each failed rank's error
-            why = "; ".join(f"rank {rank}: {err}" for rank, (err, _trace) in sorted(exc.failures.items()))
-            raise CheckpointError(f"{ref.uri}: {why}") from exc
-        except Exception as exc:
-            raise CheckpointError(f"{ref.uri}: {exc}") from exc
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._stager.close()
+
+
+def _dcp_error(exc: BaseException) -> CheckpointError:
+    if isinstance(exc, CheckpointException):  # a BaseException carrying each failed rank's error
+        return CheckpointError("; ".join(f"rank {rank}: {err}" for rank, (err, _trace) in sorted(exc.failures.items())))
+    if isinstance(exc, CheckpointError):
+        return exc
+    return CheckpointError(str(exc))
+
+
+def load_into(folder: str, state: dict[str, Any]) -> None:
+    """``dcp.load`` a verified local folder into ``state`` in place, resharding to the shapes
+    ``state`` holds (sharded DTensors, or plain full tensors). Every rank of the current
+    process group calls it together; nothing is unpickled beyond tensors and plain containers."""
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner())
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise _dcp_error(exc) from exc
+
+
+def read_full(folder: str) -> dict[str, Any]:
+    """Every entry of a verified local DCP folder, whole, as the nested dict that was saved.
+
+    One process and no collectives: for a DDP or single-process resume from a sharded
+    checkpoint, and for tools. Memory is the full state, as for a DDP checkpoint.
+    """
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    try:
+        md = SafeFileSystemReader(folder).read_metadata()
+        flat: dict[str, Any] = {}
+        for fqn, item in md.state_dict_metadata.items():
+            if isinstance(item, dcp_metadata.TensorStorageMetadata):
+                flat[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
+            else:
+                flat[fqn] = None  # a byte entry: replaced by the loaded (weights-only) object
+        with warnings.catch_warnings():  # dcp warns that no process group is used: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(flat, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(), no_dist=True)
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise _dcp_error(exc) from exc
+    mappings = md.planner_data
+    if not isinstance(mappings, dict) or set(mappings) != set(flat):
+        raise CheckpointError(".metadata has no nesting for its entries (not saved by this runtime)")
+    return unflatten_state_dict(flat, mappings)

@@ -49,10 +49,12 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
                   sharded: bool = False) -> dict[str, Any]:
     """The state to save. A collective when distributed (every rank's RNG): all ranks call it.
 
-    Model and optimizer state are *full* and keyed by parameter name (torch's
-    ``distributed.checkpoint.state_dict`` helpers), whatever the strategy: a DDP checkpoint
-    loads into an FSDP run and back, on any number of ranks. With FSDP (``sharded``) the
-    shards are gathered to rank 0 in host memory; other ranks get empty dicts.
+    Model and optimizer state are keyed by parameter name (torch's
+    ``distributed.checkpoint.state_dict`` helpers), whatever the strategy, so a DDP checkpoint
+    loads into an FSDP run and back, on any number of ranks. DDP saves the *full* state from
+    rank 0 (tensors stay on the device: the writer snapshots them). With FSDP (``sharded``)
+    each rank's payload holds only its own shards (DTensors) for ``save_sharded``: nothing
+    is gathered, so no rank ever holds the whole model.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -62,8 +64,7 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
 
     from runtime.checkpoint import capture_rng_state
 
-    # DDP keeps tensors on the device: the checkpoint writer snapshots them without a stall.
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=sharded)
+    opts = StateDictOptions(full_state_dict=not sharded)
 
     rng = capture_rng_state()
     rng_all: list[Any] = [None] * world
@@ -83,8 +84,14 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
     return payload
 
 
-def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: int, world: int) -> TrainerState:
-    """Load a verified payload into the trainables; returns the loop counters to continue from."""
+def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: int, world: int,
+                  full: bool = True) -> TrainerState:
+    """Load a verified payload into the trainables; returns the loop counters to continue from.
+
+    ``full``: the payload holds whole tensors (a DDP checkpoint, or a sharded one read whole);
+    with FSDP each rank keeps its own shard of them. Otherwise it holds this run's shards
+    (``load_sharded_payload``).
+    """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -93,8 +100,7 @@ def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: 
 
     from runtime.checkpoint import restore_rng_state
 
-    # Every rank read the whole checkpoint; with FSDP each keeps its own shard of it.
-    opts = StateDictOptions(full_state_dict=True)
+    opts = StateDictOptions(full_state_dict=full)
     set_model_state_dict(t.model, payload["model"], options=opts)
     optim = payload["optimizer"]
     if any(isinstance(k, int) for k in optim.get("state", {})):
@@ -110,6 +116,39 @@ def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: 
     if rng is not None and len(payload["rng"]) == world:
         restore_rng_state(rng)
     return TrainerState(**{k: int(v) for k, v in payload["trainer"].items()})
+
+
+def load_sharded_payload(manager: Any, ref: Any, manifest: dict[str, Any], t: Trainables, rank: int,
+                         world: int) -> dict[str, Any]:
+    """Every rank, together: this run's shards of a sharded checkpoint (DCP reshards from the
+    world size that wrote it), as a payload for ``apply_payload(full=False)``.
+
+    The target is a copy of this rank's model and optimizer shards, so a load that fails
+    half way (then skipped for an older checkpoint) leaves the trainables untouched. The
+    extra memory is one copy of this rank's shards, for the duration of the resume.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.utils._pytree import tree_map_only
+
+    from runtime.checkpoint import capture_rng_state
+
+    fresh_optimizer = not t.optimizer.state
+    target: dict[str, Any] = {
+        "model": get_model_state_dict(t.model),
+        # Creates zero optimizer state first when there is none (its lr-0 step changes nothing).
+        "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
+        "scheduler": t.scheduler.state_dict(),
+        "trainer": TrainerState().as_dict(),
+    }
+    if fresh_optimizer:
+        t.optimizer.state.clear()  # a fresh start after every load failed must stay fresh
+    target = tree_map_only(torch.Tensor, torch.empty_like, target)
+    if manifest.get("world_size") == world:  # per-rank RNG only continues on the same ranks
+        target["rng"] = {str(rank): capture_rng_state()}
+    if t.scaler is not None and "scaler" in manifest.get("keys", []):
+        target["scaler"] = t.scaler.state_dict()
+    manager.load_sharded(ref, target)
+    return target
 
 
 def apply_config_hyperparameters(cfg: JobConfig, optimizer: torch.optim.Optimizer,
@@ -135,13 +174,19 @@ def apply_config_hyperparameters(cfg: JobConfig, optimizer: torch.optim.Optimize
 
 
 def restore_latest(manager: Any, t: Trainables, cfg: JobConfig, rank: int, world: int,
-                   ray_pointer_step: int | None) -> tuple[TrainerState | None, dict[str, Any]]:
+                   ray_pointer_step: int | None, sharded: bool = False) -> tuple[TrainerState | None, dict[str, Any]]:
     """Resume from the newest checkpoint that verifies, even if Ray's registry is behind.
 
-    Returns (counters or None for a fresh start, facts for the first report: warnings about
-    skipped checkpoints, the step resumed from).
+    ``sharded`` (FSDP): every rank loads only its own shards of a sharded checkpoint, and a
+    full (DDP) checkpoint is read whole then sharded. Otherwise every rank reads the whole
+    state, from either kind. Returns (counters or None for a fresh start, facts for the first
+    report: warnings about skipped checkpoints, the step resumed from).
     """
-    ref, payload, warnings = manager.load_latest()
+    if sharded:
+        ref, payload, full, warnings = _load_latest_for_fsdp(manager, t, rank, world)
+    else:
+        ref, payload, warnings = manager.load_latest()
+        full = True
     for w in warnings:
         log.warning("rank %d: %s", rank, w)
     info: dict[str, Any] = {"restore_warnings": warnings} if warnings else {}
@@ -149,11 +194,35 @@ def restore_latest(manager: Any, t: Trainables, cfg: JobConfig, rank: int, world
         log.warning("Ray's registry points at step %d; storage has newer step %d", ray_pointer_step, ref.step)
     if ref is None or payload is None:
         return None, info
-    state = apply_payload(t, payload, cfg, rank, world)
+    state = apply_payload(t, payload, cfg, rank, world, full=full)
     info["resumed_from_step"] = ref.step
     if rank == 0:
         log.warning("resumed from %s (step %d, epoch %d)", ref.name, state.global_step, state.epoch)
     return state, info
+
+
+def _load_latest_for_fsdp(manager: Any, t: Trainables, rank: int,
+                          world: int) -> tuple[Any, dict[str, Any] | None, bool, list[str]]:
+    """(ref, payload, payload is full, warnings): the newest checkpoint that verifies and loads.
+
+    Every rank verifies the same files and so skips the same folders; ``dcp.load`` itself
+    shares any rank's read error with all ranks, so they never part ways on a collective.
+    """
+    from runtime.checkpoint import CheckpointError
+
+    skipped: list[str] = []
+    for ref in manager.candidates():
+        try:
+            manifest = manager.manifest(ref)
+            if manifest["kind"] == "dcp":
+                payload, full = load_sharded_payload(manager, ref, manifest, t, rank, world), False
+            else:
+                payload, full = manager.load(ref), True
+        except CheckpointError as exc:
+            skipped.append(f"{ref.name}: {str(exc).removeprefix(ref.uri + ': ')}")
+            continue
+        return ref, payload, full, manager.warn_skipped(skipped, ref.name)
+    return None, None, True, manager.warn_skipped(skipped, None)
 
 
 def build_checkpointer(cfg: JobConfig, run: Any, gauges: Any) -> Any:

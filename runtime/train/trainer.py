@@ -3,7 +3,8 @@
 ``Trainer.__init__`` composes the parts (device, data, model, optimizer, checkpointer,
 reporter); ``fit`` reads top to bottom: ``while not done: step; at a boundary: evaluate,
 exchange, checkpoint, report``; cleanup in ``close``. The same code runs on CPU (gloo)
-and GPU (NCCL). Every rank computes; rank 0 writes checkpoints (DDP) and publishes.
+and GPU (NCCL). Every rank computes; rank 0 writes DDP checkpoints (with FSDP every rank
+writes its own shards and rank 0 commits) and publishes.
 
 Where the host waits for the device (see docs/performance.md): never inside a steady-state
 step. Statistics stay on the device; the non-finite skip is decided on the device (fused
@@ -160,7 +161,7 @@ class Trainer:
                 pointed = read_pointer(d)
             pointer_step = pointed.step if pointed else None
         state, self.restore_info = restore_latest(self.checkpoints, self.t, self.cfg, self.rank, self.world,
-                                                  pointer_step)
+                                                  pointer_step, sharded=self.is_fsdp)
         if state is None:
             return
         self.state = state
@@ -170,21 +171,27 @@ class Trainer:
             self.gauges.recoveries.inc()
 
     def checkpoint(self, blocking: bool = False) -> None:
-        """Every rank calls this (the payload gathers every rank's RNG); rank 0 writes."""
+        """Every rank calls this (the payload gathers every rank's RNG). DDP: rank 0 writes the
+        full state. FSDP: every rank writes its own shards, rank 0 commits once all are done."""
         if self.checkpoints is None:
             return
         payload = build_payload(self.t, self.state, self.distributed, self.world, sharded=self.is_fsdp)
-        if self.rank != 0:
+        if self.rank != 0 and not self.is_fsdp:
             return
         meta = {"config": self.cfg.model_dump(mode="json"), "config_hash": self.cfg.config_hash(),
                 "world_size": self.world, "job_id": self.run.job_id}
         if self.loaders.bundle.classes:  # label i is classes[i]: what a user of the model needs
             meta["classes"] = list(self.loaders.bundle.classes)
         try:
-            self.checkpoints.save(payload, self.state.global_step, meta, blocking=blocking)
+            if self.is_fsdp:
+                self.checkpoints.save_sharded(payload, self.state.global_step, meta)
+                if blocking:
+                    self.checkpoints.wait()
+            else:
+                self.checkpoints.save(payload, self.state.global_step, meta, blocking=blocking)
         except CheckpointError as e:  # raised only with checkpoint.on_failure=stop
             self._stop_on_save_failure(e)
-        if self.gauges:
+        if self.gauges and self.rank == 0:
             self.gauges.update_storage(self.run.checkpoint_uri)
 
     def _stop_on_save_failure(self, e: Exception) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -52,6 +53,9 @@ def _worker(rank: int, root: str, port: int) -> None:
         mgr.save_sharded({"model": msd, "optimizer": osd, "trainer": {"step": 2}}, step=2, meta={})
         mgr.close()
         saved = {k: _local(v).clone() for k, v in msd.items()}
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in msd.items()}  # a collective
+        if rank == 0:
+            torch.save(full, os.path.join(root, "full_model.pt"))
 
         fresh = _model(seed=123)
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
@@ -89,12 +93,17 @@ def test_fsdp2_sharded_checkpoint_round_trip_on_two_gloo_ranks(tmp_path: Path) -
     assert manifest["kind"] == "dcp" and manifest["world_size"] == WORLD
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"} <= set(manifest["files"])
 
-    # The same verification protects sharded checkpoints; plain load() refuses them.
+    # Resharded 2 -> 1: one process without a process group reads the whole state, equal to the
+    # full parameters the two ranks gathered.
     mgr = CheckpointManager(str(root))
     ref, _ = mgr.latest_valid()
     assert ref is not None
-    with pytest.raises(CheckpointError, match="load_sharded"):
-        mgr.load(ref)
+    whole = mgr.load(ref)
+    expected = torch.load(root / "full_model.pt", weights_only=True)
+    assert whole["model"].keys() == expected.keys()
+    assert all(torch.equal(whole["model"][k], expected[k]) for k in expected)
+    assert whole["trainer"] == {"step": 2}
+    # The same verification protects sharded checkpoints.
     shard = root / "step_000000002" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
@@ -194,3 +203,83 @@ def test_planted_dcp_metadata_is_refused_through_the_manager_and_skipped(tmp_pat
     _, warnings = _refused_then_previous_loaded(mgr, sentinel, r"posix\.system is not allowed in dcp metadata")
     assert "not allowed in dcp metadata" in warnings[0]
     mgr.close()
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    ("flip", "__0_0.distcp sha256 mismatch"),
+    ("truncate", r"__0_0.distcp size \d+ != \d+ in manifest \(truncated\?\)"),
+    ("delete", "__0_0.distcp missing"),
+])
+def test_a_damaged_shard_is_skipped_with_a_warning_naming_it_and_the_previous_checkpoint_used(
+        tmp_path: Path, damage: str, why: str) -> None:
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), keep=0)
+    _commit_dcp(mgr, 1, {"model": {"w": torch.ones(4)}, "trainer": {"step": 1}})
+    shard = _commit_dcp(mgr, 2, {"model": {"w": torch.full((4,), 2.0)}, "trainer": {"step": 2}}) / "__0_0.distcp"
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    else:
+        shard.unlink()
+    target = _target()
+    ref, warnings = mgr.load_latest_sharded(target)  # every rank's path under FSDP
+    assert ref is not None and ref.step == 1 and torch.equal(target["model"]["w"], torch.ones(4))
+    ref, whole, warnings_whole = mgr.load_latest()  # a DDP run's or one process's path
+    assert ref is not None and ref.step == 1 and whole is not None and whole["trainer"] == {"step": 1}
+    for w in (warnings, warnings_whole):
+        assert len(w) == 1 and re.match(rf"step_000000002: {why}; using step_000000001$", w[0]), w
+    mgr.close()
+
+
+def _s3_worker(rank: int, port: int, uri: str, endpoint: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        model = _model(seed=0)
+        msd = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))[0]
+        with CheckpointManager(uri, endpoint_url=endpoint, keep=1) as mgr:
+            for step in (1, 2):  # the second commit rotates the first away, as for DDP
+                mgr.save_sharded({"model": msd, "trainer": {"step": step}}, step=step, meta={})
+        full = {k: v.full_tensor() for k, v in msd.items()}  # a collective
+        if rank == 0:
+            torch.save(full, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_on_s3_commits_every_ranks_shards_and_rotates(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.integration.s3_server import CREDENTIALS, start_moto_server, stop_moto_server
+
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    proc, endpoint = start_moto_server(_free_port(), buckets=["ckpt"])
+    try:
+        uri, out = "s3://ckpt/run", str(tmp_path / "full.pt")
+        mp.spawn(_s3_worker, args=(_free_port(), uri, endpoint, out), nprocs=WORLD, join=True)
+        with CheckpointManager(uri, endpoint_url=endpoint) as mgr:
+            assert [(r.step, status) for r, status in mgr.list()] == [(2, "valid")]
+            ref, whole, warnings = mgr.load_latest()
+            files = set(mgr.manifest(ref)["files"]) if ref else set()
+        assert ref is not None and whole is not None and not warnings
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"} == files
+        expected = torch.load(out, weights_only=True)
+        assert all(torch.equal(whole["model"][k], expected[k]) for k in expected)
+        assert whole["trainer"] == {"step": 2}
+    finally:
+        stop_moto_server(proc)
+
+
+def test_the_sharded_writer_depends_on_format_and_storage_not_on_the_manager() -> None:
+    """One commit protocol, no import cycle: sharded.py gets storage + callbacks, never manager internals."""
+    import ast
+
+    import runtime.checkpoint.sharded as sharded
+
+    tree = ast.parse(Path(sharded.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    ours = {m for m in imported if m.startswith("runtime.")}
+    assert ours == {"runtime.checkpoint.format", "runtime.checkpoint.storage"}, ours
