@@ -92,7 +92,7 @@ class _Strict(BaseModel):
         # pydantic reads true as 1: `batch_size: true` is a mistake, never a number.
         field = cls.model_fields.get(info.field_name or "")
         if field is not None and _wants_number_not_bool(field.annotation) and _holds_bool(v):
-            raise ValueError("expected a number, got a boolean (true/false)")
+            raise ValueError("must be a number, not a boolean (true/false)")
         return v
 
 
@@ -479,6 +479,54 @@ class JobConfig(_Strict):
         return flatten(self.model_dump(mode="json", exclude={"tune"}))
 
 
+def preflight(cfg: JobConfig, use_gpu: bool) -> None:
+    """Refuse combinations torch cannot run on the device that will be used, before any worker starts."""
+    if cfg.model.sync_batchnorm and not use_gpu and _max_workers(cfg) > 1:
+        raise ConfigError(
+            "model.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU/gloo; "
+            "set model.sync_batchnorm=false or run on a cluster with GPUs"
+        )
+    if cfg.precision.dtype == "fp16" and not use_gpu:
+        raise ConfigError("precision.dtype=fp16 needs GPUs (GradScaler); use bf16 or fp32 on CPU")
+    if cfg.data.decode == "gpu" and not use_gpu:
+        raise ConfigError("data.decode=gpu needs GPUs (nvJPEG on the device); use data.decode=auto or cpu")
+
+
+def local_gpus() -> int:
+    """NVIDIA GPUs the driver lists on this machine (no CUDA or torch import: validate stays fast)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
+
+
+def planned_device(cfg: JobConfig) -> tuple[bool, str]:
+    """(use_gpu, why) as far as it is known before connecting: ``auto`` is judged by this machine."""
+    want = cfg.distributed.use_gpu
+    if want != "auto":
+        return bool(want), f"distributed.use_gpu={str(want).lower()}"
+    n = local_gpus()
+    return n > 0, f"distributed.use_gpu=auto, {n} GPU(s) on this machine"
+
+
+def _max_workers(cfg: JobConfig) -> int:
+    """The most workers the job may run (num_workers, or the top of its range)."""
+    n: Any = cfg.distributed.num_workers
+    return int(n if isinstance(n, int) else getattr(n, "max", 1))
+
+
+def resource_warnings(cfg: JobConfig, cpus: int | None = None) -> list[str]:
+    """Sizes that are legal but will not fit a cluster started on this machine (warnings, not errors:
+    a remote cluster may be larger)."""
+    cpus = cpus or os.cpu_count() or 1
+    d = cfg.distributed
+    need = _max_workers(cfg) * d.cpus_per_worker
+    out = []
+    if need > cpus:
+        out.append(f"distributed: {_max_workers(cfg)} workers x {d.cpus_per_worker:g} CPU need {need:g} CPUs; this "
+                   f"machine has {cpus}, so a local cluster would wait for resources that never come "
+                   "(fine on a larger remote cluster)")
+    return out
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -523,6 +571,9 @@ MAX_ERRORS_SHOWN = 20
 RUNTIME_SETTINGS = (
     "RT_CLUSTER_DIR", "RT_PROMETHEUS_BIN", "RT_NODE_EXPORTER_BIN", "RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST",
     "RT_METRICS_BIND", "RT_INSTANCE_TYPE", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
+    # runtime.cluster.port(): RT_<SERVICE>_PORT moves a local cluster's service
+    "RT_RAY_PORT", "RT_DASHBOARD_PORT", "RT_MLFLOW_PORT", "RT_PROMETHEUS_PORT", "RT_RAY_METRICS_PORT",
+    "RT_NODE_EXPORTER_PORT",
 )
 
 Origins = dict[tuple[str, ...], str]
