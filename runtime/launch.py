@@ -46,7 +46,7 @@ def connect(address: str | None = None) -> None:
 
 def _reload_ray_auth() -> None:
     """Ray reads RAY_AUTH_* once, when first imported: make it read the token just put there."""
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
