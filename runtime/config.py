@@ -666,13 +666,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"bad override {_short(item)}: expected dotted.key=value, e.g. optimizer.lr=0.05")
+        raise ConfigError(f"bad override {short(item)}: expected dotted.key=value, e.g. optimizer.lr=0.05")
     if len(raw) > 4096:
-        raise ConfigError(f"bad override {_short(item)}: the value is {len(raw):,} characters (at most 4,096)")
+        raise ConfigError(f"bad override {short(item)}: the value is {len(raw):,} characters (at most 4,096)")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"bad override {_short(item)}: value is not valid YAML ({e.__class__.__name__})") from None
+        raise ConfigError(f"bad override {short(item)}: value is not valid YAML ({e.__class__.__name__})") from None
     return key.split("."), value
 
 
@@ -723,7 +723,7 @@ def _apply(raw: dict[str, Any], path: list[str], value: Any, item: str) -> None:
     for part in path[:-1]:
         nxt = node.setdefault(part, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"bad override {_short(item)}: {part!r} is not a section")
+            raise ConfigError(f"bad override {short(item)}: {part!r} is not a section")
         node = nxt
     node[path[-1]] = value
 
@@ -740,7 +740,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, str]], origi
         for k in [k for k in origins if k[: len(keys)] == tuple(keys)]:
             del origins[k]  # the override replaced what the file said there
         origins[tuple(keys)] = origin
-        applied.append(f"{'.'.join(keys)} = {_short(value)}  ({origin})")
+        applied.append(f"{'.'.join(keys)} = {short(value)}  ({origin})")
     return applied
 
 
@@ -762,7 +762,7 @@ def load_job(
     raw, origins = read_job_file(path)
     raw.setdefault("name", path.stem)
     items = (env_overrides(environ) if environ is not None else []) + [
-        (o, f"--set {_short(o)}") for o in overrides or []]
+        (o, f"--set {short(o)}") for o in overrides or []]
     lines = apply_overrides(raw, items, origins)
     if applied is not None:
         applied.extend(lines)
@@ -786,7 +786,7 @@ def with_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     """``cfg`` with ``dotted.key=value`` overrides applied, validated like a job file."""
     raw = cfg.model_dump(mode="json")
     origins: Origins = {}
-    apply_overrides(raw, [(o, f"override {_short(o)}") for o in overrides], origins)
+    apply_overrides(raw, [(o, f"override {short(o)}") for o in overrides], origins)
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as e:
@@ -801,7 +801,7 @@ _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
 _SHORT.maxlevel = 2
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     """A value as an error shows it: never more than ~80 characters, however large the input."""
     out = _SHORT.repr(value)
     return out if len(out) <= 80 else out[:60] + f"... ({len(out):,} characters)"
@@ -892,14 +892,18 @@ def _origin_of(path: tuple[str, ...], origins: Origins) -> str:
 
 
 def format_errors(err: ValidationError, source: str, origins: Origins | None = None,
-                  root: type[BaseModel] | None = None) -> str:
-    """One line per bad field: dotted path, what is expected in words, the value, where it was set."""
+                  root: type[BaseModel] | None = None, prefix: tuple[str, ...] = ()) -> str:
+    """One line per bad field: dotted path, what is expected in words, the value, where it was set.
+
+    ``root``: the model validated (JobConfig unless a section was); ``prefix``: where it sits in a job.
+    """
     root = root or JobConfig
     origins = origins or {}
     grouped: dict[tuple[str, ...], list[Any]] = {}
     parents: dict[tuple[str, ...], type[BaseModel] | None] = {}
     for e in err.errors(include_url=False):
         path, parent = _clean_loc(tuple(e["loc"]), root)
+        path = (*prefix, *path)
         grouped.setdefault(path, []).append(e)
         parents.setdefault(path, parent)
     lines = []
@@ -923,7 +927,7 @@ def format_errors(err: ValidationError, source: str, origins: Origins | None = N
             expected = [x.get("ctx", {}).get("expected", "") for x in errs if x["type"] == "literal_error"]
             if expected and isinstance(got, str):
                 msg += _did_you_mean(got, re.findall(r"'([^']*)'", " ".join(expected)))
-            shown = "" if isinstance(got, dict) else f" (got {_short(got)})"
+            shown = "" if isinstance(got, dict) else f" (got {short(got)})"
         named = [tuple(n.split(".")) for n in re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+", msg)]
         origin = next((o for o in (_origin_of(n, origins) for n in named if n[: len(path)] == path) if o), "") \
             or _origin_of(path, origins)  # a section's check names the field it is about: blame that
@@ -944,7 +948,7 @@ def validate_run_name(name: object) -> str:
     """
     if not isinstance(name, str) or len(name) > RUN_NAME_MAX or not _RUN_NAME_RE.fullmatch(name):
         raise ConfigError(
-            f"--run-name (run_name) {_short(name)} is not a valid run name: use 1-{RUN_NAME_MAX} letters, "
+            f"--run-name (run_name) {short(name)} is not a valid run name: use 1-{RUN_NAME_MAX} letters, "
             "digits, '.', '_' or '-', not starting with '.'"
         )
     return name
