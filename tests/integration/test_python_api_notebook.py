@@ -20,6 +20,9 @@ def test_python_api_doc_examples_train_and_list_checkpoints_on_a_cluster(
     monkeypatch.chdir(tmp_path)  # the examples' runs/ folder lands here
     for k in [k for k in os.environ if k.startswith("RT_") and "__" in k]:
         monkeypatch.delenv(k)
+    # A notebook's environment has no Ray token settings: train() finds the local cluster's token itself.
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     ns = run_blocks(("unit", "cluster"))
     outcome: Any = ns["outcome"]
     assert Path(outcome.run_dir).resolve().is_relative_to(tmp_path.resolve())
