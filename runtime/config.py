@@ -47,7 +47,6 @@ MAX_BATCH = 65_536  # per-worker micro-batch: 65,536 CIFAR images are 200 MB of 
 MAX_CLASSES = 1_000_000
 MAX_SYNTHETIC = 100_000_000
 MAX_STEPS = 1_000_000_000
-CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
 
 
 class _Strict(BaseModel):
@@ -254,12 +253,13 @@ def _local_data_problem(source: str, root: Path) -> str | None:
     if source == "cifar10":
         if (root / "cifar-10-batches-py").is_dir():
             root = root / "cifar-10-batches-py"
-        missing = [f for f in CIFAR10_FILES if not (root / f).is_file()]
+        # The loader reads every data_batch_* there is (a subset trains on less) and needs test_batch.
+        missing = [f for f in ("data_batch_*", "test_batch") if not any(root.glob(f))]
         if missing:
-            return (f"no CIFAR-10 python batches: {', '.join(missing)} missing (expected data_batch_1..5 and "
-                    "test_batch, as in cifar-10-python.tar.gz)")
+            return (f"no CIFAR-10 python batches: {' and '.join(missing)} missing (expected data_batch_1..5 "
+                    "and test_batch, as in cifar-10-python.tar.gz)")
     elif source == "imagefolder" and not any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(root)):
-        return ("no class folders (expected train/<class>/<image> and optionally val/<class>/<image>, "
+        return ("has no class folders (expected train/<class>/<image> and optionally val/<class>/<image>, "
                 "or <class>/<image>)")
     elif source == "shards" and not (root / "train").is_dir():
         return "no train/ folder of shards (expected train/000000.tar ..., written by `python -m runtime data pack`)"
@@ -931,7 +931,7 @@ def format_errors(err: ValidationError, source: str, origins: Origins | None = N
         named = [tuple(n.split(".")) for n in re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+", msg)]
         origin = next((o for o in (_origin_of(n, origins) for n in named if n[: len(path)] == path) if o), "") \
             or _origin_of(path, origins)  # a section's check names the field it is about: blame that
-        where = "" if named and named[0][: len(path)] == path and path else f"{loc}: "
+        where = "" if named and named[0][: len(path)] == path else f"{loc}: "
         lines.append(f"  {where}{msg}{shown}" + (f"  [from {origin}]" if origin and origin != source else ""))
     head = f"{source}: invalid job configuration ({len(lines)} error{'s' if len(lines) != 1 else ''})"
     return "\n".join([head, *_capped(lines)])
