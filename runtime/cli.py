@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _checked_job(args: argparse.Namespace) -> Any:
     """Everything `train` and `tune` refuse, refused here: before Ray, MLflow or any file is touched."""
-    from runtime.config import load_job, planned_device, preflight, resource_warnings, validate_run_name
+    from runtime.config import load_job, planned_device, preflight, job_warnings, validate_run_name
 
     if getattr(args, "run_name", None) is not None:
         validate_run_name(args.run_name)
@@ -139,7 +139,7 @@ def _checked_job(args: argparse.Namespace) -> Any:
         from runtime.tune import parse_tune
 
         parse_tune(cfg)  # a training job's tune: section is checked too: junk there is a typo somewhere
-    for w in resource_warnings(cfg):
+    for w in job_warnings(cfg):
         print(f"warning: {w}", file=sys.stderr)
     if args.command == "validate":
         device = "GPU" if use_gpu else "CPU"

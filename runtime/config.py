@@ -451,10 +451,6 @@ class JobConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
         # What the workers would refuse only after Ray started them: refuse it here instead.
-        steps = self.train.max_steps
-        if steps is not None and self.schedule.warmup_steps > steps:
-            raise ValueError(f"schedule.warmup_steps={self.schedule.warmup_steps} is longer than the run "
-                             f"(train.max_steps={steps}): the learning rate would never reach optimizer.lr")
         tokens = self.data.source in ("tokens", "text")
         if tokens and self.model.name != "gpt":
             raise ValueError(f"data.source={self.data.source} makes token sequences: it needs model.name=gpt "
@@ -513,13 +509,18 @@ def _max_workers(cfg: JobConfig) -> int:
     return int(n if isinstance(n, int) else getattr(n, "max", 1))
 
 
-def resource_warnings(cfg: JobConfig, cpus: int | None = None) -> list[str]:
-    """Sizes that are legal but will not fit a cluster started on this machine (warnings, not errors:
-    a remote cluster may be larger)."""
+def job_warnings(cfg: JobConfig, cpus: int | None = None) -> list[str]:
+    """Legal settings that are likely mistakes; warnings, not errors, because each has a real use:
+    a remote cluster may have the CPUs this machine lacks, and a few steps of a big job (a smoke
+    run) are shorter than its warmup on purpose."""
     cpus = cpus or os.cpu_count() or 1
     d = cfg.distributed
     need = _max_workers(cfg) * d.cpus_per_worker
     out = []
+    steps = cfg.train.max_steps
+    if steps is not None and cfg.schedule.warmup_steps > steps:
+        out.append(f"schedule.warmup_steps={cfg.schedule.warmup_steps} is longer than the run "
+                   f"(train.max_steps={steps}): the learning rate never reaches optimizer.lr={cfg.optimizer.lr:g}")
     if need > cpus:
         out.append(f"distributed: {_max_workers(cfg)} workers x {d.cpus_per_worker:g} CPU need {need:g} CPUs; this "
                    f"machine has {cpus}, so a local cluster would wait for resources that never come "
@@ -570,7 +571,7 @@ MAX_ERRORS_SHOWN = 20
 # RT_ variable must be an override, RT_SECTION__FIELD (a single underscore is a typo, not ignored).
 RUNTIME_SETTINGS = (
     "RT_CLUSTER_DIR", "RT_PROMETHEUS_BIN", "RT_NODE_EXPORTER_BIN", "RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST",
-    "RT_METRICS_BIND", "RT_INSTANCE_TYPE", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
+    "RT_METRICS_BIND", "RT_METRICS_PORT", "RT_INSTANCE_TYPE", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
     # runtime.cluster.port(): RT_<SERVICE>_PORT moves a local cluster's service
     "RT_RAY_PORT", "RT_DASHBOARD_PORT", "RT_MLFLOW_PORT", "RT_PROMETHEUS_PORT", "RT_RAY_METRICS_PORT",
     "RT_NODE_EXPORTER_PORT",
