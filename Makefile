@@ -19,6 +19,8 @@ CACHE_DIR   := $(ROOT)/.cache
 JOB         ?= resnet50
 CLOUD       ?= local
 SET         ?=
+# Recipes read SET from the environment ("$$SET"), so values with spaces and quotes reach the CLI intact.
+export SET
 RESUME      ?=
 TEST_TARGETS :=
 
@@ -103,12 +105,12 @@ cluster-status: setup ## Show what is running and where.
 
 .PHONY: train
 train: setup cluster-ready ## Train a job: make train JOB=resnet50 [SET="optimizer.lr=0.05 train.max_steps=100"] [RUN=name].
-	$(PY) -m runtime train $(JOB) $(foreach s,$(SET),--set $(s)) $(if $(RUN),--run-name $(RUN))
+	$(PY) -m runtime train $(JOB) --sets "$$SET" $(if $(RUN),--run-name $(RUN))
 
 .PHONY: tune
 tune: setup cluster-ready ## Hyperparameter search: make tune JOB=digits_tune [RESUME=1].
-	$(PY) -m runtime tune $(JOB) $(foreach s,$(SET),--set $(s)) $(if $(RESUME),--resume) $(if $(RUN),--run-name $(RUN))
+	$(PY) -m runtime tune $(JOB) --sets "$$SET" $(if $(RESUME),--resume) $(if $(RUN),--run-name $(RUN))
 
 .PHONY: validate
-validate: setup ## Validate a job file without running it: make validate JOB=resnet50.
-	$(PY) -m runtime validate $(JOB) $(foreach s,$(SET),--set $(s))
+validate: setup ## Validate a job file without running it: make validate JOB=resnet50 [SET="..."] [SHOW=1].
+	$(PY) -m runtime validate $(JOB) --sets "$$SET" $(if $(SHOW),--show)

@@ -1,13 +1,15 @@
 """Distributed training runtime: PyTorch DDP/FSDP and Ray Tune on a Ray cluster.
 
-Entry points: ``python -m runtime train jobs/resnet50.yaml`` (CLI), or from
-Python ``runtime.launch.train(config)`` / ``runtime.tune.tune(config)``.
+Entry points: ``python -m runtime train jobs/resnet50.yaml`` (CLI), or from Python (docs/python-api.md)::
+
+    from runtime.config import load_job
+    from runtime.launch import train
+
+    outcome = train(load_job("digits_smoke", ["train.max_steps=20"]))
+
+Importing the package reads and writes no environment variables: ``load_job`` reads RT_*
+overrides only when given ``environ=``, and the local cluster's token is put in the
+environment only when a run connects to that cluster.
 """
 
 __version__ = "0.1.0"
-
-# Ray reads its authentication settings once, when first imported: point this process at the
-# local cluster's token (if `make cluster-up` made one) before anything imports Ray.
-from runtime.cluster import use_cluster_auth as _use_cluster_auth  # noqa: E402
-
-_use_cluster_auth()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shlex
 import sys
 from typing import Any
 
@@ -39,15 +41,22 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("job")
         s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field, e.g. --set optimizer.lr=0.05 (repeatable)")
+        s.add_argument("--sets", dest="set_list", default="", metavar="'K=V K=V'",
+                       help="several overrides in one shell-quoted string (how `make ... SET=...` passes "
+                            "them: SET=\"description='two words' optimizer.lr=0.05\")")
+        if name == "validate":
+            s.add_argument("--show", action="store_true",
+                           help="print the resolved configuration and the overrides that were applied")
         if name in ("train", "tune"):
             s.add_argument("--run-name", help="name of the run; reuse one to resume it")
             s.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
         if name == "tune":
             s.add_argument("--resume", action="store_true", help="resume an interrupted search (Tuner.restore)")
-    c = sub.add_parser("checkpoints", help="list, verify or prune checkpoints in a storage URI")
+    # These two parse their own arguments (and their own --help, which names their subcommands).
+    c = sub.add_parser("checkpoints", help="list, verify or prune checkpoints in a storage URI", add_help=False)
     c.add_argument("args", nargs=argparse.REMAINDER)
-    sub.add_parser("data", help="pack an ImageFolder into tar shards, inspect a data set").add_argument(
-        "args", nargs=argparse.REMAINDER)
+    sub.add_parser("data", help="pack an ImageFolder into tar shards, inspect a data set",
+                   add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     cl = sub.add_parser("cluster", help="the local embedded cluster")
     cl.add_argument("action", choices=["up", "down", "status"])
     cl.add_argument("--num-cpus", type=int, default=None)
@@ -81,26 +90,22 @@ def _cluster(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "checkpoints":
-        from runtime.checkpoint.cli import main as ckpt_main
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("checkpoints", "data"):  # they parse their own arguments, --help included
+        if argv[0] == "checkpoints":
+            from runtime.checkpoint.cli import main as ckpt_main
 
-        return int(ckpt_main(args.args))
-    if args.command == "cluster":
-        return _cluster(args)
-    if args.command == "data":
+            return int(ckpt_main(argv[1:]))
         from runtime.data.cli import main as data_main
 
-        return data_main(args.args)
-    from runtime.config import load_job, validate_run_name
-
+        return data_main(argv[1:])
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "cluster":
+        return _cluster(args)
     try:
-        if getattr(args, "run_name", None) is not None:
-            validate_run_name(args.run_name)  # before anything is loaded or started
-        cfg = load_job(args.job, args.overrides)
+        cfg = _checked_job(args)
         if args.command == "validate":
-            print(f"{args.job}: OK ({cfg.name}, global batch {cfg.global_batch_size()})")
             return 0
         if args.command == "tune":
             from runtime.tune import run_tune_cli
@@ -110,6 +115,44 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _checked_job(args: argparse.Namespace) -> Any:
+    """Everything `train` and `tune` refuse, refused here: before Ray, MLflow or any file is touched."""
+    from runtime.config import load_job, planned_device, preflight, job_warnings, validate_run_name
+
+    if getattr(args, "run_name", None) is not None:
+        validate_run_name(args.run_name)
+    overrides = list(args.overrides)
+    if args.set_list:
+        try:
+            overrides += shlex.split(args.set_list)
+        except ValueError as e:
+            raise ConfigError(f"--sets {args.set_list!r}: {e} (quote values with spaces: "
+                              "SET=\"description='two words'\")") from None
+    applied: list[str] = []
+    cfg = load_job(args.job, overrides, environ=os.environ, applied=applied)
+    use_gpu, why = planned_device(cfg)
+    if args.command == "validate" or cfg.distributed.use_gpu != "auto":
+        preflight(cfg, use_gpu)  # with use_gpu=auto, train checks again once it knows the cluster
+    if cfg.tune is not None or args.command == "tune":
+        from runtime.tune import parse_tune
+
+        parse_tune(cfg)  # a training job's tune: section is checked too: junk there is a typo somewhere
+    for w in job_warnings(cfg):
+        print(f"warning: {w}", file=sys.stderr)
+    if args.command == "validate":
+        device = "GPU" if use_gpu else "CPU"
+        print(f"{args.job}: OK ({cfg.name}, global batch {cfg.global_batch_size()}, {device}: {why})")
+        if args.show:
+            import yaml
+
+            print("overrides applied (later wins):" if applied else "overrides applied: none")
+            for line in applied:
+                print(f"  {line}")
+            print("resolved configuration:")
+            print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False).rstrip())
+    return cfg
 
 
 def _train(cfg: Any, args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
-from runtime.config import JobConfig, validate_run_name
+from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
 from runtime.progress import Progress
 from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
@@ -38,10 +38,18 @@ def connect(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     addr = address or ray_address()
-    if addr != "local":
-        use_cluster_auth()  # effective only if Ray was not imported yet (see runtime/__init__.py)
+    if addr != "local" and use_cluster_auth():
+        _reload_ray_auth()
     ray.init(address=addr, log_to_driver=True, logging_level=logging.WARNING,
              runtime_env={"env_vars": _worker_env()}, configure_logging=True)
+
+
+def _reload_ray_auth() -> None:
+    """Ray reads RAY_AUTH_* once, when first imported: make it read the token just put there."""
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 # What the driver hands every worker through the job's runtime_env. Ray shows a job's
@@ -70,17 +78,6 @@ def resolve_use_gpu(cfg: JobConfig) -> bool:
     if want and gpus < cfg.distributed.gpus_per_worker:
         raise ConfigError(f"distributed.use_gpu=true but the Ray cluster has {gpus:g} GPUs")
     return bool(want)
-
-
-def preflight(cfg: JobConfig, use_gpu: bool) -> None:
-    """Refuse combinations torch cannot run, before any worker starts."""
-    if cfg.model.sync_batchnorm and not use_gpu and cfg.distributed.num_workers > 1:
-        raise ConfigError(
-            "model.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU/gloo; "
-            "set model.sync_batchnorm=false or run on a cluster with GPUs"
-        )
-    if cfg.precision.dtype == "fp16" and not use_gpu:
-        raise ConfigError("precision.dtype=fp16 needs GPUs (GradScaler); use bf16 or fp32 on CPU")
 
 
 def storage_paths(cfg: JobConfig, run_name: str) -> tuple[str, str, str]:

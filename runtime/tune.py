@@ -24,6 +24,7 @@ the run name so ``--resume`` finds it): Tune's experiment state and trial folder
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
 import math
@@ -39,7 +40,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from runtime.config import JobConfig, config_from_dict
+from runtime.config import JobConfig, config_from_dict, format_errors, short
 from runtime.errors import ConfigError
 
 log = logging.getLogger("runtime.tune")
@@ -64,7 +65,7 @@ EXIT_INTERRUPTED = 130
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class PBTConfig(_Strict):
@@ -106,24 +107,29 @@ class Param:
 def _parse_param(key: str, spec: Any) -> Param:
     where = f"space.{key}"
     if not isinstance(spec, dict) or len(spec) != 1:
-        raise ValueError(f"{where}: expected one distribution, e.g. {{loguniform: [1.0e-4, 1.0e-1]}}, got {spec!r}")
+        raise ValueError(f"{where}: expected one distribution, e.g. {{loguniform: [1.0e-4, 1.0e-1]}}, "
+                         f"got {short(spec)}")
     kind, args = next(iter(spec.items()))
     if kind not in DISTRIBUTIONS:
-        raise ValueError(f"{where}: unknown distribution {kind!r}; use one of {', '.join(DISTRIBUTIONS)}")
+        raise ValueError(f"{where}: unknown distribution {short(kind)}; use one of {', '.join(DISTRIBUTIONS)}")
     if not isinstance(args, list):
-        raise ValueError(f"{where}: {kind} takes a list, got {args!r}")
+        raise ValueError(f"{where}: {kind} takes a list, got {short(args)}")
     if kind in ("choice", "grid"):
         if not args:
             raise ValueError(f"{where}: {kind} needs at least one value")
         return Param(key, kind, tuple(args))
     if len(args) != 2:
-        raise ValueError(f"{where}: {kind} takes [low, high], got {args!r}")
+        raise ValueError(f"{where}: {kind} takes [low, high], got {short(args)}")
+    if any(isinstance(a, bool) for a in args):
+        raise ValueError(f"{where}: {kind} bounds must be numbers, not booleans, got {short(args)}")
     try:  # YAML 1.1 reads 1e-4 (no dot) as text: accept it as the number it means
         low, high = (int(a) if kind == "randint" else float(a) for a in args)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: {kind} bounds must be numbers, got {args!r}") from None
+        raise ValueError(f"{where}: {kind} bounds must be numbers, got {short(args)}") from None
     if kind == "randint" and any(float(a) != int(float(a)) for a in args):
-        raise ValueError(f"{where}: randint bounds must be integers, got {args!r}")
+        raise ValueError(f"{where}: randint bounds must be integers, got {short(args)}")
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"{where}: {kind} bounds must be finite numbers (not .inf or .nan), got {short(args)}")
     if not low < high:
         raise ValueError(f"{where}: low must be < high, got [{low}, {high}]")
     if kind == "loguniform" and low <= 0:
@@ -174,7 +180,9 @@ class TuneConfig(_Strict):
     def _known_metric(cls, v: str) -> str:
         if v not in KNOWN_METRICS:
             known = ", ".join(KNOWN_METRICS)
-            raise ValueError(f"metric {v!r} is not reported by the training loop; use one of {known}")
+            close = difflib.get_close_matches(v, KNOWN_METRICS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"metric {v!r} is not reported by the training loop; {hint}use one of {known}")
         return v
 
     @field_validator("space")
@@ -219,14 +227,8 @@ def parse_tune(cfg: JobConfig) -> TuneSpec:
     try:
         tc = TuneConfig.model_validate(cfg.tune)
     except ValidationError as e:
-        lines = [f"tune: invalid search definition ({e.error_count()} error(s))"]
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            msg = str(err["msg"]).removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = f"unknown field; valid fields: {', '.join(TuneConfig.model_fields)}"
-            lines.append(f"  tune.{loc}: {msg}")
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(format_errors(e, f"job {cfg.name!r}, tune: section", root=TuneConfig,
+                                        prefix=("tune",))) from None
     base = cfg.model_dump(mode="json", exclude={"tune"})
     for p in tc.params:
         if p.key.split(".")[0] in ("tune", "name"):

@@ -1,4 +1,4 @@
-"""``python -m runtime checkpoints list|verify|prune <storage> [--keep N] [--endpoint-url URL]``.
+"""``python -m runtime checkpoints list|verify|prune <storage> [--endpoint-url URL] [--keep N (prune)]``.
 
 Exit codes: 0 ok, 1 an invalid checkpoint was found (verify) or storage failed, 2 bad usage
 (including a local folder that does not exist); verify also exits 1 when there is nothing to verify.
@@ -26,12 +26,23 @@ def _human(n: int) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m runtime checkpoints",
-        description="Inspect, verify and rotate checkpoints in a folder or s3://bucket/prefix.",
+        description="Inspect, verify and rotate checkpoints in a folder or s3://bucket/prefix "
+                    "(a run's checkpoints: <checkpoint.storage>/<run name>/checkpoints).",
+        epilog="exit codes: 0 ok; 1 an invalid checkpoint (verify), nothing to verify, or storage failed; "
+               "2 bad usage or a local folder that does not exist",
     )
-    p.add_argument("command", choices=["list", "verify", "prune"])
-    p.add_argument("storage", help="checkpoint root: a path, file://path or s3://bucket/prefix")
-    p.add_argument("--keep", type=int, default=3, help="prune: valid checkpoints to keep (>= 1)")
-    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (else AWS env)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{list,verify,prune}")
+    helps = {
+        "list": "one line per checkpoint: step, name, size, valid or why not",
+        "verify": "check every file against its manifest's sha256; exit 1 if any is invalid or none exists",
+        "prune": "delete all but the newest --keep valid checkpoints and leftovers of interrupted saves",
+    }
+    for name, text in helps.items():
+        s = sub.add_parser(name, help=text, description=text)
+        s.add_argument("storage", help="checkpoint root: a path, file://path or s3://bucket/prefix")
+        s.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (else AWS env)")
+        if name == "prune":
+            s.add_argument("--keep", type=int, default=3, help="valid checkpoints to keep (>= 1)")
     return p
 
 
@@ -52,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
         return int(exc.code or 0)
-    if args.keep < 1:
+    keep = getattr(args, "keep", 3)
+    if keep < 1:
         print("error: --keep must be >= 1", file=sys.stderr)
         return 2
     try:
@@ -67,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "prune":
-            deleted = mgr.prune(args.keep)
+            deleted = mgr.prune(keep)
             for ref in deleted:
                 print(f"deleted {ref.name}")
-            print(f"{len(deleted)} deleted, keeping the newest {args.keep} valid")
+            print(f"{len(deleted)} deleted, keeping the newest {keep} valid")
             _print_table(_table(mgr))
             return 0
         rows = _table(mgr)

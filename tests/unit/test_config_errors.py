@@ -78,7 +78,8 @@ def test_unknown_job_lists_the_available_jobs() -> None:
 
 def test_env_overrides_apply_and_cli_overrides_win() -> None:
     env = {"RT_OPTIMIZER__LR": "0.02", "RT_TRAIN__MAX_STEPS": "7", "HOME": "/root"}
-    assert env_overrides(env) == ["optimizer.lr=0.02", "train.max_steps=7"]
+    assert env_overrides(env) == [
+        ("optimizer.lr=0.02", "RT_OPTIMIZER__LR"), ("train.max_steps=7", "RT_TRAIN__MAX_STEPS")]
     cfg = load_job("resnet50", ["train.max_steps=9"], environ=env)
     assert cfg.optimizer.lr == 0.02
     assert cfg.train.max_steps == 9

@@ -11,6 +11,7 @@ from runtime.errors import ConfigError
 
 
 def test_resnet50_imagenet_job_validates_for_a_folder_and_for_s3_shards(tmp_path: Path) -> None:
+    (tmp_path / "train" / "n01440764").mkdir(parents=True)
     job = load_job("resnet50_imagenet", ["data.source=imagefolder", f"data.path={tmp_path}"], environ={})
     assert (job.data.source, job.data.image_size, job.data.crop_scale) == ("imagefolder", 224, (0.08, 1.0))
     s3 = load_job("resnet50_imagenet", ["data.source=shards", "data.path=s3://bucket/imagenet-shards"], environ={})

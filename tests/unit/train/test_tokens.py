@@ -48,9 +48,8 @@ def test_synthetic_tokens_follow_a_grammar_a_model_can_learn() -> None:
 
 
 def test_token_sources_need_the_language_model() -> None:
-    cfg = JobConfig(name="x", model={"name": "mlp"}, data={"source": "text"})
-    with pytest.raises(ConfigError, match="needs model.name=gpt"):
-        token_loaders(cfg, 1, 0, CPU)
+    with pytest.raises(ConfigError, match="needs model.name=gpt"):  # refused by the config, before any worker
+        token_loaders(JobConfig(name="x", model={"name": "mlp"}, data={"source": "text"}), 1, 0, CPU)
 
 
 def test_language_model_loss_falls_on_real_text_and_reports_tokens_per_second(tmp_path: Path) -> None:
