@@ -146,13 +146,19 @@ CURVE_PANELS = (("train/loss", "loss"), ("train/accuracy", "accuracy"), ("train/
                 ("train/throughput", "samples/s (global)"))
 
 
+def curve_rows(history: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Reports holding a number for ``key``, one per step in step order. Steps redone after a
+    restart were reported twice: the later report of a step is the one the run continued from."""
+    by_step = {h["step"]: h for h in history
+               if isinstance(h.get("step"), int) and isinstance(h.get(key), (int, float))}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
     """Loss, accuracy, learning rate and throughput against step (validation points on the first
     two); False when no report has a training loss. Written to a temporary name, then renamed,
     so a reader never sees half a PNG."""
-    # Steps redone after a restart appear twice: the later report of a step is the one that counts.
-    by_step = {h["step"]: h for h in history if isinstance(h.get("step"), int) and "train/loss" in h}
-    rows = [by_step[k] for k in sorted(by_step)]
+    rows = curve_rows(history, "train/loss")
     if not rows:
         return False
     import matplotlib
@@ -168,9 +174,7 @@ def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    val_by_step = {h["step"]: h for h in history
-                   if isinstance(h.get("step"), int) and isinstance(h.get("val/loss"), (int, float))}
-    val = [(k, val_by_step[k]["val/loss"], val_by_step[k].get("val/accuracy")) for k in sorted(val_by_step)]
+    val = [(h["step"], h["val/loss"], h.get("val/accuracy")) for h in curve_rows(history, "val/loss")]
     if val:
         axes[0].plot([v[0] for v in val], [v[1] for v in val], "o-", label="val")
         acc = [(v[0], v[2]) for v in val if isinstance(v[2], (int, float))]
