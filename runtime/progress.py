@@ -92,8 +92,12 @@ class Progress:
         """Ray Train's controller saw a worker-group failure (runtime.launch.FailureNotices)."""
         self.failures += 1
         count, allowed = item.get("failures", self.failures), item.get("max_failures")
-        budget = f" (failure {count} of {allowed} allowed)" if allowed is not None else ""
-        self.event(f"{item.get('message', 'worker group failed')}; restarting the workers{budget}")
+        message = item.get("message", "worker group failed")
+        if isinstance(allowed, int) and allowed >= 0 and count > allowed:
+            self.event(f"{message}; no restarts left ({allowed} allowed): the run fails")
+            return
+        budget = f" (failure {count} of {allowed} allowed)" if isinstance(allowed, int) and allowed >= 0 else ""
+        self.event(f"{message}; restarting the workers{budget}")
 
     def _recovery(self, m: dict[str, Any]) -> None:
         """The first report of a worker group that restored state (or found none valid)."""

@@ -55,3 +55,10 @@ def test_recovery_lines_show_without_progress_and_name_skipped_checkpoints() -> 
     out = io.StringIO()
     Progress(total=None, enabled=False, stream=out).update({"step": 1, "restore_warnings": ["step_000000005: bad"]})
     assert _lines(out)[0] == "[runtime] no valid checkpoint to resume from; starting at step 0"
+
+
+def test_the_failure_past_the_allowed_count_says_the_run_fails() -> None:
+    out = io.StringIO()
+    p = Progress(total=None, enabled=False, stream=out)
+    p.failure({"message": "rank 0 failed: ValueError: bad", "failures": 2, "max_failures": 1})
+    assert _lines(out) == ["[runtime] rank 0 failed: ValueError: bad; no restarts left (1 allowed): the run fails"]
