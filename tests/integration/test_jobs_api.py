@@ -51,15 +51,29 @@ print(f"EXAMPLE_DONE prefix={sys.prefix} torch={torch.__version__} error={result
 '''
 
 
+def submit(dashboard: str, entrypoint: str, working_dir: Path, timeout: float = 180) -> str:
+    """Submit as ``ray job submit`` does; the head's job agent may still be starting ("try again later")."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return str(client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(working_dir)}))
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
 def test_ray_job_submit_with_plain_python_runs_a_train_example_in_the_venv(cluster: dict, tmp_path: Path) -> None:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     work = tmp_path / "job"
     work.mkdir()
     (work / "example.py").write_text(EXAMPLE)
+    job_id = submit(cluster["ray"]["dashboard"], f"python example.py {tmp_path / 'results'}", work)
     client = JobSubmissionClient(cluster["ray"]["dashboard"])
-    job_id = client.submit_job(entrypoint=f"python example.py {tmp_path / 'results'}",
-                               runtime_env={"working_dir": str(work)})
     deadline = time.monotonic() + 600
     while (status := client.get_job_status(job_id)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED,
                                                              JobStatus.STOPPED}:
