@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-KILLS = 3  # each one shortly after a checkpoint commits (interval 10 steps, ~20 ms a step here)
+# Each one shortly after a checkpoint commits (interval 10 steps, ~20 ms a step here); 1 for a quick check.
+KILLS = int(os.environ.get("BENCH_RECOVERY_KILLS", "3"))
 POLL_S = 0.25  # distributed.poll_interval_s: how soon Ray Train notices the dead worker
 
 
@@ -156,7 +157,7 @@ def run(results_dir: Path) -> dict[str, Any]:
             # Before Ray is imported: it reads its auth settings once per process (as the test cluster does).
             os.environ.update({"RT_CLUSTER_DIR": str(started), "RAY_AUTH_MODE": "token",
                                "RAY_AUTH_TOKEN_PATH": str(started / "auth_token")})
-            for name in ("ray", "dashboard", "ray_metrics", "mlflow", "prometheus", "node_exporter"):
+            for name in ("ray", "dashboard", "ray_metrics", "mlflow", "prometheus", "node_exporter", "dashboard_agent"):
                 os.environ[f"RT_{name.upper()}_PORT"] = str(_free_port())
             from runtime import cluster
 

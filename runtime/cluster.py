@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 STATE_FILE = "state.json"
 DEFAULT_PORTS = {"ray": 6379, "dashboard": 8265, "mlflow": 5000, "prometheus": 9090, "ray_metrics": 8080,
-                 "node_exporter": 9100}
+                 "node_exporter": 9100, "dashboard_agent": 52365}
 
 
 def default_cluster_dir() -> Path:
@@ -208,6 +208,9 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
         _bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port('ray')}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={port('dashboard')}", "--include-dashboard=true",
         f"--metrics-export-port={port('ray_metrics')}", "--disable-usage-stats",
+        # The Jobs API needs the head's dashboard agent; on Ray's fixed default port a second cluster
+        # on the machine (tests beside yours) has none: jobs get "No available agent to submit job".
+        f"--dashboard-agent-listen-port={port('dashboard_agent')}",
         f"--temp-dir={ray_temp_dir(cluster_dir)}",
     ]
     if num_cpus:
