@@ -64,3 +64,17 @@ def test_curves_keep_the_later_report_of_a_redone_step() -> None:
 def test_no_curves_without_a_training_loss(tmp_path: Path) -> None:
     assert not plot_curves([{"step": 1, "val/loss": 0.3}], tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_report_subcommand_runs_from_the_cli_and_refuses_a_missing_run(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    _history(tmp_path / "r", [_item(10, 0.9)])
+    ok = subprocess.run([sys.executable, "-m", "runtime", "report", str(tmp_path / "r")], cwd=root,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "train loss" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "runtime", "report", str(tmp_path / "missing")], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no run folder" in bad.stderr and "Traceback" not in bad.stderr
