@@ -37,7 +37,16 @@ endef
 
 .PHONY: help
 help: ## Show this help.
-	@awk 'BEGIN {FS = ":.*##"; printf "\nUsage:\n  make \033[36m<target>\033[0m\n"} /^[a-zA-Z_0-9-]+:.*?##/ { printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2 } /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) } ' $(MAKEFILE_LIST)
+	@# Colour only on a terminal (and not with NO_COLOR); the column fits the longest target name.
+	@color=0; if [ -t 1 ] && [ -z "$${NO_COLOR:-}" ]; then color=1; fi; \
+	awk -v color=$$color 'BEGIN { FS = ":.*##" } \
+	  /^[a-zA-Z_0-9-]+:.*##/ { n++; sec[n] = ""; name[n] = $$1; t = $$2; sub(/^ +/, "", t); text[n] = t; \
+	                           if (length($$1) > w) w = length($$1); next } \
+	  /^##@/ { n++; sec[n] = substr($$0, 5) } \
+	  END { c = color ? "\033[36m" : ""; b = color ? "\033[1m" : ""; r = color ? "\033[0m" : ""; \
+	        printf "\nUsage:\n  make %s<target>%s\n", c, r; fmt = "  %s%-" w "s%s  %s\n"; \
+	        for (i = 1; i <= n; i++) if (sec[i] != "") printf "\n%s%s%s\n", b, sec[i], r; \
+	                                 else printf fmt, c, name[i], r, text[i] }' $(MAKEFILE_LIST)
 
 include $(sort $(wildcard mk/*.mk))
 

@@ -6,6 +6,7 @@
     python -m runtime checkpoints list|verify|prune <storage>
     python -m runtime data pack|inspect ...
     python -m runtime cluster up|down|status
+    python -m runtime report <run folder or name>
 
 Exit codes: 0 ok, 1 the run failed, 2 bad input (nothing was started),
 3 no cluster to run on.
@@ -50,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("train", "tune"):
             s.add_argument("--run-name", help="name of the run; reuse one to resume it")
             s.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+            s.add_argument("--verbose", action="store_true",
+                           help="also show Ray's output from the workers and the Train controller")
         if name == "tune":
             s.add_argument("--resume", action="store_true", help="resume an interrupted search (Tuner.restore)")
     # These two parse their own arguments (and their own --help, which names their subcommands).
@@ -57,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("data", help="pack an ImageFolder into tar shards, inspect a data set",
                    add_help=False).add_argument("args", nargs=argparse.REMAINDER)
+    r = sub.add_parser("report", help="print a run's summary table and regenerate its plots")
+    r.add_argument("run", help="a run folder, or a run name under ./runs")
     cl = sub.add_parser("cluster", help="the local embedded cluster")
     cl.add_argument("action", choices=["up", "down", "status"])
     cl.add_argument("--num-cpus", type=int, default=None)
@@ -103,13 +108,28 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "cluster":
         return _cluster(args)
+    if args.command == "report":
+        from runtime.report import main as report_main
+
+        return report_main(args.run)
     try:
         cfg = _checked_job(args)
         if args.command == "validate":
             return 0
         if args.command == "tune":
-            from runtime.tune import run_tune_cli
+            from runtime.tune import parse_tune, run_tune_cli
 
+            if args.verbose:  # tune() connects too; connecting first is what makes it verbose
+                from runtime.cluster import ClusterError
+                from runtime.launch import connect
+
+                parse_tune(cfg)  # bad input is still refused before Ray is touched
+
+                try:
+                    connect(verbose=True)
+                except ClusterError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return EXIT_NO_CLUSTER
             return run_tune_cli(cfg, args)
         return _train(cfg, args)
     except ConfigError as e:
@@ -119,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _checked_job(args: argparse.Namespace) -> Any:
     """Everything `train` and `tune` refuse, refused here: before Ray, MLflow or any file is touched."""
-    from runtime.config import load_job, planned_device, preflight, job_warnings, validate_run_name
+    from runtime.config import job_warnings, load_job, planned_device, preflight, validate_run_name
 
     if getattr(args, "run_name", None) is not None:
         validate_run_name(args.run_name)
@@ -162,7 +182,7 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     from runtime.launch import outcome_summary, train
 
     try:
-        outcome = train(cfg, args.run_name, show_progress=not args.no_progress)
+        outcome = train(cfg, args.run_name, show_progress=not args.no_progress, verbose=args.verbose)
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_CLUSTER

@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 STATE_FILE = "state.json"
 DEFAULT_PORTS = {"ray": 6379, "dashboard": 8265, "mlflow": 5000, "prometheus": 9090, "ray_metrics": 8080,
-                 "node_exporter": 9100}
+                 "node_exporter": 9100, "dashboard_agent": 52365}
 
 
 def default_cluster_dir() -> Path:
@@ -188,6 +188,18 @@ def use_cluster_auth(cdir: Path | None = None) -> bool:
     return True
 
 
+def job_env() -> dict[str, str]:
+    """This interpreter's environment first on the raylet's PATH: a job submitted with
+    ``ray job submit -- python script.py`` then runs the venv's ``python`` (torch, the runtime),
+    as on a stock Ray cluster started from an activated venv, not the system one."""
+    venv_bin = str(Path(sys.executable).parent)
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
+    env = {"PATH": os.pathsep.join([venv_bin, *rest])}
+    if sys.prefix != sys.base_prefix:  # a venv: tools that look for one (pip, uv) find it too
+        env["VIRTUAL_ENV"] = sys.prefix
+    return env
+
+
 def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
     """``ray start --head --block`` in its own process group, so `down` can stop exactly it."""
     host = "127.0.0.1"
@@ -196,12 +208,15 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
         _bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port('ray')}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={port('dashboard')}", "--include-dashboard=true",
         f"--metrics-export-port={port('ray_metrics')}", "--disable-usage-stats",
+        # The Jobs API needs the head's dashboard agent; on Ray's fixed default port a second cluster
+        # on the machine (tests beside yours) has none: jobs get "No available agent to submit job".
+        f"--dashboard-agent-listen-port={port('dashboard_agent')}",
         f"--temp-dir={ray_temp_dir(cluster_dir)}",
     ]
     if num_cpus:
         cmd.append(f"--num-cpus={num_cpus}")
     log = cluster_dir / "logs" / "ray.log"
-    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth})
+    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth, **job_env()})
     _wait(lambda: _port_open(host, port("ray")) and _alive(pid), "Ray head", 180, log)
     return {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",
             "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"]}

@@ -10,29 +10,39 @@ emergency checkpoint and stop (spot preemption), then exits cleanly.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import ray.train
+
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
-from runtime.progress import Progress
+from runtime.progress import FAILURE_EVENT, Progress, failure_line
+from runtime.report import CURVES_FILE, HISTORY_FILE, read_history
 from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
 from runtime.train.trainer import train_loop_per_worker
 
 log = logging.getLogger("runtime.launch")
 
 
-def connect(address: str | None = None) -> None:
-    """Attach to the cluster (idempotent). ``RAY_ADDRESS=local`` starts a throwaway one."""
+def connect(address: str | None = None, *, verbose: bool = False) -> None:
+    """Attach to the cluster (idempotent). ``RAY_ADDRESS=local`` starts a throwaway one.
+
+    The workers' and Train controller's output (Ray's ``Reporting training result ...`` line
+    per report, a dead worker's ~80 lines of tracebacks, C++ warnings) stays in Ray's log files
+    (``/tmp/rt-ray-*/session_latest/logs``) unless ``verbose``: the driver prints one line per
+    report and one per failure and recovery instead (runtime.progress).
+    """
     import ray
 
     if ray.is_initialized():
@@ -40,7 +50,7 @@ def connect(address: str | None = None) -> None:
     addr = address or ray_address()
     if addr != "local" and use_cluster_auth():
         _reload_ray_auth()
-    ray.init(address=addr, log_to_driver=True, logging_level=logging.WARNING,
+    ray.init(address=addr, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING,
              runtime_env={"env_vars": _worker_env()}, configure_logging=True)
 
 
@@ -142,6 +152,10 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
                                    "progress_lockstep": lockstep}
     # Read by TorchTrainer.fit() here and handed to its controller (Ray propagates RAY_TRAIN_* settings).
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
+    # Ray Train's preemption watcher serves ray.train.get_preemption_info, which the loop does not use
+    # (a SIGTERM to the driver is our preemption path); without it, no actor per run and no
+    # `core_worker.cc ... PreemptionWatcher` error line on every start.
+    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
         storage_path = storage_path.removeprefix("s3://")
     trainer = TorchTrainer(
@@ -160,9 +174,35 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
             # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            # A trial under a scheduler has a one-slot queue that only reports may use.
+            # Train V2's RunConfig takes UserCallbacks; the stubs still name V1's Tune callbacks.
+            callbacks=[FailureNotices(progress, cfg.checkpoint.max_failures)]  # type: ignore[list-item]
+            if progress is not None and not lockstep else [],
         ),
     )
     return trainer, run
+
+
+class FailureNotices(ray.train.UserCallback):
+    """Runs in Ray Train's controller: one item per worker-group failure onto the driver's queue.
+
+    The driver prints it as one line (runtime.progress.Progress.failure) where Ray would print
+    the failing workers' tracebacks and its failure policy's reasoning.
+    """
+
+    def __init__(self, queue: Any, max_failures: int) -> None:
+        self.queue = queue
+        self.max_failures = max_failures
+        self.failures = 0
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        self.failures += 1
+        item = {"_event": FAILURE_EVENT, "message": failure_line(worker_exceptions), "failures": self.failures,
+                "max_failures": self.max_failures, "_time": time.time()}
+        try:
+            self.queue.actor.put_nowait.remote(item)
+        except Exception as e:  # the console line must never change how Train handles the failure
+            log.warning("could not tell the driver about a failure: %s", e)
 
 
 class StreamingFit:
@@ -190,28 +230,39 @@ class StreamingFit:
         except BaseException as e:  # noqa: BLE001 (the caller re-raises it on its own thread)
             self.error = e
 
-    def reports(self) -> Iterator[dict[str, Any]]:
-        """Start fit() and yield each report until the run has ended and the queue is empty."""
+    def reports(self, on_event: Callable[[dict[str, Any]], None] | None = None) -> Iterator[dict[str, Any]]:
+        """Start fit() and yield each report until the run has ended and the queue is empty.
+
+        Failure notices from the controller (FailureNotices) go to ``on_event``, never into the reports.
+        """
         from ray.util.queue import Empty
 
         thread = threading.Thread(target=self._fit, name=f"fit-{self.run.run_name}", daemon=True)
         thread.start()
         while thread.is_alive() or not self._queue.empty():
             try:
-                yield self._queue.get(timeout=0.5)
+                item = self._queue.get(timeout=0.5)
             except Empty:  # nothing reported this half second
                 continue
+            if "_event" in item:
+                if on_event is not None:
+                    on_event(item)
+                continue
+            yield item
         thread.join()
 
 
 def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = None,
-          show_progress: bool = True) -> TrainOutcome:
-    """Run one training job to completion (or preemption) on the Ray cluster."""
-    from runtime.tracking import Tracker
+          show_progress: bool = True, verbose: bool = False) -> TrainOutcome:
+    """Run one training job to completion (or preemption) on the Ray cluster.
+
+    ``verbose``: Ray's worker and controller output on the console too (see :func:`connect`).
+    """
+    from runtime.tracking import Tracker, plot_curves
 
     if run_name is not None:
         validate_run_name(run_name)  # before the cluster, MLflow or storage are touched
-    connect(address)
+    connect(address, verbose=verbose)
     run_name = run_name or default_run_name(cfg)
     tracker = Tracker.for_job(cfg, run_name)
     fitting = StreamingFit(cfg, run_name, mlflow_run_id=tracker.run_id if tracker else None)
@@ -219,17 +270,26 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     progress = Progress(total=None, enabled=show_progress)
     outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri, metrics={})
     previous = _install_sigterm(Path(run.run_dir))
+    # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.report).
+    history = (Path(run.run_dir) / HISTORY_FILE).open("a")
     try:
-        for item in fitting.reports():
+        for item in fitting.reports(on_event=progress.failure):
             outcome.history.append(item)
             outcome.metrics.update(item)
             progress.update(item)
+            history.write(json.dumps(item, default=str) + "\n")
+            history.flush()
             if tracker:
                 tracker.log_step_metrics(item)
     finally:
+        history.close()
         if previous is not None:  # None: not the main thread (e.g. Tune or tests), nothing was installed
             signal.signal(signal.SIGTERM, previous)
         progress.close()
+    outcome.restarts = progress.failures
+    curves = Path(run.run_dir) / CURVES_FILE
+    if plot_curves(read_history(Path(run.run_dir)), curves):
+        outcome.plots.append(str(curves))
     if fitting.error is not None:
         if tracker:
             tracker.finish(outcome, status="FAILED")
@@ -270,8 +330,12 @@ def outcome_summary(outcome: TrainOutcome) -> str:
                                   for k in keys if k in m))
     if m.get("stop_reason"):
         lines.append(f"  {m['stop_reason']}")
+    if outcome.restarts:
+        lines.append(f"  restarts:     {outcome.restarts} (worker-group failures recovered from checkpoints)")
     lines.append(f"  run folder:   {outcome.run_dir}")
     lines.append(f"  checkpoints:  {outcome.checkpoint_uri}")
+    for plot in outcome.plots:
+        lines.append(f"  curves:       {plot}")
     if outcome.mlflow_uri:
         lines.append(f"  MLflow:       {outcome.mlflow_uri} (run {outcome.mlflow_run_id})")
     return "\n".join(lines)

@@ -1,14 +1,57 @@
-"""Driver-side progress: a bar on a terminal, plain log lines otherwise (CI, files)."""
+"""Driver-side console: a bar on a terminal, plain log lines otherwise (CI, files).
+
+One line per report, plus one line per failure and per recovery. Ray's own output from the
+workers and the Train controller stays in Ray's log files unless ``--verbose``
+(runtime.launch.connect), so what a user reads is these lines and the end-of-run summary.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
+
+FAILURE_EVENT = "failure"  # the "_event" of an item Ray Train's controller queues (runtime.launch.FailureNotices)
+MAX_LINE = 160
+
+
+def _step_name(step: int) -> str:
+    from runtime.checkpoint import step_name
+
+    return step_name(step)
+
+
+def _exception_line(exc: BaseException) -> str:
+    """The line of an exception a user needs: for a traceback text, its final ``Type: message`` line."""
+    lines = [ln.rstrip() for ln in str(exc).splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback") for ln in lines):
+        # Ray wraps a worker's exception with its traceback; the message is the last unindented line.
+        tail = [ln for ln in lines if not ln[0].isspace() and ln not in ("At:",) and not ln.startswith("Traceback")]
+        text = tail[-1] if tail else type(exc).__name__
+    else:
+        text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= MAX_LINE else text[: MAX_LINE - 3] + "..."
+
+
+def failure_line(worker_exceptions: Mapping[int, BaseException]) -> str:
+    """One line for a worker-group failure: dead workers first (their peers' errors follow from them)."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    died = sorted(r for r, e in worker_exceptions.items()
+                  if isinstance(e, (WorkerHealthCheckFailedError, RayActorError)))
+    if died:
+        ranks = ", ".join(str(r) for r in died)
+        return f"worker died (rank {ranks})" if len(died) == 1 else f"workers died (ranks {ranks})"
+    if not worker_exceptions:
+        return "worker group failed"
+    rank = min(worker_exceptions)
+    return f"rank {rank} failed: {_exception_line(worker_exceptions[rank])}"
 
 
 class Progress:
-    """Shows step, loss, samples/s and ETA from the reports rank 0 sends."""
+    """Shows step, loss, samples/s and ETA from the reports rank 0 sends; failures and recoveries always."""
 
     def __init__(self, total: int | None, enabled: bool = True, stream: Any = None) -> None:
         self.stream = stream or sys.stderr
@@ -17,6 +60,8 @@ class Progress:
         self.bar: Any = None
         self.total = total
         self.t0 = time.time()
+        self.last_step: int | None = None
+        self.failures = 0
 
     def _line(self, m: dict[str, Any]) -> str:
         parts = [f"step {m.get('step')}/{m.get('total_steps', '?')}"]
@@ -36,7 +81,41 @@ class Progress:
         elapsed = time.time() - self.t0
         return elapsed / step * max(0, total - step)
 
+    def event(self, text: str) -> None:
+        """A line that is not a report (a failure, a recovery): printed even with the bar off."""
+        if self.bar is not None:
+            self.bar.write(f"[runtime] {text}", file=self.stream)
+        else:
+            print(f"[runtime] {text}", file=self.stream, flush=True)
+
+    def failure(self, item: dict[str, Any]) -> None:
+        """Ray Train's controller saw a worker-group failure (runtime.launch.FailureNotices)."""
+        self.failures += 1
+        count, allowed = item.get("failures", self.failures), item.get("max_failures")
+        message = item.get("message", "worker group failed")
+        if isinstance(allowed, int) and allowed >= 0 and count > allowed:
+            self.event(f"{message}; no restarts left ({allowed} allowed): the run fails")
+            return
+        budget = f" (failure {count} of {allowed} allowed)" if isinstance(allowed, int) and allowed >= 0 else ""
+        self.event(f"{message}; restarting the workers{budget}")
+
+    def _recovery(self, m: dict[str, Any]) -> None:
+        """The first report of a worker group that restored state (or found none valid)."""
+        if "resumed_from_step" in m:
+            resumed = int(m["resumed_from_step"])
+            redone = None if self.last_step is None else max(0, self.last_step - resumed)
+            self.event(f"resuming from {_step_name(resumed)}"
+                       + ("" if redone is None else f" ({redone} step{'' if redone == 1 else 's'} to redo)"))
+        else:
+            self.event("no valid checkpoint to resume from; starting at step 0")
+        for warning in m.get("restore_warnings") or []:
+            self.event(f"  {warning}")
+
     def update(self, m: dict[str, Any]) -> None:
+        if "resumed_from_step" in m or m.get("restore_warnings"):
+            self._recovery(m)
+        if isinstance(m.get("step"), int):
+            self.last_step = m["step"]
         if not self.enabled or "step" not in m:
             return
         if self.tty:

@@ -128,8 +128,9 @@ class Tracker:
             cfg_path = Path(d) / "resolved_config.yaml"
             cfg_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
             self.client.log_artifact(self.run_id, str(cfg_path))
-            png = Path(d) / "training_curves.png"
-            if plot_curves(outcome.history, png):
+            # The driver already wrote the run folder's copy (runtime.launch.train); a Tune trial has none.
+            png = Path(outcome.plots[0]) if outcome.plots else Path(d) / "training_curves.png"
+            if outcome.plots or plot_curves(outcome.history, png):
                 self.client.log_artifact(self.run_id, str(png))
             model = export_final_model(outcome.checkpoint_uri, self.cfg, Path(d))
             if model is not None:
@@ -141,9 +142,23 @@ class Tracker:
         self.client.set_terminated(self.run_id, status=status)
 
 
+CURVE_PANELS = (("train/loss", "loss"), ("train/accuracy", "accuracy"), ("train/learning_rate", "learning rate"),
+                ("train/throughput", "samples/s (global)"))
+
+
+def curve_rows(history: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Reports holding a number for ``key``, one per step in step order. Steps redone after a
+    restart were reported twice: the later report of a step is the one the run continued from."""
+    by_step = {h["step"]: h for h in history
+               if isinstance(h.get("step"), int) and isinstance(h.get(key), (int, float))}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
-    """Loss/accuracy/throughput against step; False when there is nothing to plot."""
-    rows = [h for h in history if all(k in h for k in ("step", "train/loss", "train/accuracy", "train/throughput"))]
+    """Loss, accuracy, learning rate and throughput against step (validation points on the first
+    two); False when no report has a training loss. Written to a temporary name, then renamed,
+    so a reader never sees half a PNG."""
+    rows = curve_rows(history, "train/loss")
     if not rows:
         return False
     import matplotlib
@@ -151,24 +166,27 @@ def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(steps, [r["train/loss"] for r in rows], label="train")
-    val = [(h["step"], h["val/loss"], h["val/accuracy"]) for h in history if "val/loss" in h]
-    if val:
-        axes[0].plot([v[0] for v in val], [v[1] for v in val], "o-", label="val")
-        axes[1].plot([v[0] for v in val], [v[2] for v in val], "o-", label="val")
-    axes[1].plot(steps, [r["train/accuracy"] for r in rows], label="train")
-    axes[2].plot(steps, [r["train/throughput"] for r in rows])
-    for ax, title in zip(axes, ("loss", "accuracy", "samples/s (global)"), strict=True):
+    fig, axes = plt.subplots(1, len(CURVE_PANELS), figsize=(16, 3.6))
+    for ax, (key, title) in zip(axes, CURVE_PANELS, strict=True):
+        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], label="train")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    axes[1].legend()
+    val = [(h["step"], h["val/loss"], h.get("val/accuracy")) for h in curve_rows(history, "val/loss")]
+    if val:
+        axes[0].plot([v[0] for v in val], [v[1] for v in val], "o-", label="val")
+        acc = [(v[0], v[2]) for v in val if isinstance(v[2], (int, float))]
+        axes[1].plot([a[0] for a in acc], [a[1] for a in acc], "o-", label="val")
+    for ax in axes[:2]:
+        ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
+    os.replace(tmp, out)
     return True
 
 

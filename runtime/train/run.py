@@ -39,3 +39,5 @@ class TrainOutcome:
     mlflow_uri: str | None = None
     preempted: bool = False
     error: str | None = None
+    restarts: int = 0  # worker-group failures Ray Train recovered from during this call
+    plots: list[str] = field(default_factory=list)  # files written into the run folder (training_curves.png)

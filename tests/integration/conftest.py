@@ -28,7 +28,7 @@ def _free_port() -> int:
 # Decided at import, before any test module imports Ray: Ray reads its authentication
 # settings once per process, so the test cluster's token path must be in the environment first.
 CLUSTER_DIR = Path(tempfile.mkdtemp(prefix="rt-test-cluster-"))
-_SERVICES = ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter")
+_SERVICES = ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent")
 _PORTS = {f"RT_{n.upper()}_PORT": str(_free_port()) for n in _SERVICES}
 os.environ.update({**_PORTS, "RT_CLUSTER_DIR": str(CLUSTER_DIR),
                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(CLUSTER_DIR / "auth_token")})

@@ -39,7 +39,7 @@ def test_make_cluster_up_then_down_leaves_no_process_behind(tmp_path: Path) -> N
     cdir = tmp_path / "cluster"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RT_"))}
     env.update({"RT_CLUSTER_DIR": str(cdir), "MAKEFLAGS": ""})
-    for name in ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter"):
+    for name in ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent"):
         env[f"RT_{name.upper()}_PORT"] = str(free_port())
     up = subprocess.run(["make", "cluster-up"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
