@@ -2,10 +2,13 @@
 
     python -m runtime train jobs/resnet50.yaml --set optimizer.lr=0.05
     python -m runtime tune jobs/digits_tune.yaml [--resume]
-    python -m runtime validate resnet50
+    python -m runtime validate resnet50 [--show]     # every check train/tune make; nothing starts
     python -m runtime checkpoints list|verify|prune <storage>
     python -m runtime data pack|inspect ...
     python -m runtime cluster up|down|status
+
+Overrides: ``--set a.b=c`` (repeatable), ``--sets "a.b=c d.e='two words'"`` (shell-quoted, what
+``make ... SET=...`` passes) and ``RT_A__B=c`` environment variables; ``--set`` wins over RT_*.
 
 Exit codes: 0 ok, 1 the run failed, 2 bad input (nothing was started),
 3 no cluster to run on.
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _checked_job(args: argparse.Namespace) -> Any:
     """Everything `train` and `tune` refuse, refused here: before Ray, MLflow or any file is touched."""
-    from runtime.config import load_job, planned_device, preflight, job_warnings, validate_run_name
+    from runtime.config import job_warnings, load_job, planned_device, preflight, validate_run_name
 
     if getattr(args, "run_name", None) is not None:
         validate_run_name(args.run_name)
