@@ -2,11 +2,14 @@
 
     python -m runtime train jobs/resnet50.yaml --set optimizer.lr=0.05
     python -m runtime tune jobs/digits_tune.yaml [--resume]
-    python -m runtime validate resnet50
+    python -m runtime validate resnet50 [--show]     # every check train/tune make; nothing starts
     python -m runtime checkpoints list|verify|prune <storage>
     python -m runtime data pack|inspect ...
     python -m runtime cluster up|down|status
     python -m runtime report <run folder or name>
+
+Overrides: ``--set a.b=c`` (repeatable), ``--sets "a.b=c d.e='two words'"`` (shell-quoted, what
+``make ... SET=...`` passes) and ``RT_A__B=c`` environment variables; ``--set`` wins over RT_*.
 
 Exit codes: 0 ok, 1 the run failed, 2 bad input (nothing was started),
 3 no cluster to run on.

@@ -236,16 +236,23 @@ class DataConfig(_Strict):
                     raise ValueError(f"data.path {self.path!r}: {problem}")
             elif "://" in self.path:
                 raise ValueError(f"data.path must be a local folder or s3://bucket/prefix, got {self.path!r}")
-            elif not Path(self.path).expanduser().is_dir():
+            elif not _expanded(self.path).is_dir():
                 raise ValueError(f"data.path {self.path!r} is not a directory (data.source={self.source!r})")
             else:
-                problem = _local_data_problem(self.source, Path(self.path).expanduser())
+                problem = _local_data_problem(self.source, _expanded(self.path))
                 if problem:
                     raise ValueError(f"data.path {self.path!r}: {problem}")
         if self.crop_scale[1] > 1:
             raise ValueError(f"data.crop_scale: the upper bound is a share of the image, at most 1 "
                              f"(got {list(self.crop_scale)})")
         return self
+
+
+def _expanded(path: str) -> Path:
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # ~user of a user this machine does not have
+        raise ValueError(f"data.path {path!r}: no such user's home folder on this machine") from None
 
 
 def _local_data_problem(source: str, root: Path) -> str | None:

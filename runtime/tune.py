@@ -105,7 +105,7 @@ class Param:
 
 
 def _parse_param(key: str, spec: Any) -> Param:
-    where = f"space.{key}"
+    where = f"tune.space.{key}"
     if not isinstance(spec, dict) or len(spec) != 1:
         raise ValueError(f"{where}: expected one distribution, e.g. {{loguniform: [1.0e-4, 1.0e-1]}}, "
                          f"got {short(spec)}")

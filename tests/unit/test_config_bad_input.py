@@ -118,6 +118,10 @@ FILE_CASES = {
                           "did you mean 'val/accuracy'", cmd="tune"),
     "tune space makes a bad job": v("tune: {space: {data.batch_size: {choice: [0, 8]}}}\n",
                                     "tune.space.data.batch_size"),
+    "unknown user's home": v("data: {source: imagefolder, path: '~no-such-user-here/x'}\n", "home folder"),
+    "number as a key": v("1: 2\n", "Keys should be strings"),
+    "tune key not text": v("tune: {space: {1: {choice: [1]}}}\n", "tune.space.1", "string"),
+    "tune space empty": v("tune: {space: {}}\n", "space is empty"),
     "tune without a section": v("train: {max_steps: 5}\n", "has no tune: section", cmd="tune"),
 }
 
