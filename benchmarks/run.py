@@ -53,6 +53,7 @@ def plot_result(result: dict[str, Any], png: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     cols = min(3, len(series))
     rows = math.ceil(len(series) / cols)
@@ -62,6 +63,7 @@ def plot_result(result: dict[str, Any], png: Path) -> bool:
         ax.axhline(statistics.median(nums), linestyle="--", alpha=0.6, label=f"median {statistics.median(nums):.4g}")
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("sample")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(series):]:
