@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from runtime.cluster import DEFAULT_PORTS
 from runtime.errors import ConfigError
 
 RUN_NAME_MAX = 128
@@ -580,8 +581,7 @@ RUNTIME_SETTINGS = (
     "RT_CLUSTER_DIR", "RT_PROMETHEUS_BIN", "RT_NODE_EXPORTER_BIN", "RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST",
     "RT_METRICS_BIND", "RT_METRICS_PORT", "RT_INSTANCE_TYPE", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
     # runtime.cluster.port(): RT_<SERVICE>_PORT moves a local cluster's service
-    "RT_RAY_PORT", "RT_DASHBOARD_PORT", "RT_MLFLOW_PORT", "RT_PROMETHEUS_PORT", "RT_RAY_METRICS_PORT",
-    "RT_NODE_EXPORTER_PORT",
+    *(f"RT_{service.upper()}_PORT" for service in DEFAULT_PORTS),
 )
 
 Origins = dict[tuple[str, ...], str]
