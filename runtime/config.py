@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -209,8 +210,37 @@ class FSDPConfig(_Strict):
     cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer state in host memory.")
 
 
+MAX_WORKERS = 4096
+
+
+class WorkerRange(_Strict):
+    """Elastic size: start once ``min`` workers fit, grow to ``max`` as capacity allows (docs/elastic.md)."""
+
+    min: int = Field(ge=1, le=MAX_WORKERS)
+    max: int = Field(ge=1, le=MAX_WORKERS)
+
+
+class ElasticConfig(_Strict):
+    """What an elastic run (``distributed.num_workers: {min, max}``) keeps when its size changes."""
+
+    keep: Literal["global_batch", "per_worker_batch"] = Field(
+        "global_batch", description="global_batch: train.grad_accum_steps is set per size so that workers x "
+                                    "data.batch_size x accumulation stays what it is at max workers (the "
+                                    "optimisation is unchanged); per_worker_batch: accumulation stays, the global "
+                                    "batch shrinks with the workers and optimizer.lr scales with it (linear rule).")
+    resize_check_interval_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="How often Ray Train looks for room to grow a healthy run (a loss is noticed at once).")
+    min_wait_s: float = Field(
+        300.0, ge=1, description="Give up (fail the run with a message) when fewer than min workers fit this long.")
+
+
 class DistributedConfig(_Strict):
-    num_workers: int = Field(2, ge=1, le=4096)
+    num_workers: int | WorkerRange = Field(
+        2, union_mode="left_to_right",
+        description="A fixed size, or {min, max} for elastic training (Ray Train resizes from the newest "
+                    "checkpoint when nodes come and go).")
+    elastic: ElasticConfig = ElasticConfig()
     use_gpu: Literal["auto"] | bool = Field("auto", description="auto = GPUs when the cluster has them.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp = replicate the model; fsdp = shard it per block with FSDP2 (CPU/gloo and GPU).")
@@ -224,6 +254,44 @@ class DistributedConfig(_Strict):
         0.5, gt=0, le=60,
         description="How often Ray Train's controller polls the workers: checkpoint registrations, the end "
                     "of a run and dead workers are noticed at this period (Ray's own default is 2 s).")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _worker_count(cls, v: Any) -> Any:
+        """One clear message per bad shape (a union would report one error per member)."""
+        def count(x: Any, what: str) -> None:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise ValueError(f"{what} must be a whole number of workers, got {x!r}")
+            if not 1 <= x <= MAX_WORKERS:
+                raise ValueError(f"{what} must be greater than or equal to 1 and at most {MAX_WORKERS}, got {x}")
+
+        if isinstance(v, WorkerRange):
+            return v
+        if isinstance(v, dict):
+            unknown = sorted(set(v) - {"min", "max"})
+            if unknown or set(v) != {"min", "max"}:
+                raise ValueError(f"expected a number or {{min: N, max: M}}, got keys {sorted(v)}")
+            count(v["min"], "min")
+            count(v["max"], "max")
+            if v["min"] > v["max"]:
+                raise ValueError(f"min={v['min']} must be <= max={v['max']}")
+            return v
+        count(v, "num_workers")
+        return v
+
+    @property
+    def min_workers(self) -> int:
+        n = self.num_workers
+        return n.min if isinstance(n, WorkerRange) else n
+
+    @property
+    def max_workers(self) -> int:
+        n = self.num_workers
+        return n.max if isinstance(n, WorkerRange) else n
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.min_workers != self.max_workers
 
     @field_validator("resources_per_worker")
     @classmethod
@@ -279,9 +347,28 @@ class JobConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     tune: dict[str, Any] | None = Field(None, description="Search definition (tuning jobs only).")
 
+    @model_validator(mode="after")
+    def _elastic_batch(self) -> JobConfig:
+        """keep: global_batch needs a whole accumulation count at every size in [min, max]."""
+        d = self.distributed
+        if d.is_elastic and d.elastic.keep == "global_batch":
+            bad = [w for w in range(d.min_workers, d.max_workers + 1)
+                   if self.global_batch_size() % (w * self.data.batch_size)]
+            if bad:
+                raise ValueError(
+                    f"distributed.num_workers={{min: {d.min_workers}, max: {d.max_workers}}} with "
+                    f"distributed.elastic.keep=global_batch: the global batch {d.max_workers} x "
+                    f"{self.data.batch_size} x {self.train.grad_accum_steps} = {self.global_batch_size()} is not "
+                    f"a whole number of {self.data.batch_size}-sample micro-batches per worker at "
+                    f"{', '.join(map(str, bad))} worker(s); make train.grad_accum_steps a multiple of "
+                    f"{_lcm_for(range(d.min_workers, d.max_workers + 1), d.max_workers)}, narrow the range, or set "
+                    "distributed.elastic.keep=per_worker_batch")
+        return self
+
     def global_batch_size(self) -> int:
-        # workers x per-worker micro-batch x accumulation steps = samples per optimizer step
-        return self.distributed.num_workers * self.data.batch_size * self.train.grad_accum_steps
+        # workers x per-worker micro-batch x accumulation steps = samples per optimizer step;
+        # elastic runs state it at max workers (what keep=global_batch holds at every size).
+        return self.distributed.max_workers * self.data.batch_size * self.train.grad_accum_steps
 
     def config_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
@@ -289,6 +376,15 @@ class JobConfig(_Strict):
     def flat(self) -> dict[str, Any]:
         """Dotted-key view, e.g. for MLflow params."""
         return flatten(self.model_dump(mode="json", exclude={"tune"}))
+
+
+def _lcm_for(sizes: range, max_workers: int) -> int:
+    """The least accumulation factor that makes max x accum divisible by every size."""
+    need = 1
+    for w in sizes:
+        k = w // math.gcd(w, max_workers)
+        need = need * k // math.gcd(need, k)
+    return need
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

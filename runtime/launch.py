@@ -23,6 +23,7 @@ from typing import Any
 
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
 from runtime.config import JobConfig, validate_run_name
+from runtime.elastic import RESIZE_EVENT, record_resize, resize_line
 from runtime.errors import ConfigError
 from runtime.progress import Progress
 from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
@@ -74,7 +75,7 @@ def resolve_use_gpu(cfg: JobConfig) -> bool:
 
 def preflight(cfg: JobConfig, use_gpu: bool) -> None:
     """Refuse combinations torch cannot run, before any worker starts."""
-    if cfg.model.sync_batchnorm and not use_gpu and cfg.distributed.num_workers > 1:
+    if cfg.model.sync_batchnorm and not use_gpu and cfg.distributed.max_workers > 1:
         raise ConfigError(
             "model.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU/gloo; "
             "set model.sync_batchnorm=false or run on a cluster with GPUs"
@@ -124,6 +125,8 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.v2.api.config import ScalingConfig  # what ray.train.ScalingConfig is under Train V2
+
 
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
@@ -147,14 +150,25 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
     if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
         storage_path = storage_path.removeprefix("s3://")
+    callbacks: list[Any] = []
+    num_workers: int | tuple[int, int] = d.max_workers
+    if d.is_elastic:
+        from runtime.elastic import ElasticWatch
+
+        # Ray starts once min workers fit and restarts the group at another size (from the newest
+        # checkpoint) when a node is lost or room comes back; the watch reports it (docs/elastic.md).
+        num_workers = (d.min_workers, d.max_workers)
+        callbacks.append(ElasticWatch(run.job_id, d.min_workers, d.max_workers, d.elastic.min_wait_s,
+                                      progress, run.sd_dir or os.environ.get("RT_PROMETHEUS_SD_DIR")))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
         # NCCL on GPUs, gloo on CPUs; the timeout turns a dead peer into a failure, not a hang.
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=d.timeout_s),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=d.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources,
             placement_strategy=d.placement_strategy,
+            elastic_resize_monitor_interval_s=d.elastic.resize_check_interval_s,
         ),
         run_config=ray.train.RunConfig(
             name=run_name,
@@ -163,6 +177,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
             # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            callbacks=callbacks,
         ),
     )
     return trainer, run
@@ -186,6 +201,10 @@ class StreamingFit:
                                                mlflow_run_id=mlflow_run_id, lockstep=lockstep)
         self.result: Any = None
         self.error: BaseException | None = None
+        self.last_step: Any = None  # the newest step reported (where a resize interrupted training)
+        self.resizes = 0
+        # Called with each resize event and the step it interrupted; train() prints it and tags MLflow.
+        self.on_resize: Any = None
 
     def _fit(self) -> None:
         try:
@@ -201,9 +220,17 @@ class StreamingFit:
         thread.start()
         while thread.is_alive() or not self._queue.empty():
             try:
-                yield self._queue.get(timeout=0.5)
+                item = self._queue.get(timeout=0.5)
             except Empty:  # nothing reported this half second
                 continue
+            if item.get("event") == RESIZE_EVENT:  # from the controller (runtime.elastic), not a report
+                self.resizes += 1
+                log.warning(resize_line(item, self.last_step))
+                if self.on_resize is not None:
+                    self.on_resize(item, self.last_step, self.resizes)
+                continue
+            self.last_step = item.get("step", self.last_step)
+            yield item
         thread.join()
 
 
@@ -220,6 +247,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     fitting = StreamingFit(cfg, run_name, mlflow_run_id=tracker.run_id if tracker else None)
     run = fitting.run
     progress = Progress(total=None, enabled=show_progress)
+    fitting.on_resize = lambda event, step, count: record_resize(tracker, event, step, count)
     outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri, metrics={})
     previous = _install_sigterm(Path(run.run_dir))
     try:

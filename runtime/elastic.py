@@ -1,0 +1,152 @@
+"""Elastic training seen from the Ray Train controller: resizes, their reasons, the min-wait limit.
+
+With ``distributed.num_workers: {min, max}`` Ray Train's controller restarts the worker
+group at another size when a node is lost or capacity comes back (docs/elastic.md). The
+workers learn their new size on restart (runtime.train.setup.for_world); this callback,
+which lives in the controller actor for the whole run, is what knows *that* and *why*
+the size changed. It
+
+- exports ``rt_train_workers`` / ``rt_train_workers_max`` / ``rt_train_resizes_total``
+  (runtime.metrics.ControllerMetrics): the controller outlives every worker group, so the
+  resize counter is not reset by the restarts it counts;
+- streams a ``{"event": "resize", ...}`` item to the driver's progress queue, which prints
+  ``resized 3 -> 2 workers at step 120: node 5f2c... lost`` and tags the MLflow run;
+- fails the run with a message naming ``distributed.elastic.min_wait_s`` when fewer than
+  ``min`` workers fit for that long (Ray itself would wait forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+from ray.train.v2._internal.execution.callback import ControllerCallback
+
+log = logging.getLogger("runtime.elastic")
+
+RESIZE_EVENT = "resize"
+_NODE_RE = re.compile(r"node (?:has )?died.*?(?:Node ID|node_id|NodeID|Node Id)[:= ]+([0-9a-f]{8,})", re.I | re.S)
+
+
+def failure_reason(error: BaseException | str | None) -> str:
+    """A short human reason from Ray's (long) worker-group error text."""
+    text = str(error or "")
+    m = _NODE_RE.search(text)
+    if m:
+        return f"node {m.group(1)[:12]} lost"
+    if "node" in text.lower() and "died" in text.lower():
+        return "a node was lost"
+    for line in text.splitlines():  # the first line that says something beyond Ray's preamble
+        line = line.strip()
+        if line and not line.startswith("Training failed due to worker errors"):
+            return line[:200]
+    return "worker group failed"
+
+
+class ElasticWatch(ControllerCallback):
+    """Runs inside the Ray Train controller actor (pickled with the RunConfig)."""
+
+    def __init__(self, job_id: str, min_workers: int, max_workers: int, min_wait_s: float,
+                 progress: Any = None, sd_dir: str | None = None) -> None:
+        self.job_id, self.min_workers, self.max_workers = job_id, min_workers, max_workers
+        self.min_wait_s = min_wait_s
+        self.progress = progress  # the driver's ray.util.queue.Queue, or None
+        self.sd_dir = sd_dir
+        self.current: int | None = None  # size of the group last started
+        self.reason = "capacity changed"
+        self.waiting_since: float | None = None
+        self.metrics: Any = None
+
+    # ------------------------------------------------------------- controller hooks
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        try:
+            from runtime.metrics import ControllerMetrics
+
+            self.metrics = ControllerMetrics(self.job_id, self.min_workers, self.max_workers, self.sd_dir)
+        except Exception as e:  # metrics are advisory: never fail a run over an exporter
+            log.warning("elastic metrics disabled: %s", e)
+
+    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        name = type(current_state).__name__
+        if name in ("RestartingState", "ReschedulingState"):
+            self.reason = failure_reason(getattr(current_state, "training_failed_error", None))
+            if self.metrics is not None:
+                self.metrics.workers.set(0)  # no group trains until the next one starts
+        elif name == "ResizingState":
+            self.reason = "capacity came back" if self._grows(current_state) else "capacity changed"
+        if name in ("InitializingState", "RestartingState", "ReschedulingState"):
+            self._check_wait()
+        else:
+            self.waiting_since = None
+
+    def before_controller_execute_resize_decision(self, resize_decision: Any) -> None:
+        n = int(resize_decision.num_workers)
+        previous, self.current = self.current, n
+        if self.metrics is not None:
+            self.metrics.workers.set(n)
+        if previous is None or previous == n:
+            return  # the first start, or a restart at the same size: not a resize
+        if self.metrics is not None:
+            self.metrics.resizes.inc()
+        event = {"event": RESIZE_EVENT, "from": previous, "to": n, "reason": self.reason, "_time": time.time()}
+        log.warning("resizing %d -> %d workers: %s", previous, n, self.reason)
+        if self.progress is not None:
+            try:
+                self.progress.actor.put_nowait.remote(event)
+            except Exception as e:  # the driver's view must never stop the controller
+                log.warning("could not stream the resize to the driver: %s", e)
+
+    def after_controller_finish(self, result: Any) -> None:
+        self._close()
+
+    def before_controller_abort(self) -> None:
+        self._close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _grows(self, state: Any) -> bool:
+        decision = getattr(state, "scaling_decision", None)
+        return self.current is not None and int(getattr(decision, "num_workers", 0)) > self.current
+
+    def _check_wait(self) -> None:
+        """Raise once fewer than min workers have fitted for min_wait_s (the controller fails the run)."""
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+            return
+        if now - self.waiting_since >= self.min_wait_s:
+            raise MinWorkersTimeout(
+                f"distributed.num_workers: the cluster had room for fewer than min={self.min_workers} workers "
+                f"for {self.min_wait_s:g} s (distributed.elastic.min_wait_s); add nodes or lower "
+                f"distributed.num_workers.min (last failure: {self.reason})")
+
+    def _close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+
+class MinWorkersTimeout(RuntimeError):
+    """Fewer than min workers fitted for distributed.elastic.min_wait_s."""
+
+
+def resize_line(event: dict[str, Any], step: Any) -> str:
+    """The console line for a resize event, e.g. ``resized 3 -> 2 workers at step 120: node ab12 lost``."""
+    where = f" at step {step}" if step is not None else " before the first report"
+    return f"resized {event['from']} -> {event['to']} workers{where}: {event['reason']}"
+
+
+def record_resize(tracker: Any, event: dict[str, Any], step: Any, count: int) -> None:
+    """MLflow: the worker count as a metric at the step it changed, the latest resize as tags."""
+    if tracker is None:
+        return
+    try:
+        ts = int(float(event.get("_time", time.time())) * 1000)
+        tracker.client.log_metric(tracker.run_id, "elastic/workers", float(event["to"]), ts, int(step or 0))
+        tracker.client.set_tag(tracker.run_id, "elastic.resizes", str(count))
+        tracker.client.set_tag(tracker.run_id, "elastic.last_resize", resize_line(event, step))
+    except Exception as e:  # tracking must never stop training
+        log.warning("MLflow: could not record the resize: %s", e)
