@@ -40,7 +40,7 @@ def failure_reason(error: BaseException | str | None) -> str:
         return "a node was lost"
     for line in text.splitlines():  # the first line that says something beyond Ray's preamble
         line = line.strip()
-        if line and not line.startswith("Training failed due to worker errors"):
+        if line and not line.startswith("Training failed due to"):
             return line[:200]
     return "worker group failed"
 
@@ -55,7 +55,7 @@ class ElasticWatch(ControllerCallback):
         self.progress = progress  # the driver's ray.util.queue.Queue, or None
         self.sd_dir = sd_dir
         self.current: int | None = None  # size of the group last started
-        self.reason = "capacity changed"
+        self.reason: str | None = None  # why the running group stopped (the first failure since it ran)
         self.waiting_since: float | None = None
         self.metrics: Any = None
 
@@ -71,12 +71,16 @@ class ElasticWatch(ControllerCallback):
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         name = type(current_state).__name__
-        if name in ("RestartingState", "ReschedulingState"):
-            self.reason = failure_reason(getattr(current_state, "training_failed_error", None))
+        if name in ("RestartingState", "ReschedulingState") and previous_state is not current_state:
+            if self.reason is None:
+                self.reason = failure_reason(getattr(current_state, "training_failed_error", None))
             if self.metrics is not None:
                 self.metrics.workers.set(0)  # no group trains until the next one starts
+            refresh_capacity()
         elif name == "ResizingState":
             self.reason = "capacity came back" if self._grows(current_state) else "capacity changed"
+        elif name == "RunningState":
+            self.reason = None
         if name in ("InitializingState", "RestartingState", "ReschedulingState"):
             self._check_wait()
         else:
@@ -91,8 +95,9 @@ class ElasticWatch(ControllerCallback):
             return  # the first start, or a restart at the same size: not a resize
         if self.metrics is not None:
             self.metrics.resizes.inc()
-        event = {"event": RESIZE_EVENT, "from": previous, "to": n, "reason": self.reason, "_time": time.time()}
-        log.warning("resizing %d -> %d workers: %s", previous, n, self.reason)
+        reason = self.reason or "capacity changed"
+        event = {"event": RESIZE_EVENT, "from": previous, "to": n, "reason": reason, "_time": time.time()}
+        log.warning("resizing %d -> %d workers: %s", previous, n, reason)
         if self.progress is not None:
             try:
                 self.progress.actor.put_nowait.remote(event)
@@ -127,6 +132,26 @@ class ElasticWatch(ControllerCallback):
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def refresh_capacity() -> None:
+    """Make Ray's autoscaling coordinator re-read the cluster's nodes now.
+
+    Ray Train's elastic policy sizes a restart from the coordinator's view, which it refreshes
+    every 20 s: right after a node loss it still counts the lost node, and the restart waits
+    for a worker that cannot be placed until the worker-group start times out. A recompute
+    (the coordinator's own option for callers that must not pin to dead nodes) avoids that.
+    """
+    try:
+        import ray
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get(coordinator.get_reserved_resources.remote("runtime-elastic", recompute=True), timeout=10)
+    except Exception as e:  # a stale view only costs time: Ray retries a start that cannot be placed
+        log.warning("could not refresh the cluster's capacity: %s", e)
 
 
 class MinWorkersTimeout(RuntimeError):

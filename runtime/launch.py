@@ -158,6 +158,9 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
         # Ray starts once min workers fit and restarts the group at another size (from the newest
         # checkpoint) when a node is lost or room comes back; the watch reports it (docs/elastic.md).
         num_workers = (d.min_workers, d.max_workers)
+        # A restart sized on a stale view of the cluster (a node just lost) waits this long for a
+        # worker that cannot be placed before Ray retries at the size that fits (Ray's default: 60 s).
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
         callbacks.append(ElasticWatch(run.job_id, d.min_workers, d.max_workers, d.elastic.min_wait_s,
                                       progress, run.sd_dir or os.environ.get("RT_PROMETHEUS_SD_DIR")))
     trainer = TorchTrainer(
