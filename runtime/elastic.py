@@ -49,9 +49,10 @@ class ElasticWatch(ControllerCallback):
     """Runs inside the Ray Train controller actor (pickled with the RunConfig)."""
 
     def __init__(self, job_id: str, min_workers: int, max_workers: int, min_wait_s: float,
-                 progress: Any = None, sd_dir: str | None = None) -> None:
+                 progress: Any = None, sd_dir: str | None = None, check_interval_s: float = 30.0) -> None:
         self.job_id, self.min_workers, self.max_workers = job_id, min_workers, max_workers
-        self.min_wait_s = min_wait_s
+        self.min_wait_s, self.check_interval_s = min_wait_s, check_interval_s
+        self.last_refresh = time.monotonic()
         self.progress = progress  # the driver's ray.util.queue.Queue, or None
         self.sd_dir = sd_dir
         self.current: int | None = None  # size of the group last started
@@ -81,6 +82,12 @@ class ElasticWatch(ControllerCallback):
             self.reason = "capacity came back" if self._grows(current_state) else "capacity changed"
         elif name == "RunningState":
             self.reason = None
+            # Ray's resize check reads a view of the cluster it refreshes every 20 s; keep it as
+            # fresh as the check itself so that returning capacity is seen at the next check.
+            if self.current is not None and self.current < self.max_workers and \
+                    time.monotonic() - self.last_refresh >= self.check_interval_s:
+                self.last_refresh = time.monotonic()
+                refresh_capacity()
         if name in ("InitializingState", "RestartingState", "ReschedulingState"):
             self._check_wait()
         else:
@@ -100,7 +107,8 @@ class ElasticWatch(ControllerCallback):
         log.warning("resizing %d -> %d workers: %s", previous, n, reason)
         if self.progress is not None:
             try:
-                self.progress.actor.put_nowait.remote(event)
+                # Not awaited: with a full queue (a Tune trial in lockstep) it lands once there is room.
+                self.progress.actor.put.remote(event, None)
             except Exception as e:  # the driver's view must never stop the controller
                 log.warning("could not stream the resize to the driver: %s", e)
 

@@ -162,7 +162,8 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
         # worker that cannot be placed before Ray retries at the size that fits (Ray's default: 60 s).
         os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
         callbacks.append(ElasticWatch(run.job_id, d.min_workers, d.max_workers, d.elastic.min_wait_s,
-                                      progress, run.sd_dir or os.environ.get("RT_PROMETHEUS_SD_DIR")))
+                                      progress, run.sd_dir or os.environ.get("RT_PROMETHEUS_SD_DIR"),
+                                      d.elastic.resize_check_interval_s))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
