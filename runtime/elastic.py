@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import time
 from typing import Any
 
@@ -40,7 +41,7 @@ def failure_reason(error: BaseException | str | None) -> str:
         return "a node was lost"
     for line in text.splitlines():  # the first line that says something beyond Ray's preamble
         line = line.strip()
-        if line and not line.startswith("Training failed due to"):
+        if line and not line.startswith(("Training failed due to", "[Rank")):
             return line[:200]
     return "worker group failed"
 
@@ -73,8 +74,10 @@ class ElasticWatch(ControllerCallback):
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         name = type(current_state).__name__
         if name in ("RestartingState", "ReschedulingState") and previous_state is not current_state:
+            lost = settle_lost_nodes()
             if self.reason is None:
-                self.reason = failure_reason(getattr(current_state, "training_failed_error", None))
+                self.reason = (f"node {lost[0][:12]} lost" if len(lost) == 1 else f"{len(lost)} nodes lost") \
+                    if lost else failure_reason(getattr(current_state, "training_failed_error", None))
             if self.metrics is not None:
                 self.metrics.workers.set(0)  # no group trains until the next one starts
             refresh_capacity()
@@ -142,6 +145,50 @@ class ElasticWatch(ControllerCallback):
             self.metrics = None
 
 
+def _refused(host: str, port: int) -> bool:
+    """True only when the node's raylet port actively refuses (its process is gone); a filtered
+    or slow port counts as alive: this must never invent a lost node."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def settle_lost_nodes(timeout_s: float = 30.0) -> list[str]:
+    """Wait until Ray's GCS has marked dead every node whose raylet is gone; their ids.
+
+    When a node dies, its peers' collectives fail at once, before the GCS has noticed (it
+    needs several missed health checks): a restart sized then would count the dead node and
+    wait for a worker that cannot be placed. A raylet that refuses connections is gone; the
+    GCS will agree within its health-check window.
+    """
+    import ray
+
+    if not ray.is_initialized():  # outside a Ray process (unit tests): nothing to ask
+        return []
+
+    def gone() -> list[str]:
+        return [str(n["NodeID"]) for n in ray.nodes()
+                if n.get("Alive") and _refused(n["NodeManagerAddress"], int(n["NodeManagerPort"]))]
+
+    try:
+        lost = gone()
+        deadline = time.monotonic() + timeout_s
+        while lost and time.monotonic() < deadline:
+            time.sleep(0.5)
+            still = gone()
+            if not still:
+                break
+            lost = sorted(set(lost) | set(still))
+        return lost
+    except Exception as e:  # only an optimisation: Ray retries a restart that cannot be placed
+        log.warning("could not check the cluster's nodes: %s", e)
+        return []
+
+
 def refresh_capacity() -> None:
     """Make Ray's autoscaling coordinator re-read the cluster's nodes now.
 
@@ -150,8 +197,11 @@ def refresh_capacity() -> None:
     for a worker that cannot be placed until the worker-group start times out. A recompute
     (the coordinator's own option for callers that must not pin to dead nodes) avoids that.
     """
+    import ray
+
+    if not ray.is_initialized():  # outside a Ray process (unit tests): nothing to refresh
+        return
     try:
-        import ray
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
             get_or_create_autoscaling_coordinator,
         )
