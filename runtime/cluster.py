@@ -292,8 +292,14 @@ def remove_node(index: int, cdir: Path | None = None, hard: bool = True) -> None
         raise ClusterError(f"no extra node {index} in {cluster_dir / STATE_FILE}")
     pid = int(node["pid"])
     if hard:
+        # Everything the node runs dies at once, as with a lost machine: the raylet's process group
+        # and every descendant (Ray workers live in sessions of their own, they would linger).
+        doomed = _descendants(pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
+        for child in doomed:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, signal.SIGKILL)
         _kill_group_leftovers(pid)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
@@ -302,6 +308,26 @@ def remove_node(index: int, cdir: Path | None = None, hard: bool = True) -> None
         _kill_group_leftovers(pid)
     state["nodes"] = [n for n in state["nodes"] if int(n["index"]) != index]
     _save_state(state, cluster_dir)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), children first found first."""
+    parents: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # The parent pid is the 2nd field after the parenthesised command name.
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(proc.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _mlflow_up(cluster_dir: Path) -> dict[str, Any]:
