@@ -238,10 +238,12 @@ def add_node(cdir: Path | None = None, num_cpus: int | None = None,
     (:func:`remove_node`) is a node loss as the cluster sees it.
     """
     cluster_dir = cdir or default_cluster_dir()
-    for _ in range(2):
-        with contextlib.suppress(ClusterError):  # a port picked free was taken before the raylet bound it
+    # A port picked free may be taken before the raylet binds it, and on a busy machine the raylet
+    # gives up when its dashboard agent takes over 15 s to start: try again, with new ports.
+    for _ in range(ADD_NODE_ATTEMPTS - 1):
+        with contextlib.suppress(ClusterError):
             return _add_node(cluster_dir, num_cpus, resources)
-    return _add_node(cluster_dir, num_cpus, resources)  # third try, with new ports again; its error stands
+    return _add_node(cluster_dir, num_cpus, resources)  # the last try: its error stands
 
 
 def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, float] | None) -> dict[str, Any]:
@@ -266,9 +268,7 @@ def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, floa
         cmd.append(f"--num-cpus={num_cpus}")
     log = cluster_dir / "logs" / f"ray-node{index}.log"
     offset = log.stat().st_size if log.exists() else 0
-    # A busy machine starts the node's dashboard agent slowly; the raylet's wait for it would abort.
-    slow_start = {"RAY_agent_register_timeout_ms": "120000", "RAY_raylet_start_wait_time_s": "120"}
-    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth_env(cluster_dir), **slow_start})
+    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth_env(cluster_dir)})
     try:
         _wait(lambda: _started(log, offset) or not _alive(pid), f"Ray node {index}", 120, log)
         if not _started(log, offset):
@@ -308,6 +308,9 @@ def remove_node(index: int, cdir: Path | None = None, hard: bool = True) -> None
         _kill_group_leftovers(pid)
     state["nodes"] = [n for n in state["nodes"] if int(n["index"]) != index]
     _save_state(state, cluster_dir)
+
+
+ADD_NODE_ATTEMPTS = 5
 
 
 def _descendants(pid: int) -> list[int]:
