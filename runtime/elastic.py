@@ -137,7 +137,7 @@ class ElasticWatch(ControllerCallback):
             raise MinWorkersTimeout(
                 f"distributed.num_workers: the cluster had room for fewer than min={self.min_workers} workers "
                 f"for {self.min_wait_s:g} s (distributed.elastic.min_wait_s); add nodes or lower "
-                f"distributed.num_workers.min (last failure: {self.reason})")
+                f"distributed.num_workers.min" + (f" (last failure: {self.reason})" if self.reason else ""))
 
     def _close(self) -> None:
         if self.metrics is not None:
