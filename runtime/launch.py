@@ -16,7 +16,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -127,7 +127,6 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.train.v2.api.config import ScalingConfig  # what ray.train.ScalingConfig is under Train V2
 
-
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
     storage_path, ckpt_uri, run_dir = storage_paths(cfg, run_name)
@@ -208,7 +207,7 @@ class StreamingFit:
         self.last_step: Any = None  # the newest step reported (where a resize interrupted training)
         self.resizes = 0
         # Called with each resize event and the step it interrupted; train() prints it and tags MLflow.
-        self.on_resize: Any = None
+        self.on_resize: Callable[[dict[str, Any], Any, int], None] | None = None
 
     def _fit(self) -> None:
         try:
