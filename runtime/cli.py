@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("--num-cpus", type=int, default=None)
     cl.add_argument("--no-mlflow", action="store_true")
     cl.add_argument("--no-prometheus", action="store_true")
+    cl.add_argument("--nodes", type=int, default=1, help="up: raylets on this machine, head included (elastic tests)")
     return p
 
 
@@ -78,9 +79,11 @@ def _cluster(args: argparse.Namespace) -> int:
 
     if args.action == "up":
         state = cluster.up(num_cpus=args.num_cpus, with_mlflow=not args.no_mlflow,
-                           with_prometheus=not args.no_prometheus)
+                           with_prometheus=not args.no_prometheus, nodes=args.nodes)
         print("local cluster is up:")
         print(f"  Ray:        {state['ray']['address']}   dashboard {state['ray']['dashboard']}")
+        if state.get("nodes"):
+            print(f"  nodes:      head + {len(state['nodes'])} raylets on this machine")
         if "mlflow" in state:
             print(f"  MLflow:     {state['mlflow']['url']}")
         if "prometheus" in state:

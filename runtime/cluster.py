@@ -216,10 +216,136 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
     if num_cpus:
         cmd.append(f"--num-cpus={num_cpus}")
     log = cluster_dir / "logs" / "ray.log"
-    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth, **job_env()})
+    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth, **job_env(), **NODE_HEALTH_ENV})
     _wait(lambda: _port_open(host, port("ray")) and _alive(pid), "Ray head", 180, log)
     return {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",
             "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"]}
+
+
+# How fast the head's GCS declares a silent node dead: Ray's defaults (3 s period, 5 misses
+# after 10 s timeouts) take up to a minute; on a local cluster a lost raylet is noticed within
+# ~10 s, so an elastic run resizes promptly (docs/elastic.md). Generous enough for 2 busy cores.
+NODE_HEALTH_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "3000",
+                   "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "1000"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _started(log: Path, offset: int) -> bool:
+    """`ray start` printed that its raylet joined (after ``offset``: the log is appended to)."""
+    if not log.exists():
+        return False
+    with log.open("rb") as f:
+        f.seek(offset)
+        return b"Ray runtime started" in f.read()
+
+
+def add_node(cdir: Path | None = None, num_cpus: int | None = None,
+             resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """Join one more raylet on this machine to the local cluster, with its own logical resources.
+
+    As Ray's own multi-node tests do: every raylet gets ports of its own, so several "nodes"
+    share 127.0.0.1. Each is its own process group (``ray start --block``): killing that group
+    (:func:`remove_node`) is a node loss as the cluster sees it.
+    """
+    cluster_dir = cdir or default_cluster_dir()
+    # A port picked free may be taken before the raylet binds it, and on a busy machine the raylet
+    # gives up when its dashboard agent takes over 15 s to start: try again, with new ports.
+    for _ in range(ADD_NODE_ATTEMPTS - 1):
+        with contextlib.suppress(ClusterError):
+            return _add_node(cluster_dir, num_cpus, resources)
+    return _add_node(cluster_dir, num_cpus, resources)  # the last try: its error stands
+
+
+def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, float] | None) -> dict[str, Any]:
+    state = load_state(cluster_dir)
+    head = state.get("ray", {}).get("address")
+    if not head:
+        raise ClusterError("no local Ray head to join: run `make cluster-up` first")
+    nodes = state.setdefault("nodes", [])
+    index = 1 + max((int(n["index"]) for n in nodes), default=0)
+    ports = {k: _free_port() for k in ("node_manager", "object_manager", "metrics", "agent_listen",
+                                       "agent_grpc", "runtime_env")}
+    low = 20000 + 1000 * (index % 40)  # worker ports: a range of its own per node
+    cmd = [
+        _bin("ray"), "start", "--block", f"--address={head}", "--node-ip-address=127.0.0.1",
+        f"--node-manager-port={ports['node_manager']}", f"--object-manager-port={ports['object_manager']}",
+        f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent_listen']}",
+        f"--dashboard-agent-grpc-port={ports['agent_grpc']}", f"--runtime-env-agent-port={ports['runtime_env']}",
+        f"--min-worker-port={low}", f"--max-worker-port={low + 999}", "--disable-usage-stats",
+        f"--resources={json.dumps(resources or {})}",
+    ]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    log = cluster_dir / "logs" / f"ray-node{index}.log"
+    offset = log.stat().st_size if log.exists() else 0
+    pid = _spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth_env(cluster_dir)})
+    try:
+        _wait(lambda: _started(log, offset) or not _alive(pid), f"Ray node {index}", 120, log)
+        if not _started(log, offset):
+            raise ClusterError(f"Ray node {index} exited during start-up; see {log}")
+    except ClusterError:
+        _kill(pid)
+        _kill_group_leftovers(pid)
+        raise
+    node = {"index": index, "pid": pid, "num_cpus": num_cpus, "resources": resources or {}}
+    nodes.append(node)
+    _save_state(state, cluster_dir)
+    return node
+
+
+def remove_node(index: int, cdir: Path | None = None, hard: bool = True) -> None:
+    """Stop the extra node ``index``: SIGKILL (hard, a node lost) or SIGTERM (a clean leave)."""
+    cluster_dir = cdir or default_cluster_dir()
+    state = load_state(cluster_dir)
+    node = next((n for n in state.get("nodes", []) if int(n["index"]) == index), None)
+    if node is None:
+        raise ClusterError(f"no extra node {index} in {cluster_dir / STATE_FILE}")
+    pid = int(node["pid"])
+    if hard:
+        # Everything the node runs dies at once, as with a lost machine: the raylet's process group
+        # and every descendant (Ray workers live in sessions of their own, they would linger).
+        doomed = _descendants(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        for child in doomed:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, signal.SIGKILL)
+        _kill_group_leftovers(pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    else:
+        _kill(pid)
+        _kill_group_leftovers(pid)
+    state["nodes"] = [n for n in state["nodes"] if int(n["index"]) != index]
+    _save_state(state, cluster_dir)
+
+
+ADD_NODE_ATTEMPTS = 5
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), children first found first."""
+    parents: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # The parent pid is the 2nd field after the parenthesised command name.
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(proc.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _mlflow_up(cluster_dir: Path) -> dict[str, Any]:
@@ -296,13 +422,22 @@ def _prometheus_up(cluster_dir: Path, node_exporter: bool) -> dict[str, Any] | N
 
 
 def up(cdir: Path | None = None, num_cpus: int | None = None, with_mlflow: bool = True,
-       with_prometheus: bool = True) -> dict[str, Any]:
-    """Start what is not already running; idempotent."""
+       with_prometheus: bool = True, nodes: int = 1) -> dict[str, Any]:
+    """Start what is not already running; idempotent. ``nodes`` > 1 adds raylets on this machine
+    (``num_cpus`` logical CPUs each) until the cluster has that many nodes, head included."""
     cluster_dir = cdir or default_cluster_dir()
     state = load_state(cluster_dir)
     if not (state.get("ray") and _port_open("127.0.0.1", port("ray"))):
         state["ray"] = _ray_up(cluster_dir, num_cpus)
+        state["nodes"] = []
         _save_state(state, cluster_dir)
+    if nodes > 1:
+        live = [n for n in state.get("nodes", []) if _alive(int(n["pid"]))]
+        state["nodes"] = live
+        _save_state(state, cluster_dir)
+        for _ in range(nodes - 1 - len(live)):
+            add_node(cluster_dir, num_cpus)
+        state = load_state(cluster_dir)
     if with_mlflow and not (state.get("mlflow") and _alive(state["mlflow"]["pid"])):
         state["mlflow"] = _mlflow_up(cluster_dir)
         _save_state(state, cluster_dir)
@@ -355,6 +490,10 @@ def down(cdir: Path | None = None) -> list[str]:
     cluster_dir = cdir or default_cluster_dir()
     state = load_state(cluster_dir)
     stopped = []
+    for node in state.get("nodes", []):  # extra raylets first: they would outlive the head otherwise
+        _kill(int(node["pid"]), timeout=30)
+        _kill_group_leftovers(int(node["pid"]))
+        stopped.append(f"node{node['index']}")
     for name in ("prometheus", "node_exporter", "mlflow", "ray"):
         svc = state.get(name)
         if svc and svc.get("pid"):
@@ -372,6 +511,9 @@ def status(cdir: Path | None = None) -> dict[str, str]:
     ray_addr = state.get("ray", {}).get("address")
     out["ray"] = f"up at {ray_addr} (dashboard {state['ray']['dashboard']})" if ray_addr and _port_open(
         "127.0.0.1", port("ray")) else "down"
+    extra = [n for n in state.get("nodes", []) if _alive(int(n["pid"]))]
+    if extra:
+        out["nodes"] = f"head + {len(extra)} more on this machine"
     for name, path in (("mlflow", "/health"), ("prometheus", "/-/ready")):
         svc = state.get(name)
         out[name] = f"up at {svc['url']}" if svc and _http_ok(svc["url"] + path) else "down"

@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import ipaddress
 import json
+import math
 import os
 import re
 import reprlib
@@ -375,8 +376,37 @@ class FSDPConfig(_Strict):
     cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer state in host memory.")
 
 
+MAX_WORKERS = 4096
+
+
+class WorkerRange(_Strict):
+    """Elastic size: start once ``min`` workers fit, grow to ``max`` as capacity allows (docs/elastic.md)."""
+
+    min: int = Field(ge=1, le=MAX_WORKERS)
+    max: int = Field(ge=1, le=MAX_WORKERS)
+
+
+class ElasticConfig(_Strict):
+    """What an elastic run (``distributed.num_workers: {min, max}``) keeps when its size changes."""
+
+    keep: Literal["global_batch", "per_worker_batch"] = Field(
+        "global_batch", description="global_batch: train.grad_accum_steps is set per size so that workers x "
+                                    "data.batch_size x accumulation stays what it is at max workers (the "
+                                    "optimisation is unchanged); per_worker_batch: accumulation stays, the global "
+                                    "batch shrinks with the workers and optimizer.lr scales with it (linear rule).")
+    resize_check_interval_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="How often Ray Train looks for room to grow a healthy run (a loss is noticed at once).")
+    min_wait_s: float = Field(
+        300.0, ge=1, description="Give up (fail the run with a message) when fewer than min workers fit this long.")
+
+
 class DistributedConfig(_Strict):
-    num_workers: int = Field(2, ge=1, le=4096)
+    num_workers: int | WorkerRange = Field(
+        2, union_mode="left_to_right",
+        description="A fixed size, or {min, max} for elastic training (Ray Train resizes from the newest "
+                    "checkpoint when nodes come and go).")
+    elastic: ElasticConfig = ElasticConfig()
     use_gpu: Literal["auto"] | bool = Field("auto", description="auto = GPUs when the cluster has them.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp = replicate the model; fsdp = shard it per block with FSDP2 (CPU/gloo and GPU).")
@@ -390,6 +420,44 @@ class DistributedConfig(_Strict):
         0.5, gt=0, le=60,
         description="How often Ray Train's controller polls the workers: checkpoint registrations, the end "
                     "of a run and dead workers are noticed at this period (Ray's own default is 2 s).")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _worker_count(cls, v: Any) -> Any:
+        """One clear message per bad shape (a union would report one error per member)."""
+        def count(x: Any, what: str) -> None:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise ValueError(f"{what} must be a whole number of workers, got {x!r}")
+            if not 1 <= x <= MAX_WORKERS:
+                raise ValueError(f"{what} must be greater than or equal to 1 and at most {MAX_WORKERS}, got {x}")
+
+        if isinstance(v, WorkerRange):
+            return v
+        if isinstance(v, dict):
+            unknown = sorted(set(v) - {"min", "max"})
+            if unknown or set(v) != {"min", "max"}:
+                raise ValueError(f"expected a number or {{min: N, max: M}}, got keys {sorted(v)}")
+            count(v["min"], "min")
+            count(v["max"], "max")
+            if v["min"] > v["max"]:
+                raise ValueError(f"min={v['min']} must be <= max={v['max']}")
+            return v
+        count(v, "num_workers")
+        return v
+
+    @property
+    def min_workers(self) -> int:
+        n = self.num_workers
+        return n.min if isinstance(n, WorkerRange) else n
+
+    @property
+    def max_workers(self) -> int:
+        n = self.num_workers
+        return n.max if isinstance(n, WorkerRange) else n
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.min_workers != self.max_workers
 
     @field_validator("resources_per_worker")
     @classmethod
@@ -471,9 +539,28 @@ class JobConfig(_Strict):
                              f"got {self.model.transformer.vocab_size}")
         return self
 
+    @model_validator(mode="after")
+    def _elastic_batch(self) -> JobConfig:
+        """keep: global_batch needs a whole accumulation count at every size in [min, max]."""
+        d = self.distributed
+        if d.is_elastic and d.elastic.keep == "global_batch":
+            bad = [w for w in range(d.min_workers, d.max_workers + 1)
+                   if self.global_batch_size() % (w * self.data.batch_size)]
+            if bad:
+                raise ValueError(
+                    f"distributed.num_workers={{min: {d.min_workers}, max: {d.max_workers}}} with "
+                    f"distributed.elastic.keep=global_batch: the global batch {d.max_workers} x "
+                    f"{self.data.batch_size} x {self.train.grad_accum_steps} = {self.global_batch_size()} is not "
+                    f"a whole number of {self.data.batch_size}-sample micro-batches per worker at "
+                    f"{', '.join(map(str, bad))} worker(s); make train.grad_accum_steps a multiple of "
+                    f"{_lcm_for(range(d.min_workers, d.max_workers + 1), d.max_workers)}, narrow the range, or set "
+                    "distributed.elastic.keep=per_worker_batch")
+        return self
+
     def global_batch_size(self) -> int:
-        # workers x per-worker micro-batch x accumulation steps = samples per optimizer step
-        return self.distributed.num_workers * self.data.batch_size * self.train.grad_accum_steps
+        # workers x per-worker micro-batch x accumulation steps = samples per optimizer step;
+        # elastic runs state it at max workers (what keep=global_batch holds at every size).
+        return self.distributed.max_workers * self.data.batch_size * self.train.grad_accum_steps
 
     def config_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
@@ -485,7 +572,7 @@ class JobConfig(_Strict):
 
 def preflight(cfg: JobConfig, use_gpu: bool) -> None:
     """Refuse combinations torch cannot run on the device that will be used, before any worker starts."""
-    if cfg.model.sync_batchnorm and not use_gpu and _max_workers(cfg) > 1:
+    if cfg.model.sync_batchnorm and not use_gpu and cfg.distributed.max_workers > 1:
         raise ConfigError(
             "model.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU/gloo; "
             "set model.sync_batchnorm=false or run on a cluster with GPUs"
@@ -511,29 +598,32 @@ def planned_device(cfg: JobConfig) -> tuple[bool, str]:
     return n > 0, f"distributed.use_gpu=auto, {n} GPU(s) on this machine"
 
 
-def _max_workers(cfg: JobConfig) -> int:
-    """The most workers the job may run (num_workers, or the top of its range)."""
-    n: Any = cfg.distributed.num_workers
-    return int(n if isinstance(n, int) else getattr(n, "max", 1))
-
-
 def job_warnings(cfg: JobConfig, cpus: int | None = None) -> list[str]:
     """Legal settings that are likely mistakes; warnings, not errors, because each has a real use:
     a remote cluster may have the CPUs this machine lacks, and a few steps of a big job (a smoke
     run) are shorter than its warmup on purpose."""
     cpus = cpus or os.cpu_count() or 1
     d = cfg.distributed
-    need = _max_workers(cfg) * d.cpus_per_worker
+    need = cfg.distributed.max_workers * d.cpus_per_worker
     out = []
     steps = cfg.train.max_steps
     if steps is not None and cfg.schedule.warmup_steps > steps:
         out.append(f"schedule.warmup_steps={cfg.schedule.warmup_steps} is longer than the run "
                    f"(train.max_steps={steps}): the learning rate never reaches optimizer.lr={cfg.optimizer.lr:g}")
     if need > cpus:
-        out.append(f"distributed: {_max_workers(cfg)} workers x {d.cpus_per_worker:g} CPU need {need:g} CPUs; this "
+        out.append(f"distributed: {d.max_workers} workers x {d.cpus_per_worker:g} CPU need {need:g} CPUs; this "
                    f"machine has {cpus}, so a local cluster would wait for resources that never come "
                    "(fine on a larger remote cluster)")
     return out
+
+
+def _lcm_for(sizes: range, max_workers: int) -> int:
+    """The least accumulation factor that makes max x accum divisible by every size."""
+    need = 1
+    for w in sizes:
+        k = w // math.gcd(w, max_workers)
+        need = need * k // math.gcd(need, k)
+    return need
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

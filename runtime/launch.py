@@ -26,6 +26,7 @@ import ray.train
 
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
 from runtime.config import JobConfig, preflight, validate_run_name
+from runtime.elastic import RESIZE_EVENT, record_resize, resize_line
 from runtime.errors import ConfigError
 from runtime.progress import FAILURE_EVENT, Progress, failure_line
 from runtime.report import CURVES_FILE, HISTORY_FILE, read_history
@@ -131,6 +132,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.v2.api.config import ScalingConfig  # what ray.train.ScalingConfig is under Train V2
 
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
@@ -158,14 +160,31 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
         storage_path = storage_path.removeprefix("s3://")
+    callbacks: list[Any] = []
+    num_workers: int | tuple[int, int] = d.max_workers
+    if d.is_elastic:
+        from runtime.elastic import ElasticWatch
+
+        # Ray starts once min workers fit and restarts the group at another size (from the newest
+        # checkpoint) when a node is lost or room comes back; the watch reports it (docs/elastic.md).
+        num_workers = (d.min_workers, d.max_workers)
+        # A restart sized on a stale view of the cluster (a node just lost) waits this long for a
+        # worker that cannot be placed before Ray retries at the size that fits (Ray's default: 60 s).
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+        callbacks.append(ElasticWatch(run.job_id, d.min_workers, d.max_workers, d.elastic.min_wait_s,
+                                      progress, run.sd_dir or os.environ.get("RT_PROMETHEUS_SD_DIR"),
+                                      d.elastic.resize_check_interval_s))
+    if progress is not None and not lockstep:  # a trial under a scheduler: its one-slot queue is for reports
+        callbacks.append(FailureNotices(progress, cfg.checkpoint.max_failures))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
         # NCCL on GPUs, gloo on CPUs; the timeout turns a dead peer into a failure, not a hang.
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=d.timeout_s),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=d.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources,
             placement_strategy=d.placement_strategy,
+            elastic_resize_monitor_interval_s=d.elastic.resize_check_interval_s,
         ),
         run_config=ray.train.RunConfig(
             name=run_name,
@@ -174,10 +193,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
             # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            # A trial under a scheduler has a one-slot queue that only reports may use.
-            # Train V2's RunConfig takes UserCallbacks; the stubs still name V1's Tune callbacks.
-            callbacks=[FailureNotices(progress, cfg.checkpoint.max_failures)]  # type: ignore[list-item]
-            if progress is not None and not lockstep else [],
+            callbacks=callbacks,
         ),
     )
     return trainer, run
@@ -223,6 +239,10 @@ class StreamingFit:
                                                mlflow_run_id=mlflow_run_id, lockstep=lockstep)
         self.result: Any = None
         self.error: BaseException | None = None
+        self.last_step: Any = None  # the newest step reported (where a resize interrupted training)
+        self.resizes = 0
+        # Called with each resize event and the step it interrupted; train() prints it and tags MLflow.
+        self.on_resize: Callable[[dict[str, Any], Any, int], None] | None = None
 
     def _fit(self) -> None:
         try:
@@ -244,10 +264,18 @@ class StreamingFit:
                 item = self._queue.get(timeout=0.5)
             except Empty:  # nothing reported this half second
                 continue
-            if "_event" in item:
+            if item.get("_event") == RESIZE_EVENT:  # from the controller (runtime.elastic), not a report
+                self.resizes += 1
+                if self.on_resize is not None:
+                    self.on_resize(item, self.last_step, self.resizes)
+                else:
+                    log.warning(resize_line(item, self.last_step))
+                continue
+            if "_event" in item:  # a failure notice (FailureNotices)
                 if on_event is not None:
                     on_event(item)
                 continue
+            self.last_step = item.get("step", self.last_step)
             yield item
         thread.join()
 
@@ -268,6 +296,12 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     fitting = StreamingFit(cfg, run_name, mlflow_run_id=tracker.run_id if tracker else None)
     run = fitting.run
     progress = Progress(total=None, enabled=show_progress)
+
+    def on_resize(event: dict[str, Any], step: Any, count: int) -> None:
+        progress.event(resize_line(event, step))  # one console line, like failures and recoveries
+        record_resize(tracker, event, step, count)
+
+    fitting.on_resize = on_resize
     outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri, metrics={})
     previous = _install_sigterm(Path(run.run_dir))
     # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.report).

@@ -126,29 +126,11 @@ class WorkerMetrics:
         self._start(sd_dir, job_id, rank)
 
     def _start(self, sd_dir: str | None, job_id: str, rank: int) -> None:
-        addr = os.environ.get("RT_METRICS_BIND", "0.0.0.0")  # noqa: S104 (Prometheus scrapes from another node)
         # RT_METRICS_PORT: a fixed port a Kubernetes PodMonitor can name (kubernetes/); taken already
         # (a second worker in the same pod), a free port as everywhere else.
-        fixed = int(os.environ.get("RT_METRICS_PORT", "0"))
-        try:
-            server, _thread = start_http_server(fixed, addr=addr, registry=self.registry)
-        except OSError:
-            if not fixed:
-                raise
-            server, _thread = start_http_server(0, addr=addr, registry=self.registry)
-        self._server = server
-        self.port = server.server_port
-        if not sd_dir:
-            return
-        host = os.environ.get("RT_METRICS_HOST") or _node_ip()
-        # The series carry job_id/rank/node themselves; target labels would clash (exported_*).
-        target = [{"targets": [f"{host}:{self.port}"], "labels": {}}]
-        d = Path(sd_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        self.sd_file = d / f"training-{job_id}-rank{rank}.json"
-        tmp = self.sd_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(target))
-        os.replace(tmp, self.sd_file)
+        self._server, self.port = _serve(self.registry, int(os.environ.get("RT_METRICS_PORT", "0")))
+        if sd_dir:
+            self.sd_file = _announce(self.port, Path(sd_dir) / f"training-{job_id}-rank{rank}.json")
 
     def ckpt_committed(self, step: int, when: float) -> None:
         self.ckpt_step.set(step)
@@ -172,6 +154,59 @@ class WorkerMetrics:
             self.sd_file.unlink(missing_ok=True)
         if self._server is not None:
             threading.Thread(target=self._server.shutdown, daemon=True).start()
+
+
+class ControllerMetrics:
+    """Job-level size of an elastic run, exported by the Ray Train controller (runtime.elastic).
+
+    The controller lives through every restart of the worker group, so ``rt_train_resizes_total``
+    counts the run's resizes without resetting at each one (a worker's exporter would).
+    """
+
+    def __init__(self, job_id: str, min_workers: int, max_workers: int, sd_dir: str | None) -> None:
+        self.registry = CollectorRegistry()
+        reg, lv = self.registry, {"job_id": job_id}
+        self.workers = Gauge("rt_train_workers", "Workers in the running group (0 while it restarts)",
+                             ["job_id"], registry=reg).labels(**lv)
+        Gauge("rt_train_workers_max", "distributed.num_workers max (or the fixed size)", ["job_id"],
+              registry=reg).labels(**lv).set(max_workers)
+        Gauge("rt_train_workers_min", "distributed.num_workers min (or the fixed size)", ["job_id"],
+              registry=reg).labels(**lv).set(min_workers)
+        self.resizes = Counter("rt_train_resizes", "Worker-group resizes of an elastic run", ["job_id"],
+                               registry=reg).labels(**lv)
+        self.sd_file: Path | None = None
+        self._server, self.port = _serve(self.registry)
+        if sd_dir:
+            self.sd_file = _announce(self.port, Path(sd_dir) / f"training-{job_id}-controller.json")
+
+    def close(self) -> None:
+        if self.sd_file is not None:
+            self.sd_file.unlink(missing_ok=True)
+        threading.Thread(target=self._server.shutdown, daemon=True).start()
+
+
+def _serve(registry: CollectorRegistry, fixed_port: int = 0) -> tuple[Any, int]:
+    """An exporter on ``fixed_port``, or on a free port when that is 0 or taken."""
+    addr = os.environ.get("RT_METRICS_BIND", "0.0.0.0")  # noqa: S104 (Prometheus scrapes from another node)
+    try:
+        server, _thread = start_http_server(fixed_port, addr=addr, registry=registry)
+    except OSError:
+        if not fixed_port:
+            raise
+        server, _thread = start_http_server(0, addr=addr, registry=registry)
+    return server, int(server.server_port)
+
+
+def _announce(port: int, sd_file: Path) -> Path:
+    """Write a file_sd target for this exporter atomically; returns the file to remove at exit."""
+    host = os.environ.get("RT_METRICS_HOST") or _node_ip()
+    # The series carry job_id/rank/node themselves; target labels would clash (exported_*).
+    target = [{"targets": [f"{host}:{port}"], "labels": {}}]
+    sd_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sd_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(target))
+    os.replace(tmp, sd_file)
+    return sd_file
 
 
 def _node_ip() -> str:

@@ -30,6 +30,7 @@ class TrainerState:
     batch_in_epoch: int = 0  # micro-batches this rank trained on in `epoch`
     nonfinite_total: int = 0
     nonfinite_in_row: int = 0
+    world: int = 0  # ranks that trained to here (batch_in_epoch is per rank); 0 = not recorded
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -50,6 +50,42 @@ def lr_lambda(cfg: JobConfig, total_steps: int) -> Any:
     return f
 
 
+def for_world(cfg: JobConfig, world: int) -> JobConfig:
+    """The job as this worker group runs it: an elastic run adapts to its current size.
+
+    keep=global_batch: accumulation is set so that the global batch stays what it is at max
+    workers, e.g. {min: 1, max: 3}, 8 per worker, accumulation 2 at 3 workers = 48 global:
+    3 x 8 x 2 = 2 x 8 x 3 = 1 x 8 x 6 (JobConfig refuses ranges where this cannot hold).
+    keep=per_worker_batch: accumulation stays and the learning rate scales with the global
+    batch (linear scaling rule): lr x world / max. A fixed-size run is returned unchanged.
+    """
+    d = cfg.distributed
+    if not d.is_elastic:
+        return cfg
+    if not d.min_workers <= world <= d.max_workers:
+        raise ConfigError(f"distributed.num_workers: Ray started {world} workers, outside "
+                          f"{{min: {d.min_workers}, max: {d.max_workers}}}")
+    if d.elastic.keep == "global_batch":
+        accum = cfg.global_batch_size() // (world * cfg.data.batch_size)
+        return cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum_steps": accum})})
+    lr = cfg.optimizer.lr * world / d.max_workers
+    return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"lr": lr})})
+
+
+def reshard_position(batch_in_epoch: int, batch_size: int, old_world: int, world: int) -> tuple[int, int]:
+    """A rank's resume index after the world size changed, and how many samples will be seen twice.
+
+    Every sampler here deals an epoch's permutation round-robin (rank r takes positions r,
+    r + world, ...), so after k batches per rank at W ranks exactly the first k x b x W
+    positions of the epoch are consumed, whatever W was. At W' ranks the run resumes at the
+    largest index whose prefix does not pass that point: nothing is skipped, and fewer than
+    b x W' samples are repeated (none with keep=global_batch, where steps hold whole global batches).
+    """
+    consumed = batch_in_epoch * batch_size * old_world
+    index = consumed // (batch_size * world)
+    return index, consumed - index * batch_size * world
+
+
 def _fused_supported(params: list[nn.Parameter]) -> bool:
     """torch's fused SGD/Adam/AdamW kernels take a ``found_inf`` tensor and skip the update on
     the device: the non-finite policy then needs no host sync. They need float params on a

@@ -105,7 +105,8 @@ def token_loaders(cfg: JobConfig, world: int, rank: int, device: torch.device) -
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
 
 
-def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.device) -> dict[str, float]:
+def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.device,
+                         world: int) -> dict[str, float]:
     """tokens/s and, on a GPU in the table, model FLOPs utilisation (PaLM's 6N + 12 L T d per token)."""
     from runtime.models import parameter_count
 
@@ -117,5 +118,5 @@ def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.dev
         peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         if peak:
             per_token = 6 * parameter_count(cfg.model) + 12 * t.layers * t.seq_len * t.dim
-            out["train/mfu"] = tokens * per_token / (peak * cfg.distributed.num_workers)
+            out["train/mfu"] = tokens * per_token / (peak * world)
     return out

@@ -50,9 +50,11 @@ from runtime.train.setup import (
     CommTimer,
     Placement,
     build_optimizer,
+    for_world,
     lr_lambda,
     maybe_compile,
     register_comm_hook,
+    reshard_position,
     resolve_precision,
     seed_everything,
     step_unless,
@@ -69,10 +71,12 @@ class Trainer:
     def __init__(self, cfg: JobConfig, run: RunInfo, progress: Any = None, lockstep: bool = False,
                  placement: Placement | None = None, report_fn: Callable[..., None] | None = None) -> None:
         self.t_start = time.time()
-        self.cfg, self.run = cfg, run
         self.in_ray = placement is None
         where = placement or Placement.from_ray()
         self.rank, self.world, self.device = where.rank, where.world, where.device
+        # An elastic run adapts accumulation (or the learning rate) to the size Ray started it at.
+        cfg = for_world(cfg, self.world)
+        self.cfg, self.run = cfg, run
         tc = cfg.train
         if tc.torch_threads:
             torch.set_num_threads(tc.torch_threads)
@@ -131,7 +135,7 @@ class Trainer:
         self.t = Trainables(self.raw_model, optimizer, scheduler, self.scaler)
         self.loss_fn = nn.CrossEntropyLoss()
 
-        self.state = TrainerState()
+        self.state = TrainerState(world=self.world)
         self.gauges = build_gauges(cfg, run, self.rank, self.world)
         self.checkpoints = build_checkpointer(cfg, run, self.gauges)
         self.reporter = Reporter(self.rank, self.world, run, progress, lockstep, self.gauges, self.checkpoints,
@@ -165,10 +169,25 @@ class Trainer:
         if state is None:
             return
         self.state = state
+        self._reshard(state)
         self.stats = StepStats(self.device, state.nonfinite_total, state.nonfinite_in_row)
         self.recovered = True
         if self.gauges:
             self.gauges.recoveries.inc()
+
+    def _reshard(self, state: TrainerState) -> None:
+        """Continue the epoch at the same sample after the world size changed (an elastic resize)."""
+        old = state.world or self.world  # 0: a checkpoint from before sizes were recorded
+        state.world = self.world
+        if old == self.world:
+            return
+        b = self.cfg.data.batch_size
+        state.batch_in_epoch, repeated = reshard_position(state.batch_in_epoch, b, old, self.world)
+        self.restore_info.update({"resized_from": old, "resize_repeated_samples": repeated})
+        if self.rank == 0:
+            log.warning("resumed on %d workers (checkpoint written by %d): epoch %d continues at batch %d per "
+                        "rank, %d sample(s) repeated; accumulation %d", self.world, old, state.epoch,
+                        state.batch_in_epoch, repeated, self.cfg.train.grad_accum_steps)
 
     def checkpoint(self, blocking: bool = False) -> None:
         """Every rank calls this (the payload gathers every rank's RNG). DDP: rank 0 writes the
@@ -428,7 +447,7 @@ class Trainer:
             "final": final,
         })
         if self.cfg.model.name == "gpt" and "train/throughput" in metrics:
-            metrics.update(language_model_rates(self.cfg, metrics["train/throughput"], self.device))
+            metrics.update(language_model_rates(self.cfg, metrics["train/throughput"], self.device, self.world))
         if self.device.type == "cuda":  # the allocator's own count: no device sync
             metrics["gpu/peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
         # Files the loader could not read, plus images the GPU decoder could not (data.decode=gpu).

@@ -63,6 +63,7 @@ def test_the_expected_alerts_exist_once():
         "TrainingStalled",
         "TrainingThroughputDrop",
         "TrainingHighCommunicationShare",
+        "TrainingBelowMaxWorkers",
         "CheckpointFailing",
         "CheckpointStale",
         "CheckpointStorageAlmostFull",

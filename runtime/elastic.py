@@ -1,0 +1,235 @@
+"""Elastic training seen from the Ray Train controller: resizes, their reasons, the min-wait limit.
+
+With ``distributed.num_workers: {min, max}`` Ray Train's controller restarts the worker
+group at another size when a node is lost or capacity comes back (docs/elastic.md). The
+workers learn their new size on restart (runtime.train.setup.for_world); this callback,
+which lives in the controller actor for the whole run, is what knows *that* and *why*
+the size changed. It
+
+- exports ``rt_train_workers`` / ``rt_train_workers_max`` / ``rt_train_resizes_total``
+  (runtime.metrics.ControllerMetrics): the controller outlives every worker group, so the
+  resize counter is not reset by the restarts it counts;
+- streams a ``{"_event": "resize", ...}`` item to the driver's progress queue, which prints
+  ``resized 3 -> 2 workers at step 120: node 5f2c... lost`` and tags the MLflow run;
+- fails the run with a message naming ``distributed.elastic.min_wait_s`` when fewer than
+  ``min`` workers fit for that long (Ray itself would wait forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import time
+from typing import Any
+
+from ray.train.v2._internal.execution.callback import ControllerCallback
+
+log = logging.getLogger("runtime.elastic")
+
+RESIZE_EVENT = "resize"
+_NODE_RE = re.compile(r"node (?:has )?died.*?(?:Node ID|node_id|NodeID|Node Id)[:= ]+([0-9a-f]{8,})", re.I | re.S)
+
+
+def failure_reason(error: BaseException | str | None) -> str:
+    """A short human reason from Ray's (long) worker-group error text."""
+    text = str(error or "")
+    m = _NODE_RE.search(text)
+    if m:
+        return f"node {m.group(1)[:12]} lost"
+    if "node" in text.lower() and "died" in text.lower():
+        return "a node was lost"
+    for line in text.splitlines():  # the first line that says something beyond Ray's preamble
+        line = line.strip()
+        if line and not line.startswith(("Training failed due to", "[Rank")):
+            return line[:200]
+    return "worker group failed"
+
+
+class ElasticWatch(ControllerCallback):
+    """Runs inside the Ray Train controller actor (pickled with the RunConfig)."""
+
+    def __init__(self, job_id: str, min_workers: int, max_workers: int, min_wait_s: float,
+                 progress: Any = None, sd_dir: str | None = None, check_interval_s: float = 30.0) -> None:
+        self.job_id, self.min_workers, self.max_workers = job_id, min_workers, max_workers
+        self.min_wait_s, self.check_interval_s = min_wait_s, check_interval_s
+        self.last_refresh = time.monotonic()
+        self.progress = progress  # the driver's ray.util.queue.Queue, or None
+        self.sd_dir = sd_dir
+        self.current: int | None = None  # size of the group last started
+        self.reason: str | None = None  # why the running group stopped (the first failure since it ran)
+        self.waiting_since: float | None = None
+        self.metrics: Any = None
+
+    # ------------------------------------------------------------- controller hooks
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        try:
+            from runtime.metrics import ControllerMetrics
+
+            self.metrics = ControllerMetrics(self.job_id, self.min_workers, self.max_workers, self.sd_dir)
+        except Exception as e:  # metrics are advisory: never fail a run over an exporter
+            log.warning("elastic metrics disabled: %s", e)
+
+    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        name = type(current_state).__name__
+        if name in ("RestartingState", "ReschedulingState") and previous_state is not current_state:
+            lost = settle_lost_nodes()
+            if self.reason is None:
+                self.reason = (f"node {lost[0][:12]} lost" if len(lost) == 1 else f"{len(lost)} nodes lost") \
+                    if lost else failure_reason(getattr(current_state, "training_failed_error", None))
+            if self.metrics is not None:
+                self.metrics.workers.set(0)  # no group trains until the next one starts
+            refresh_capacity()
+        elif name == "ResizingState":
+            self.reason = "capacity came back" if self._grows(current_state) else "capacity changed"
+        elif name == "RunningState":
+            self.reason = None
+            # Ray's resize check reads a view of the cluster it refreshes every 20 s; keep it as
+            # fresh as the check itself so that returning capacity is seen at the next check.
+            if self.current is not None and self.current < self.max_workers and \
+                    time.monotonic() - self.last_refresh >= self.check_interval_s:
+                self.last_refresh = time.monotonic()
+                refresh_capacity()
+        if name in ("InitializingState", "RestartingState", "ReschedulingState"):
+            self._check_wait()
+        else:
+            self.waiting_since = None
+
+    def before_controller_execute_resize_decision(self, resize_decision: Any) -> None:
+        n = int(resize_decision.num_workers)
+        previous, self.current = self.current, n
+        if self.metrics is not None:
+            self.metrics.workers.set(n)
+        if previous is None or previous == n:
+            return  # the first start, or a restart at the same size: not a resize
+        if self.metrics is not None:
+            self.metrics.resizes.inc()
+        reason = self.reason or "capacity changed"
+        event = {"_event": RESIZE_EVENT, "from": previous, "to": n, "reason": reason, "_time": time.time()}
+        log.warning("resizing %d -> %d workers: %s", previous, n, reason)
+        if self.progress is not None:
+            try:
+                # Not awaited: with a full queue (a Tune trial in lockstep) it lands once there is room.
+                self.progress.actor.put.remote(event, None)
+            except Exception as e:  # the driver's view must never stop the controller
+                log.warning("could not stream the resize to the driver: %s", e)
+
+    def after_controller_finish(self, result: Any) -> None:
+        self._close()
+
+    def before_controller_abort(self) -> None:
+        self._close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _grows(self, state: Any) -> bool:
+        decision = getattr(state, "scaling_decision", None)
+        return self.current is not None and int(getattr(decision, "num_workers", 0)) > self.current
+
+    def _check_wait(self) -> None:
+        """Raise once fewer than min workers have fitted for min_wait_s (the controller fails the run)."""
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+            return
+        if now - self.waiting_since >= self.min_wait_s:
+            raise MinWorkersTimeout(
+                f"distributed.num_workers: the cluster had room for fewer than min={self.min_workers} workers "
+                f"for {self.min_wait_s:g} s (distributed.elastic.min_wait_s); add nodes or lower "
+                f"distributed.num_workers.min" + (f" (last failure: {self.reason})" if self.reason else ""))
+
+    def _close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+
+def _refused(host: str, port: int) -> bool:
+    """True only when the node's raylet port actively refuses (its process is gone); a filtered
+    or slow port counts as alive: this must never invent a lost node."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def settle_lost_nodes(timeout_s: float = 30.0) -> list[str]:
+    """Wait until Ray's GCS has marked dead every node whose raylet is gone; their ids.
+
+    When a node dies, its peers' collectives fail at once, before the GCS has noticed (it
+    needs several missed health checks): a restart sized then would count the dead node and
+    wait for a worker that cannot be placed. A raylet that refuses connections is gone; the
+    GCS will agree within its health-check window.
+    """
+    import ray
+
+    if not ray.is_initialized():  # outside a Ray process (unit tests): nothing to ask
+        return []
+
+    def gone() -> list[str]:
+        return [str(n["NodeID"]) for n in ray.nodes()
+                if n.get("Alive") and _refused(n["NodeManagerAddress"], int(n["NodeManagerPort"]))]
+
+    try:
+        lost = gone()
+        deadline = time.monotonic() + timeout_s
+        while lost and time.monotonic() < deadline:
+            time.sleep(0.5)
+            still = gone()
+            if not still:
+                break
+            lost = sorted(set(lost) | set(still))
+        return lost
+    except Exception as e:  # only an optimisation: Ray retries a restart that cannot be placed
+        log.warning("could not check the cluster's nodes: %s", e)
+        return []
+
+
+def refresh_capacity() -> None:
+    """Make Ray's autoscaling coordinator re-read the cluster's nodes now.
+
+    Ray Train's elastic policy sizes a restart from the coordinator's view, which it refreshes
+    every 20 s: right after a node loss it still counts the lost node, and the restart waits
+    for a worker that cannot be placed until the worker-group start times out. A recompute
+    (the coordinator's own option for callers that must not pin to dead nodes) avoids that.
+    """
+    import ray
+
+    if not ray.is_initialized():  # outside a Ray process (unit tests): nothing to refresh
+        return
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get(coordinator.get_reserved_resources.remote("runtime-elastic", recompute=True), timeout=10)
+    except Exception as e:  # a stale view only costs time: Ray retries a start that cannot be placed
+        log.warning("could not refresh the cluster's capacity: %s", e)
+
+
+class MinWorkersTimeout(RuntimeError):
+    """Fewer than min workers fitted for distributed.elastic.min_wait_s."""
+
+
+def resize_line(event: dict[str, Any], step: Any) -> str:
+    """The console line for a resize event, e.g. ``resized 3 -> 2 workers at step 120: node ab12 lost``."""
+    where = f" at step {step}" if step is not None else " before the first report"
+    return f"resized {event['from']} -> {event['to']} workers{where}: {event['reason']}"
+
+
+def record_resize(tracker: Any, event: dict[str, Any], step: Any, count: int) -> None:
+    """MLflow: the worker count as a metric at the step it changed, the latest resize as tags."""
+    if tracker is None:
+        return
+    try:
+        ts = int(float(event.get("_time", time.time())) * 1000)
+        tracker.client.log_metric(tracker.run_id, "elastic/workers", float(event["to"]), ts, int(step or 0))
+        tracker.client.set_tag(tracker.run_id, "elastic.resizes", str(count))
+        tracker.client.set_tag(tracker.run_id, "elastic.last_resize", resize_line(event, step))
+    except Exception as e:  # tracking must never stop training
+        log.warning("MLflow: could not record the resize: %s", e)

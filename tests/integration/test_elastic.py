@@ -1,0 +1,128 @@
+"""Elastic training on a real multi-node local cluster: lose a node, keep training; get it back, scale up.
+
+Three extra raylets join the session's cluster (2 logical CPUs and one ``elastic_slot`` each,
+runtime.cluster.add_node); the job asks for one slot per worker, so each node holds one worker
+and killing a node's raylet (its process group, SIGKILL) loses exactly one. The driver streams
+in lockstep (one report per step, each waiting until the test takes it), so the test sets the
+pace and the run cannot end before the resizes it checks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rt_helpers import job
+
+from runtime import cluster as rc
+from runtime.checkpoint import CheckpointManager
+from runtime.launch import StreamingFit, connect
+
+pytestmark = pytest.mark.slow
+
+NODES = 3
+SLOT = "elastic_slot"
+MAX_STEPS = 200
+INTERVAL = 10
+# {min: 1, max: 3} x 8 per worker x 2 accumulation = 48 samples per step at every size
+# (2 x 8 x 3, 1 x 8 x 6); 960 synthetic samples = 20 steps per epoch at every size.
+BASE = ["model.name=mlp", "optimizer.name=sgd", "data.source=synthetic",
+        "data.image_size=8", "data.num_classes=4", "data.num_samples=960", "data.val_samples=0",
+        "data.batch_size=8", "train.grad_accum_steps=2", f"train.max_steps={MAX_STEPS}", "train.log_every_steps=1",
+        "train.torch_threads=1", "train.deterministic=true", "optimizer.lr=0.05", "schedule.name=constant",
+        f"checkpoint.interval_steps={INTERVAL}", "tracking.mlflow=false", "tracking.prometheus=false",
+        "distributed.timeout_s=20", "distributed.poll_interval_s=0.25", "distributed.cpus_per_worker=1",
+        f"distributed.resources_per_worker={{{SLOT}: 1}}", "distributed.elastic.resize_check_interval_s=3"]
+GLOBAL_BATCH = 48
+
+
+@pytest.fixture(scope="module")
+def slots(cluster: dict[str, Any]) -> Iterator[Path]:
+    """Three one-worker nodes beside the session's head; whatever is left is removed at the end."""
+    cdir = Path(cluster["dir"])
+    for _ in range(NODES):
+        rc.add_node(cdir, num_cpus=2, resources={SLOT: 1})
+    connect()
+    try:
+        yield cdir
+    finally:
+        for node in rc.load_state(cdir).get("nodes", []):
+            rc.remove_node(int(node["index"]), cdir, hard=False)
+
+
+def _final_params(storage: str, run: str) -> dict[str, torch.Tensor]:
+    ref, payload, _ = CheckpointManager(f"{storage}/{run}/checkpoints").load_latest()
+    assert ref is not None and ref.step == MAX_STEPS and payload is not None
+    return {k: v.float() for k, v in payload["model"].items()}
+
+
+def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_global_batch(
+    slots: Path, storage: str
+) -> None:
+    cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers={min: 1, max: 3}")
+    assert cfg.global_batch_size() == GLOBAL_BATCH
+    fit = StreamingFit(cfg, "elastic", lockstep=True)
+    events: list[tuple[dict[str, Any], Any]] = []
+    fit.on_resize = lambda event, step, _count: events.append((event, step))
+    history: list[dict[str, Any]] = []
+    killed_at = rejoined_at = 0.0
+    shrunk_step = 0
+    shrunk_after_s = grown_after_s = None
+    for item in fit.reports():
+        history.append(item)
+        world, step = item.get("world_size"), item.get("step")
+        if not killed_at and world == 3 and step >= 25:
+            victim = max(int(n["index"]) for n in rc.load_state(slots)["nodes"])
+            rc.remove_node(victim, slots)  # SIGKILL the raylet's process group: the node is lost
+            killed_at = time.monotonic()
+        elif killed_at and shrunk_after_s is None and world == 2:
+            shrunk_after_s, shrunk_step = time.monotonic() - killed_at, step
+        elif shrunk_after_s is not None and not rejoined_at and step >= shrunk_step + 5:
+            rc.add_node(slots, num_cpus=2, resources={SLOT: 1})  # the run waits meanwhile (lockstep)
+            rejoined_at = time.monotonic()
+        elif rejoined_at and grown_after_s is None and world == 3:
+            grown_after_s = time.monotonic() - rejoined_at
+        if rejoined_at and grown_after_s is None:
+            time.sleep(0.3)  # hold the run back until the returning node is used
+    assert fit.error is None, fit.error
+
+    sizes = [h["world_size"] for h in history if "world_size" in h]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes
+    assert shrunk_after_s is not None and shrunk_after_s < 120, f"training again on 2 workers after {shrunk_after_s}"
+    assert grown_after_s is not None and grown_after_s < 180, f"training again on 3 workers after {grown_after_s}"
+    # Every optimizer step, at every size, trained on the configured global batch.
+    assert all(h["samples_seen"] == h["step"] * GLOBAL_BATCH for h in history if "samples_seen" in h)
+    # At most one checkpoint interval redone per resize (plus Ray's registration lag: we resume from storage).
+    resumes = [(h["resumed_from_step"], h.get("resized_from")) for h in history if "resumed_from_step" in h]
+    assert [r for _, r in resumes] == [3, 2], resumes
+    (ev_down, _), (ev_up, _) = events
+    assert (ev_down["from"], ev_down["to"], ev_up["from"], ev_up["to"]) == (3, 2, 2, 3), events
+    assert "lost" in ev_down["reason"] and ev_up["reason"] == "capacity came back", events
+    assert history[-1]["final"] and history[-1]["step"] == MAX_STEPS
+
+    # An uninterrupted run with the same global batch (1 worker x 8 x 6) ends at the same parameters.
+    ref_cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers=1", "train.grad_accum_steps=6")
+    assert ref_cfg.global_batch_size() == GLOBAL_BATCH
+    ref = StreamingFit(ref_cfg, "uninterrupted")
+    for _ in ref.reports():
+        pass
+    assert ref.error is None, ref.error
+    elastic, uninterrupted = _final_params(storage, "elastic"), _final_params(storage, "uninterrupted")
+    worst = max(float((elastic[k] - uninterrupted[k]).abs().max()) for k in elastic)
+    assert worst < 1e-4, f"parameters differ by up to {worst}"
+
+
+def test_a_run_whose_min_workers_never_fit_fails_with_a_message_after_min_wait(slots: Path, storage: str) -> None:
+    cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers={min: 4, max: 5}", "train.grad_accum_steps=60",
+              "distributed.elastic.min_wait_s=10")
+    started = time.monotonic()
+    fit = StreamingFit(cfg, "never-fits")
+    for _ in fit.reports():
+        pass
+    took = time.monotonic() - started
+    assert fit.error is not None and took < 90, (fit.error, took)
+    assert "distributed.elastic.min_wait_s" in str(fit.error) and "min=4" in str(fit.error)
