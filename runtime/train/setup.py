@@ -65,11 +65,14 @@ def for_world(cfg: JobConfig, world: int) -> JobConfig:
     if not d.min_workers <= world <= d.max_workers:
         raise ConfigError(f"distributed.num_workers: Ray started {world} workers, outside "
                           f"{{min: {d.min_workers}, max: {d.max_workers}}}")
+    # The sized job is a fixed-size job of `world` workers (and validates as one).
+    fixed = d.model_copy(update={"num_workers": world})
     if d.elastic.keep == "global_batch":
         accum = cfg.global_batch_size() // (world * cfg.data.batch_size)
-        return cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum_steps": accum})})
+        return cfg.model_copy(update={"distributed": fixed,
+                                      "train": cfg.train.model_copy(update={"grad_accum_steps": accum})})
     lr = cfg.optimizer.lr * world / d.max_workers
-    return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"lr": lr})})
+    return cfg.model_copy(update={"distributed": fixed, "optimizer": cfg.optimizer.model_copy(update={"lr": lr})})
 
 
 def reshard_position(batch_in_epoch: int, batch_size: int, old_world: int, world: int) -> tuple[int, int]:
