@@ -10,7 +10,6 @@ emergency checkpoint and stop (spot preemption), then exits cleanly.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -29,7 +28,7 @@ from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.elastic import RESIZE_EVENT, record_resize, resize_line
 from runtime.errors import ConfigError
 from runtime.progress import FAILURE_EVENT, Progress, failure_line
-from runtime.report import CURVES_FILE, HISTORY_FILE, read_history
+from runtime.report import CURVES_FILE, HistoryLog, read_history
 from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
 from runtime.train.trainer import train_loop_per_worker
 
@@ -305,14 +304,13 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri, metrics={})
     previous = _install_sigterm(Path(run.run_dir))
     # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.report).
-    history = (Path(run.run_dir) / HISTORY_FILE).open("a")
+    history = HistoryLog(Path(run.run_dir))
     try:
         for item in fitting.reports(on_event=progress.failure):
             outcome.history.append(item)
             outcome.metrics.update(item)
             progress.update(item)
-            history.write(json.dumps(item, default=str) + "\n")
-            history.flush()
+            history.append(item)
             if tracker:
                 tracker.log_step_metrics(item)
     finally:
@@ -322,8 +320,11 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
         progress.close()
     outcome.restarts = progress.failures
     curves = Path(run.run_dir) / CURVES_FILE
-    if plot_curves(read_history(Path(run.run_dir)), curves):
-        outcome.plots.append(str(curves))
+    try:
+        if plot_curves(read_history(Path(run.run_dir)), curves):
+            outcome.plots.append(str(curves))
+    except OSError as e:  # like the history: a full disk costs the picture, not the run's outcome
+        log.warning("%s: not written: %s", curves, e.strerror or e)
     if fitting.error is not None:
         if tracker:
             tracker.finish(outcome, status="FAILED")

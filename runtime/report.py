@@ -9,10 +9,11 @@ Works without a cluster, MLflow or the checkpoints.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 # (key, label, which end is best); throughput and learning rate are described, not ranked.
 METRICS = (("train/loss", "train loss", min), ("train/accuracy", "train accuracy", max),
@@ -22,8 +23,48 @@ HISTORY_FILE = "history.jsonl"  # every report the driver received, one JSON obj
 CURVES_FILE = "training_curves.png"
 
 
+log = logging.getLogger("runtime.report")
+
+
 class ReportError(ValueError):
     """No run to report on; the message says what was looked for."""
+
+
+class HistoryLog:
+    """Appends each report to the run folder's history file as it arrives.
+
+    The file is a by-product: a full or failing disk (the run folder may share the checkpoints'
+    disk) costs the file, with one warning, never the run that checkpoint.on_write_error governs.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / HISTORY_FILE
+        self._f: IO[str] | None = None
+        try:
+            self._f = self.path.open("a")
+        except OSError as e:
+            self._give_up(e)
+
+    def append(self, item: dict[str, Any]) -> None:
+        if self._f is None:
+            return
+        try:
+            self._f.write(json.dumps(item, default=str) + "\n")
+            self._f.flush()
+        except OSError as e:
+            self._give_up(e)
+
+    def _give_up(self, e: OSError) -> None:
+        log.warning("%s: %s; the run goes on without its report history", self.path, e.strerror or e)
+        self.close()
+
+    def close(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:  # the flush of a full disk: already reported
+                pass
 
 
 def read_history(run_dir: Path) -> list[dict[str, Any]]:

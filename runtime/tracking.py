@@ -184,9 +184,14 @@ def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, dpi=90, format="png")
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        fig.savefig(tmp, dpi=90, format="png")
+        os.replace(tmp, out)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # no half-written picture left behind (e.g. a full disk)
+        raise
+    finally:
+        plt.close(fig)
     return True
 
 

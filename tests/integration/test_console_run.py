@@ -56,7 +56,9 @@ def test_console_of_a_run_with_a_killed_worker_is_one_line_per_event(cluster: di
     assert len(lines) <= LINE_BUDGET, f"{len(lines)} lines:\n{console}"
     assert any("worker died (rank" in ln and "restarting the workers (failure 1 of 3 allowed)" in ln
                for ln in lines), console
-    recovery = re.compile(r"\[runtime\] resuming from step_\d{9} \(\d+ steps? to redo\)")
+    # "(N steps to redo)" only when a report reached the driver before the kill: otherwise the
+    # driver does not know how far the dead group had got.
+    recovery = re.compile(r"\[runtime\] resuming from step_\d{9}( \(\d+ steps? to redo\))?")
     assert any(recovery.fullmatch(ln) for ln in lines), console
     for noise in ("TrainingReport(", "Traceback", "PreemptionWatcher", "FailurePolicy", "RayTrainWorker pid="):
         assert noise not in console, f"{noise!r} reached the console:\n{console}"

@@ -225,10 +225,15 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
 
 
 def fill(path: Path, leave_bytes: int) -> None:
-    """Fill the filesystem holding ``path`` until ``leave_bytes`` remain (room for Ray's pointer files)."""
-    st = os.statvfs(path)
+    """Fill the filesystem holding ``path`` until ``leave_bytes`` remain (room for Ray's pointer files).
+
+    In chunks, looking again before each: the run keeps writing beside the filler (its report
+    history), so a size measured once can be more than is left by the time it is written.
+    """
     with open(path / "filler", "wb") as f:
-        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave_bytes))
+        while (room := (st := os.statvfs(path)).f_bavail * st.f_frsize - leave_bytes) > 0:
+            f.write(b"\0" * min(room, 1 << 20))
+            f.flush()
 
 
 FULL_DISK_STEPS = 200  # the disk fills at step 10: plenty of saves still to fail
@@ -237,8 +242,9 @@ FULL_DISK_STEPS = 200  # the disk fills at step 10: plenty of saves still to fai
 def run_until_disk_full(disk: Path, policy: str) -> tuple[TrainOutcome, int]:
     """Train with checkpoints on ``disk``; fill it once step 10 is committed. Returns (outcome, filled at)."""
     storage, run = str(disk / "runs"), f"full-{policy}"
+    # A report every 20 steps: the report history (~0.5 KB a report) must not eat the room left.
     cfg = job("digits_smoke", storage, *BASE, f"train.max_steps={FULL_DISK_STEPS}", "checkpoint.interval_steps=5",
-              "checkpoint.keep=2", f"checkpoint.on_failure={policy}")
+              "checkpoint.keep=2", f"checkpoint.on_failure={policy}", "train.log_every_steps=20")
     filled: list[int] = []
 
     def filler() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
-from runtime.report import CURVES_FILE, HISTORY_FILE, main, report
+from runtime.report import CURVES_FILE, HISTORY_FILE, HistoryLog, main, report
 from runtime.tracking import curve_rows, plot_curves
 
 
@@ -78,3 +79,14 @@ def test_report_subcommand_runs_from_the_cli_and_refuses_a_missing_run(tmp_path:
     bad = subprocess.run([sys.executable, "-m", "runtime", "report", str(tmp_path / "missing")], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no run folder" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_full_disk_costs_the_history_file_not_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / HISTORY_FILE).symlink_to("/dev/full")  # every write: ENOSPC, as on a full run-folder disk
+    history = HistoryLog(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="runtime.report"):
+        history.append({"step": 1, "train/loss": 1.0})
+        history.append({"step": 2, "train/loss": 0.5})  # given up: no second warning, no error
+    history.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / HISTORY_FILE}: No space left on device; the run goes on without its report history"]
