@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,8 @@ import torch.multiprocessing as mp
 from runtime.checkpoint import CheckpointManager
 from runtime.config import JobConfig
 from runtime.train.parallel import full_tensor
-from runtime.train.run import RunInfo
-from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
+from tests.support import free_port, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -41,19 +39,6 @@ def _cfg(max_steps: int, strategy: str = "fsdp") -> JobConfig:
     return JobConfig(name="unit", **doc)
 
 
-def _train(cfg: JobConfig, folder: Path, rank: int, world: int) -> tuple[Trainer, list[dict[str, Any]]]:
-    reports: list[dict[str, Any]] = []
-    run = RunInfo(run_name="r", job_id="j", checkpoint_uri=str(folder / "checkpoints"), run_dir=str(folder))
-    trainer = Trainer(cfg, run, placement=Placement(rank, world, torch.device("cpu")),
-                      report_fn=lambda m, checkpoint=None: reports.append(m))
-    try:
-        trainer.restore()
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer, reports
-
-
 def _full_params(t: Trainer) -> dict[str, torch.Tensor]:
     """The model's whole parameters (a collective under FSDP: every rank calls it)."""
     return {k: full_tensor(v.detach()).clone() for k, v in t.raw_model.state_dict().items()}
@@ -70,16 +55,16 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     base = Path(root)
     try:
-        whole, _ = _train(_cfg(STEPS), base / "whole", rank, world)
+        whole, _ = train_in_process(_cfg(STEPS), base / "whole", rank, world)
         expected = _full_params(whole)
         # Interrupted after step 12 (checkpoints 5, 10 and the final 12), then one shard of the
         # newest checkpoint damaged: the resume must skip it, redo 11-12 from step 10, end identical.
-        _train(_cfg(12), base / "split", rank, world)
+        train_in_process(_cfg(12), base / "split", rank, world)
         dist.barrier()
         if rank == 0:
             _flip_a_byte(base / "split" / "checkpoints" / "step_000000012" / "__1_0.distcp")
         dist.barrier()
-        resumed, reports = _train(_cfg(STEPS), base / "split", rank, world)
+        resumed, reports = train_in_process(_cfg(STEPS), base / "split", rank, world)
         got = _full_params(resumed)
         if rank == 0:
             torch.save(expected, base / "expected.pt")
@@ -97,7 +82,7 @@ def _one_rank_fsdp(rank: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        t, reports = _train(_cfg(STEPS), Path(root) / "whole", 0, 1)
+        t, reports = train_in_process(_cfg(STEPS), Path(root) / "whole", 0, 1)
         torch.save(_full_params(t), Path(root) / "one_rank_fsdp.pt")
         resumed = [r["resumed_from_step"] for r in reports if "resumed_from_step" in r]
         (Path(root) / "one_rank_fsdp.json").write_text(json.dumps(resumed))
@@ -105,15 +90,9 @@ def _one_rank_fsdp(rank: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_fsdp_trainer_resumes_from_sharded_checkpoints_past_a_corrupt_shard_and_reshards_to_one_rank(
         tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert result["same"], "the resumed run is not bit-identical to the uninterrupted one"
@@ -133,12 +112,12 @@ def test_fsdp_trainer_resumes_from_sharded_checkpoints_past_a_corrupt_shard_and_
     assert payload["trainer"]["global_step"] == STEPS and set(payload["rng"]) == {"0", "1"}
 
     # ... into a 1-rank DDP-strategy trainer (full state through the state_dict helpers) ...
-    ddp, _ = _train(_cfg(STEPS, "ddp"), tmp_path / "whole", 0, 1)
+    ddp, _ = train_in_process(_cfg(STEPS, "ddp"), tmp_path / "whole", 0, 1)
     assert ddp.state.global_step == STEPS
     assert all(torch.equal(v, expected[k]) for k, v in ddp.raw_model.state_dict().items())
 
     # ... and into a 1-rank FSDP trainer (its own shards loaded by DCP).
-    mp.spawn(_one_rank_fsdp, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_one_rank_fsdp, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
     assert json.loads((tmp_path / "one_rank_fsdp.json").read_text()) == [STEPS]
     one = torch.load(tmp_path / "one_rank_fsdp.pt", weights_only=True)
     assert all(torch.equal(one[k], expected[k]) for k in expected)

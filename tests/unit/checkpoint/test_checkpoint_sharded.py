@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from runtime.checkpoint import CheckpointError, CheckpointManager, step_name
+from tests.support import free_port
 
 WORLD = 2
 
@@ -76,16 +76,10 @@ def _worker(rank: int, root: str, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_fsdp2_sharded_checkpoint_round_trip_on_two_gloo_ranks(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    mp.spawn(_worker, args=(str(root), _free_port()), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(root), free_port()), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         result = json.loads((root / f"result_{rank}.json").read_text())
         assert result == {"same": True, "trainer_step": 2}, (rank, result)
@@ -256,10 +250,10 @@ def test_sharded_checkpoint_on_s3_commits_every_ranks_shards_and_rotates(tmp_pat
 
     for k, v in CREDENTIALS.items():
         monkeypatch.setenv(k, v)
-    proc, endpoint = start_moto_server(_free_port(), buckets=["ckpt"])
+    proc, endpoint = start_moto_server(free_port(), buckets=["ckpt"])
     try:
         uri, out = "s3://ckpt/run", str(tmp_path / "full.pt")
-        mp.spawn(_s3_worker, args=(_free_port(), uri, endpoint, out), nprocs=WORLD, join=True)
+        mp.spawn(_s3_worker, args=(free_port(), uri, endpoint, out), nprocs=WORLD, join=True)
         with CheckpointManager(uri, endpoint_url=endpoint) as mgr:
             assert [(r.step, status) for r, status in mgr.list()] == [(2, "valid")]
             ref, whole, warnings = mgr.load_latest()

@@ -12,6 +12,7 @@ from runtime.config import JobConfig
 from runtime.train.run import PREEMPT_FILE, RunInfo
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
+from tests.support import train_in_process
 
 # digits: 1438 training samples / 128 per batch = 11 batches an epoch, so runs cross epochs.
 BASE = {"model": {"name": "mlp"}, "data": {"source": "digits", "batch_size": 128},
@@ -28,19 +29,6 @@ def _cfg(**over: dict[str, Any]) -> JobConfig:
     return JobConfig(name="unit", **doc)
 
 
-def _train(cfg: JobConfig, folder: Path) -> tuple[Trainer, list[dict[str, Any]]]:
-    reports: list[dict[str, Any]] = []
-    run = RunInfo(run_name="r", job_id="j", checkpoint_uri=str(folder / "checkpoints"), run_dir=str(folder))
-    trainer = Trainer(cfg, run, placement=Placement(0, 1, torch.device("cpu")),
-                      report_fn=lambda m, checkpoint=None: reports.append(m))
-    try:
-        trainer.restore()
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer, reports
-
-
 def _params(t: Trainer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in t.raw_model.parameters()]
 
@@ -48,17 +36,17 @@ def _params(t: Trainer) -> list[torch.Tensor]:
 @pytest.mark.parametrize("accum", [1, 2])
 def test_resume_mid_epoch_continues_at_the_next_batch_and_ends_bit_identical(tmp_path: Path, accum: int) -> None:
     train = {"grad_accum_steps": accum}
-    whole, _ = _train(_cfg(train=train), tmp_path / "whole")
-    first, _ = _train(_cfg(train={**train, "max_steps": 17}), tmp_path / "split")
+    whole, _ = train_in_process(_cfg(train=train), tmp_path / "whole")
+    first, _ = train_in_process(_cfg(train={**train, "max_steps": 17}), tmp_path / "split")
     assert first.state.global_step == 17 and first.state.batch_in_epoch > 0  # stopped mid-epoch
-    resumed, reports = _train(_cfg(train=train), tmp_path / "split")
+    resumed, reports = train_in_process(_cfg(train=train), tmp_path / "split")
     assert reports[-1]["step"] == 30 and reports[-1]["final"]
     assert (resumed.state.epoch, resumed.state.batch_in_epoch) == (whole.state.epoch, whole.state.batch_in_epoch)
     assert all(torch.equal(a, b) for a, b in zip(_params(whole), _params(resumed), strict=True))
 
 
 def test_nonfinite_steps_are_skipped_on_the_device_and_counted(tmp_path: Path) -> None:
-    _, reports = _train(_cfg(optimizer={"lr": 1e30}, train={"max_steps": 10}), tmp_path)
+    _, reports = train_in_process(_cfg(optimizer={"lr": 1e30}, train={"max_steps": 10}), tmp_path)
     final = reports[-1]
     assert final["step"] == 10 and "stop_reason" not in final
     assert final["train/nonfinite_steps"] >= 8
@@ -67,7 +55,7 @@ def test_nonfinite_steps_are_skipped_on_the_device_and_counted(tmp_path: Path) -
 def test_stop_policy_stops_at_the_first_boundary_after_the_limit(tmp_path: Path) -> None:
     cfg = _cfg(optimizer={"lr": 1e30}, train={"max_steps": 30, "log_every_steps": 4,
                                               "nonfinite": {"policy": "stop", "max_consecutive": 3}})
-    t, reports = _train(cfg, tmp_path)
+    t, reports = train_in_process(cfg, tmp_path)
     reason = reports[-1]["stop_reason"]
     assert "3 non-finite losses in a row" in reason and "train.nonfinite.max_consecutive=3" in reason
     assert t.state.global_step == 4  # crossed at step 3 or 4, noticed at the step-4 boundary
@@ -76,7 +64,7 @@ def test_stop_policy_stops_at_the_first_boundary_after_the_limit(tmp_path: Path)
 def test_preemption_marker_checkpoints_the_current_step_and_stops(tmp_path: Path) -> None:
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / PREEMPT_FILE).write_text("test\n")
-    t, reports = _train(_cfg(), tmp_path)
+    t, reports = train_in_process(_cfg(), tmp_path)
     assert reports[-1]["preempted"] and t.state.global_step == 4  # the first boundary
     assert t.checkpoints.last_committed().step == 4
 
