@@ -230,10 +230,15 @@ class StreamingFit:
     def __init__(self, cfg: JobConfig, run_name: str, *, mlflow_run_id: str | None = None,
                  lockstep: bool = False) -> None:
         from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        # Inside a Tune trial the queue actor lands in the trial's placement group: it asks for no CPU.
-        # In lockstep (a trial under a scheduler) the queue has one slot (runtime.train.reporter.Reporter._stream).
-        self._queue: Any = Queue(maxsize=1 if lockstep else 10_000, actor_options={"num_cpus": 0})
+        # The queue actor asks for no CPU and lives on this process's node, as Ray Train's controller
+        # does: a worker node lost mid-run (an elastic resize, a failure) never takes the driver's
+        # report stream with it. In lockstep (a trial under a scheduler) the queue has one slot
+        # (runtime.train.reporter.Reporter._stream).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._queue: Any = Queue(maxsize=1 if lockstep else 10_000,
+                                 actor_options={"num_cpus": 0, "scheduling_strategy": here})
         self.trainer, self.run = build_trainer(cfg, run_name, progress=self._queue,
                                                mlflow_run_id=mlflow_run_id, lockstep=lockstep)
         self.result: Any = None
