@@ -37,7 +37,7 @@ def job_state() -> tuple[dict[str, Any], dict[str, Any]]:
     """(state, meta) as runtime.train.resume.build_payload builds it for jobs/resnet50.yaml."""
     from runtime.checkpoint import capture_rng_state
     from runtime.config import load_job
-    from runtime.models import build_model
+    from runtime.train.models import build_model
     from runtime.train.resume import TrainerState
     from runtime.train.setup import build_optimizer, lr_lambda
 
@@ -88,7 +88,7 @@ def _sharded_worker(rank: int, world: int, port: int, work: str) -> None:
 
     from runtime.checkpoint import CheckpointManager
     from runtime.config import load_job
-    from runtime.models import build_model
+    from runtime.train.models import build_model
     from runtime.train.parallel import apply_fsdp
     from runtime.train.resume import Trainables, TrainerState, build_payload
     from runtime.train.setup import build_optimizer, lr_lambda

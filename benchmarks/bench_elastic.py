@@ -38,7 +38,7 @@ def _free_port() -> int:
 def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
     from runtime import cluster as rc
     from runtime.config import load_job
-    from runtime.launch import StreamingFit
+    from runtime.train.driver import StreamingFit
     from runtime.train.run import PREEMPT_FILE
 
     cfg = load_job("digits_smoke", [

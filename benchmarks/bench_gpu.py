@@ -36,7 +36,7 @@ LOG_EVERY = 10
 def bare_loop(compiled: bool, device: torch.device) -> dict[str, float]:
     """The baseline a user would write: data made once on the device, autocast, SGD."""
     from runtime.config import ModelConfig
-    from runtime.models import build_model
+    from runtime.train.models import build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(name=MODEL, channels_last=True), CLASSES, 3, IMAGE).to(device)
@@ -73,9 +73,9 @@ def bare_loop(compiled: bool, device: torch.device) -> dict[str, float]:
 
 
 def runtime_loop(compiled: bool, storage: str, use_gpu: bool) -> dict[str, float]:
-    """The same training through runtime.launch.train, 1 worker; throughput from its own reports."""
+    """The same training through runtime.train.driver.train, 1 worker; throughput from its own reports."""
     from runtime.config import load_job
-    from runtime.launch import train
+    from runtime.train.driver import train
 
     steps = WARMUP + STEPS
     cfg = load_job("resnet50", [
@@ -107,7 +107,7 @@ def run(results_dir: Path) -> dict[str, Any]:
         msg = "skipped: no CUDA device here; run `make bench BENCH=gpu` on a GPU node"
         print(msg)
         return {"skipped": msg}
-    from runtime.launch import connect
+    from runtime.train.driver import connect
 
     device = torch.device(forced or "cuda")
     use_gpu = device.type == "cuda"

@@ -76,7 +76,7 @@ def _measure(storage: Path) -> dict[str, Any]:
     import ray
 
     from runtime.config import load_job
-    from runtime.launch import connect, train
+    from runtime.train.driver import connect, train
 
     run = "bench-recovery"
     cfg = load_job("digits_smoke", [

@@ -26,7 +26,7 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 def bare_loop() -> float:
     """The baseline: a plain PyTorch loop. Returns steady-state samples/s (after WARMUP steps)."""
     from runtime.config import ModelConfig
-    from runtime.models import build_model
+    from runtime.train.models import build_model
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
@@ -50,14 +50,14 @@ def bare_loop() -> float:
 
 
 def runtime_loop(storage: str) -> float:
-    """The same training through runtime.launch.train on the Ray cluster, 1 worker.
+    """The same training through runtime.train.driver.train on the Ray cluster, 1 worker.
 
     Steady-state samples/s from the reports' arrival times at the driver between the
     report after step WARMUP and the last one: everything the runtime adds (reporting,
     metrics, the Ray hop) is inside that window.
     """
     from runtime.config import load_job
-    from runtime.launch import train
+    from runtime.train.driver import train
 
     cfg = load_job("resnet50", [
         f"checkpoint.storage={storage}", "distributed.num_workers=1", f"data.batch_size={BATCH}",
@@ -72,7 +72,7 @@ def runtime_loop(storage: str) -> float:
 
 
 def run(results_dir: Path) -> dict[str, Any]:
-    from runtime.launch import connect
+    from runtime.train.driver import connect
 
     connect()
     bare: list[float] = []

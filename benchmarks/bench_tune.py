@@ -98,7 +98,7 @@ def _overhead(trials: list[Any]) -> dict[str, Any]:
 
 
 def run(results_dir: Path) -> dict[str, Any]:
-    from runtime.launch import connect
+    from runtime.train.driver import connect
     from runtime.tune import plot_trials
 
     connect()

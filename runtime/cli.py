@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cluster":
         return _cluster(args)
     if args.command == "report":
-        from runtime.report import main as report_main
+        from runtime.observe.report import main as report_main
 
         return report_main(args.run)
     try:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.verbose:  # tune() connects too; connecting first is what makes it verbose
                 from runtime.cluster import ClusterError
-                from runtime.launch import connect
+                from runtime.train.driver import connect
 
                 parse_tune(cfg)  # bad input is still refused before Ray is touched
 
@@ -185,7 +185,7 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     from runtime.cluster import ClusterError, use_cluster_auth
 
     use_cluster_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
-    from runtime.launch import outcome_summary, train
+    from runtime.train.driver import outcome_summary, train
 
     try:
         outcome = train(cfg, args.run_name, show_progress=not args.no_progress, verbose=args.verbose)

@@ -7,7 +7,7 @@ multi-worker ``TorchTrainer`` run launched from a Tune *function trainable* (Ray
 Train workers take the resources of the job's ``distributed`` section.
 
 Reports reach Tune through :func:`run_trial`, which relays rank 0's reports
-(streamed to runtime.launch.StreamingFit's queue) rather than Ray's ``TuneReportCallback``: that
+(streamed to runtime.train.driver.StreamingFit's queue) rather than Ray's ``TuneReportCallback``: that
 callback forwards metrics only (the checkpoint becomes a path string), while PBT
 exploits and HyperBand pauses need a real Tune checkpoint. So every relayed
 result that follows a newly committed checkpoint carries a copy of that verified
@@ -462,8 +462,8 @@ def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
     """
     from ray import tune as rt
 
-    from runtime.launch import StreamingFit
-    from runtime.tracking import Tracker
+    from runtime.observe.tracking import Tracker
+    from runtime.train.driver import StreamingFit
     from runtime.train.run import TrainOutcome
 
     t_start = time.time()
@@ -859,7 +859,7 @@ def plot_trials(trials: list[TrialRow], metric: str, best_id: str | None, out: P
 
 def search_paths(cfg: JobConfig, name: str) -> tuple[str, str]:
     """(Tune storage_path, search folder); the folder depends only on storage and run name."""
-    from runtime.launch import storage_paths
+    from runtime.train.driver import storage_paths
 
     base, _, _ = storage_paths(cfg, name)
     return base, f"{base}/{name}"
@@ -871,8 +871,8 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     from ray import tune as rt
 
     from runtime.cluster import tracking_uri
-    from runtime.launch import _storage_filesystem, connect
-    from runtime.tracking import Tracker
+    from runtime.observe.tracking import Tracker
+    from runtime.train.driver import _storage_filesystem, connect
 
     spec = parse_tune(cfg)
     tc = spec.tune

@@ -1,5 +1,9 @@
-"""The per-worker trainer, composed of small parts (torchtitan-style).
+"""Training: the driver that submits a run to Ray Train, and the per-worker trainer, composed of
+small parts (torchtitan-style).
 
+- ``driver``: the driver side: connect, build the TorchTrainer, stream reports, print the
+  summary (``train()``); ``elastic``: the controller callback that reports resizes.
+- ``models``: the model zoo (torchvision ResNets/ViT, an MLP, the GPT-style decoder).
 - ``trainer``: the core: build the parts, then ``while not done: step; maybe_checkpoint;
   maybe_report`` (and the Ray Train entry point ``train_loop_per_worker``).
 - ``setup``: builders (placement, precision, optimizer, schedule, seeding, DDP comm hooks,
@@ -14,5 +18,5 @@
 - ``tokens``: token sequences for the language model, made on the device.
 - ``run``: what the driver hands each worker and what a run hands back.
 
-This package file imports nothing heavy: the driver, Tune and tracking import ``run``.
+This package file imports nothing heavy: Tune and tracking import ``run`` without the driver.
 """

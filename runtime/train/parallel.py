@@ -15,7 +15,7 @@ from torch import nn
 
 from runtime.config import FSDPConfig
 
-# Containers whose children are the model's repeated blocks, per architecture in runtime.models.
+# Containers whose children are the model's repeated blocks, per architecture in runtime.train.models.
 BLOCK_CONTAINERS = ("layer1", "layer2", "layer3", "layer4", "encoder.layers", "features", "net", "blocks")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

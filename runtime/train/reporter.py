@@ -31,7 +31,7 @@ class Reporter:
         self.rank, self.world, self.run = rank, world, run
         self.progress = progress  # the driver's ray.util.queue.Queue: rank 0 streams every report to it
         self.lockstep = lockstep  # a Tune trial under a scheduler: wait until the trial takes each report
-        self.gauges = gauges  # runtime.metrics.WorkerMetrics or None
+        self.gauges = gauges  # runtime.observe.metrics.WorkerMetrics or None
         self.checkpoints = checkpoints  # CheckpointManager or None
         self._reported_step: int | None = None  # newest checkpoint registered with Ray Train
         self._comm_exported = 0.0
@@ -102,7 +102,7 @@ class Reporter:
 
     def _export_cost(self) -> None:
         try:
-            from runtime.cost import estimate_cost, load_price_table
+            from runtime.observe.cost import estimate_cost, load_price_table
 
             table = load_price_table(PRICES)
             secs = time.time() - self.run.started_at
@@ -114,10 +114,10 @@ class Reporter:
 
 
 def build_gauges(cfg: Any, run: RunInfo, rank: int, world: int) -> Any:
-    """This rank's Prometheus exporter (runtime.metrics.WorkerMetrics), or None when off."""
+    """This rank's Prometheus exporter (runtime.observe.metrics.WorkerMetrics), or None when off."""
     if not cfg.tracking.prometheus:
         return None
-    from runtime.metrics import WorkerMetrics
+    from runtime.observe.metrics import WorkerMetrics
 
     info = {"job_name": cfg.name, "world_size": str(world), "instance_type": run.instance_type}
     # A driver off the cluster knows no discovery folder: each node's own (set by Ansible) applies.

@@ -108,7 +108,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.device,
                          world: int) -> dict[str, float]:
     """tokens/s and, on a GPU in the table, model FLOPs utilisation (PaLM's 6N + 12 L T d per token)."""
-    from runtime.models import parameter_count
+    from runtime.train.models import parameter_count
 
     t = cfg.model.transformer
     tokens = samples_per_s * t.seq_len

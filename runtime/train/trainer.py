@@ -33,7 +33,6 @@ from runtime.checkpoint import CheckpointError
 from runtime.config import JobConfig
 from runtime.data import build_loaders
 from runtime.errors import ConfigError
-from runtime.models import build_model
 from runtime.train.device_input import (
     DevicePrefetcher,
     Position,
@@ -42,6 +41,7 @@ from runtime.train.device_input import (
     make_stage,
     synthetic_loaders,
 )
+from runtime.train.models import build_model
 from runtime.train.parallel import apply_fsdp, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
 from runtime.train.resume import Trainables, TrainerState, build_checkpointer, build_payload, restore_latest
@@ -494,7 +494,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     trainer = Trainer(cfg, run, progress=config.get("progress"), lockstep=bool(config.get("progress_lockstep")))
     monitor = None
     if trainer.rank == 0:  # rank 0 samples its node's CPU/memory/disk/network (and GPU) into MLflow
-        from runtime.tracking import attach_system_metrics
+        from runtime.observe.tracking import attach_system_metrics
 
         ml = config.get("mlflow") or {}
         monitor = attach_system_metrics(ml.get("run_id"), ml.get("uri"))

@@ -229,7 +229,7 @@ def test_repository_alert_rules_are_installed_and_loaded(hosts, lab, inventory):
 
 
 # A training worker as the runtime runs it: a Ray actor on worker1 starts the runtime's own
-# exporter (runtime/metrics.py), which announces itself in RT_PROMETHEUS_SD_DIR on that node.
+# exporter (runtime/observe/metrics.py), which announces itself in RT_PROMETHEUS_SD_DIR on that node.
 _EXPORTER_DRIVER = """
 import os, sys, time, ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -241,7 +241,7 @@ node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAdd
 class Worker:
     def __init__(self):
         ns = {"__name__": "runtime_metrics"}
-        exec(compile(source, "runtime/metrics.py", "exec"), ns)
+        exec(compile(source, "runtime/observe/metrics.py", "exec"), ns)
         self.metrics = ns["WorkerMetrics"]("hosts-lab", 0, os.environ["RT_PROMETHEUS_SD_DIR"], {})
         self.metrics.steps.inc(3)
     def where(self):
@@ -259,7 +259,7 @@ def _put(host, path: str, text: str) -> None:
 
 def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(hosts, lab, inventory):
     head, worker = hosts(HEAD), f"{lab.subnet}.{10 + labmod.TOPOLOGY['worker1']}"
-    _put(head, "/tmp/runtime_metrics.py", (labmod.ROOT / "runtime" / "metrics.py").read_text())
+    _put(head, "/tmp/runtime_metrics.py", (labmod.ROOT / "runtime" / "observe" / "metrics.py").read_text())
     _put(head, "/tmp/exporter_driver.py", _EXPORTER_DRIVER)
     head.check_output(
         f"nohup timeout 300 {WITH_AUTH} /opt/ray/venv/bin/python /tmp/exporter_driver.py /tmp/runtime_metrics.py "

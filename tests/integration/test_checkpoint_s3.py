@@ -383,7 +383,7 @@ def test_s3_run_keeps_the_drivers_aws_credentials_out_of_the_job(
     from ray.util.state import list_jobs
     from rt_helpers import job
 
-    from runtime.launch import connect, train
+    from runtime.train.driver import connect, train
 
     monkeypatch.chdir(tmp_path)  # an S3 run's local folder is ./runs/<name>
     for key, value in DRIVER_SECRETS.items():

@@ -9,7 +9,7 @@ from rt_helpers import job
 
 from runtime.data import write_digits_imagefolder
 from runtime.data.shards import pack
-from runtime.launch import train
+from runtime.train.driver import train
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from rt_helpers import job
 
 from runtime import cluster as rc
 from runtime.checkpoint import CheckpointManager
-from runtime.launch import StreamingFit, connect
+from runtime.train.driver import StreamingFit, connect
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import torch
 from rt_helpers import committed_steps, job, train_worker_pids, wait_for
 
 from runtime.checkpoint import CheckpointManager
-from runtime.launch import train
+from runtime.train.driver import train
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from rt_helpers import job
 
 from dashboards.queries import is_gpu_only, load_dashboards, panel_queries
-from runtime.launch import train
+from runtime.train.driver import train
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from rt_helpers import ROOT, committed_steps, job, train_worker_pids, wait_for
 from s3_server import CREDENTIALS, free_port, start_moto_server, stop_moto_server
 
 from runtime.checkpoint import CheckpointManager, step_name
-from runtime.launch import TrainOutcome, connect, train
+from runtime.train.driver import TrainOutcome, connect, train
 
 pytestmark = pytest.mark.slow
 

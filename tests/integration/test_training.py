@@ -13,7 +13,7 @@ import torch
 from rt_helpers import ROOT, job
 
 from runtime.checkpoint import CheckpointManager
-from runtime.launch import train
+from runtime.train.driver import train
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 import yaml
 
-from runtime.metrics import WorkerMetrics
+from runtime.observe.metrics import WorkerMetrics
 from tests.kubernetes.conftest import ROOT
 
 

@@ -1,4 +1,4 @@
-"""The driver's console lines (runtime.progress) for reports, failures and recoveries."""
+"""The driver's console lines (runtime.observe.progress) for reports, failures and recoveries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 from ray.exceptions import ActorDiedError
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
-from runtime.progress import FAILURE_EVENT, Progress, failure_line
+from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
 
 
 def _lines(stream: io.StringIO) -> list[str]:

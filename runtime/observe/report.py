@@ -1,7 +1,7 @@
 """``python -m runtime report <run>``: a finished (or interrupted) run's summary table, and its plots again.
 
 Reads the run folder's ``history.jsonl`` (every report the driver received, appended as they
-arrived, runtime.launch.HISTORY_FILE), prints where each metric started, ended and was best,
+arrived, runtime.train.driver.HISTORY_FILE), prints where each metric started, ended and was best,
 the throughput median, restarts and wall time, and rewrites ``training_curves.png`` next to it.
 Works without a cluster, MLflow or the checkpoints.
 """
@@ -19,11 +19,11 @@ from typing import IO, Any
 METRICS = (("train/loss", "train loss", min), ("train/accuracy", "train accuracy", max),
            ("val/loss", "val loss", min), ("val/accuracy", "val accuracy", max))
 EXIT_BAD_INPUT = 2
-HISTORY_FILE = "history.jsonl"  # every report the driver received, one JSON object a line (runtime.launch.train)
+HISTORY_FILE = "history.jsonl"  # every report the driver received, one JSON object a line (runtime.train.driver.train)
 CURVES_FILE = "training_curves.png"
 
 
-log = logging.getLogger("runtime.report")
+log = logging.getLogger("runtime.observe.report")
 
 
 class ReportError(ValueError):
@@ -130,7 +130,7 @@ def summary_table(history: list[dict[str, Any]], run_dir: Path) -> list[str]:
 
 def report(run: str, runs_root: Path = Path("runs")) -> tuple[list[str], Path | None]:
     """(summary lines, the plot written or None) for a run folder or name."""
-    from runtime.tracking import plot_curves
+    from runtime.observe.tracking import plot_curves
 
     run_dir = find_run(run, runs_root)
     history = read_history(run_dir)

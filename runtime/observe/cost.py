@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 # The repository's table; deployments may point at their own copy.
-DEFAULT_PRICE_TABLE = Path(__file__).resolve().parents[1] / "prices" / "instances.yaml"
+DEFAULT_PRICE_TABLE = Path(__file__).resolve().parents[2] / "prices" / "instances.yaml"
 PRICINGS = ("on_demand", "spot")
 SECONDS_PER_HOUR = 3600.0
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-log = logging.getLogger("runtime.metrics")
+log = logging.getLogger("runtime.observe.metrics")
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 SAVE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -157,7 +157,7 @@ class WorkerMetrics:
 
 
 class ControllerMetrics:
-    """Job-level size of an elastic run, exported by the Ray Train controller (runtime.elastic).
+    """Job-level size of an elastic run, exported by the Ray Train controller (runtime.train.elastic).
 
     The controller lives through every restart of the worker group, so ``rt_train_resizes_total``
     counts the run's resizes without resetting at each one (a worker's exporter would).

@@ -2,7 +2,7 @@
 
 One line per report, plus one line per failure and per recovery. Ray's own output from the
 workers and the Train controller stays in Ray's log files unless ``--verbose``
-(runtime.launch.connect), so what a user reads is these lines and the end-of-run summary.
+(runtime.train.driver.connect), so what a user reads is these lines and the end-of-run summary.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-FAILURE_EVENT = "failure"  # the "_event" of an item Ray Train's controller queues (runtime.launch.FailureNotices)
+FAILURE_EVENT = "failure"  # the "_event" of an item Ray Train's controller queues (runtime.train.driver.FailureNotices)
 MAX_LINE = 160
 
 
@@ -89,7 +89,7 @@ class Progress:
             print(f"[runtime] {text}", file=self.stream, flush=True)
 
     def failure(self, item: dict[str, Any]) -> None:
-        """Ray Train's controller saw a worker-group failure (runtime.launch.FailureNotices)."""
+        """Ray Train's controller saw a worker-group failure (runtime.train.driver.FailureNotices)."""
         self.failures += 1
         count, allowed = item.get("failures", self.failures), item.get("max_failures")
         message = item.get("message", "worker group failed")

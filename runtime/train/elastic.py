@@ -7,7 +7,7 @@ which lives in the controller actor for the whole run, is what knows *that* and 
 the size changed. It
 
 - exports ``rt_train_workers`` / ``rt_train_workers_max`` / ``rt_train_resizes_total``
-  (runtime.metrics.ControllerMetrics): the controller outlives every worker group, so the
+  (runtime.observe.metrics.ControllerMetrics): the controller outlives every worker group, so the
   resize counter is not reset by the restarts it counts;
 - streams a ``{"_event": "resize", ...}`` item to the driver's progress queue, which prints
   ``resized 3 -> 2 workers at step 120: node 5f2c... lost`` and tags the MLflow run;
@@ -25,7 +25,7 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
-log = logging.getLogger("runtime.elastic")
+log = logging.getLogger("runtime.train.elastic")
 
 RESIZE_EVENT = "resize"
 _NODE_RE = re.compile(r"node (?:has )?died.*?(?:Node ID|node_id|NodeID|Node Id)[:= ]+([0-9a-f]{8,})", re.I | re.S)
@@ -65,7 +65,7 @@ class ElasticWatch(ControllerCallback):
 
     def after_controller_start(self, train_run_context: Any) -> None:
         try:
-            from runtime.metrics import ControllerMetrics
+            from runtime.observe.metrics import ControllerMetrics
 
             self.metrics = ControllerMetrics(self.job_id, self.min_workers, self.max_workers, self.sd_dir)
         except Exception as e:  # metrics are advisory: never fail a run over an exporter

@@ -25,14 +25,14 @@ import ray.train
 
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
 from runtime.config import JobConfig, preflight, validate_run_name
-from runtime.elastic import RESIZE_EVENT, record_resize, resize_line
 from runtime.errors import ConfigError
-from runtime.progress import FAILURE_EVENT, Progress, failure_line
-from runtime.report import CURVES_FILE, HistoryLog, read_history
+from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
+from runtime.observe.report import CURVES_FILE, HistoryLog, read_history
+from runtime.train.elastic import RESIZE_EVENT, record_resize, resize_line
 from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
 from runtime.train.trainer import train_loop_per_worker
 
-log = logging.getLogger("runtime.launch")
+log = logging.getLogger("runtime.train.driver")
 
 
 def connect(address: str | None = None, *, verbose: bool = False) -> None:
@@ -41,7 +41,7 @@ def connect(address: str | None = None, *, verbose: bool = False) -> None:
     The workers' and Train controller's output (Ray's ``Reporting training result ...`` line
     per report, a dead worker's ~80 lines of tracebacks, C++ warnings) stays in Ray's log files
     (``/tmp/rt-ray-*/session_latest/logs``) unless ``verbose``: the driver prints one line per
-    report and one per failure and recovery instead (runtime.progress).
+    report and one per failure and recovery instead (runtime.observe.progress).
     """
     import ray
 
@@ -73,7 +73,7 @@ WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", 
 
 def _worker_env() -> dict[str, str]:
     env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the repository root, above runtime/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -162,7 +162,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     callbacks: list[Any] = []
     num_workers: int | tuple[int, int] = d.max_workers
     if d.is_elastic:
-        from runtime.elastic import ElasticWatch
+        from runtime.train.elastic import ElasticWatch
 
         # Ray starts once min workers fit and restarts the group at another size (from the newest
         # checkpoint) when a node is lost or room comes back; the watch reports it (docs/elastic.md).
@@ -201,7 +201,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
 class FailureNotices(ray.train.UserCallback):
     """Runs in Ray Train's controller: one item per worker-group failure onto the driver's queue.
 
-    The driver prints it as one line (runtime.progress.Progress.failure) where Ray would print
+    The driver prints it as one line (runtime.observe.progress.Progress.failure) where Ray would print
     the failing workers' tracebacks and its failure policy's reasoning.
     """
 
@@ -268,7 +268,7 @@ class StreamingFit:
                 item = self._queue.get(timeout=0.5)
             except Empty:  # nothing reported this half second
                 continue
-            if item.get("_event") == RESIZE_EVENT:  # from the controller (runtime.elastic), not a report
+            if item.get("_event") == RESIZE_EVENT:  # from the controller (runtime.train.elastic), not a report
                 self.resizes += 1
                 if self.on_resize is not None:
                     self.on_resize(item, self.last_step, self.resizes)
@@ -290,7 +290,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
 
     ``verbose``: Ray's worker and controller output on the console too (see :func:`connect`).
     """
-    from runtime.tracking import Tracker, plot_curves
+    from runtime.observe.tracking import Tracker, plot_curves
 
     if run_name is not None:
         validate_run_name(run_name)  # before the cluster, MLflow or storage are touched
@@ -308,7 +308,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     fitting.on_resize = on_resize
     outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri, metrics={})
     previous = _install_sigterm(Path(run.run_dir))
-    # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.report).
+    # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.observe.report).
     history = HistoryLog(Path(run.run_dir))
     try:
         for item in fitting.reports(on_event=progress.failure):

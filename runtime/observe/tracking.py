@@ -27,7 +27,7 @@ from runtime.config import JobConfig
 if TYPE_CHECKING:
     from runtime.train.run import TrainOutcome
 
-log = logging.getLogger("runtime.tracking")
+log = logging.getLogger("runtime.observe.tracking")
 
 NUMERIC_PREFIXES = ("train/", "val/", "time/")
 
@@ -128,7 +128,7 @@ class Tracker:
             cfg_path = Path(d) / "resolved_config.yaml"
             cfg_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
             self.client.log_artifact(self.run_id, str(cfg_path))
-            # The driver already wrote the run folder's copy (runtime.launch.train); a Tune trial has none.
+            # The driver already wrote the run folder's copy (runtime.train.driver.train); a Tune trial has none.
             png = Path(outcome.plots[0]) if outcome.plots else Path(d) / "training_curves.png"
             if outcome.plots or plot_curves(outcome.history, png):
                 self.client.log_artifact(self.run_id, str(png))
