@@ -51,7 +51,7 @@ MAX_SYNTHETIC = 100_000_000
 MAX_STEPS = 1_000_000_000
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     """Unknown fields, infinities/NaN and booleans given for numbers are errors in every section.
 
     Constructing a section (``DataConfig(batch_size=0)``), assigning a field or copying with
@@ -120,7 +120,7 @@ def _holds_bool(v: Any) -> bool:
     return False
 
 
-class TransformerConfig(_Strict):
+class TransformerConfig(Strict):
     """Size of model.name=gpt, a decoder-only transformer over byte tokens (GPT-2 layout, pre-LayerNorm)."""
 
     layers: int = Field(4, ge=1, le=256)
@@ -136,7 +136,7 @@ class TransformerConfig(_Strict):
         return self
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     """Which network to train; num_classes comes from the data, not from here."""
 
     name: Literal[
@@ -156,7 +156,7 @@ class ModelConfig(_Strict):
                                "upstream bugs); reduce-overhead and max-autotune add them.")
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     """Where samples come from and how each worker batches them (docs/data.md)."""
 
     source: Literal["synthetic", "cifar10", "imagefolder", "shards", "digits", "tokens", "text"] = Field(
@@ -300,7 +300,7 @@ def s3_uri_problem(uri: str) -> str | None:
     return f"bucket name {bucket!r} {why}" if why else None
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Strict):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
     lr: float = Field(0.1, gt=0, description="Peak learning rate (after warmup).")
     momentum: float = Field(0.9, ge=0, lt=1)
@@ -309,7 +309,7 @@ class OptimizerConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.999)
 
 
-class ScheduleConfig(_Strict):
+class ScheduleConfig(Strict):
     name: Literal["constant", "cosine", "step"] = "cosine"
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to optimizer.lr.")
     step_size: int = Field(30, ge=1, description="step schedule: decay every step_size optimizer steps.")
@@ -317,23 +317,23 @@ class ScheduleConfig(_Strict):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine schedule: floor as a fraction of lr.")
 
 
-class PrecisionConfig(_Strict):
+class PrecisionConfig(Strict):
     """auto = bf16 autocast on GPUs that support it, fp32 on CPU (bf16 CPU autocast is slower there)."""
 
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
 
-class LocalSGDConfig(_Strict):
+class LocalSGDConfig(Strict):
     start_step: int = Field(10, ge=1, description="Synchronous all-reduce until this step, then local SGD.")
     period: int = Field(4, ge=1, description="Average models across workers every `period` steps.")
 
 
-class NonFiniteConfig(_Strict):
+class NonFiniteConfig(Strict):
     policy: Literal["skip", "stop"] = "skip"
     max_consecutive: int = Field(5, ge=1, description="Stop after this many non-finite losses in a row.")
 
 
-class TrainConfig(_Strict):
+class TrainConfig(Strict):
     max_steps: int | None = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps; None = run `epochs` epochs.")
     epochs: int | None = Field(None, ge=1, description="Epochs when max_steps is None (or a cap with it).")
     grad_accum_steps: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
@@ -363,7 +363,7 @@ class TrainConfig(_Strict):
         return self
 
 
-class FSDPConfig(_Strict):
+class FSDPConfig(Strict):
     """FSDP2 (``fully_shard``) settings, used with distributed.strategy=fsdp."""
 
     reshard_after_forward: bool = Field(
@@ -379,14 +379,14 @@ class FSDPConfig(_Strict):
 MAX_WORKERS = 4096
 
 
-class WorkerRange(_Strict):
+class WorkerRange(Strict):
     """Elastic size: start once ``min`` workers fit, grow to ``max`` as capacity allows (docs/elastic.md)."""
 
     min: int = Field(ge=1, le=MAX_WORKERS)
     max: int = Field(ge=1, le=MAX_WORKERS)
 
 
-class ElasticConfig(_Strict):
+class ElasticConfig(Strict):
     """What an elastic run (``distributed.num_workers: {min, max}``) keeps when its size changes."""
 
     keep: Literal["global_batch", "per_worker_batch"] = Field(
@@ -401,7 +401,7 @@ class ElasticConfig(_Strict):
         300.0, ge=1, description="Give up (fail the run with a message) when fewer than min workers fit this long.")
 
 
-class DistributedConfig(_Strict):
+class DistributedConfig(Strict):
     num_workers: int | WorkerRange = Field(
         2, union_mode="left_to_right",
         description="A fixed size, or {min, max} for elastic training (Ray Train resizes from the newest "
@@ -468,7 +468,7 @@ class DistributedConfig(_Strict):
         return v
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Strict):
     storage: str = Field("runs", description="Local folder or s3://bucket/prefix for runs and checkpoints.")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto...).")
     interval_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
@@ -490,7 +490,7 @@ class CheckpointConfig(_Strict):
         return v
 
 
-class TrackingConfig(_Strict):
+class TrackingConfig(Strict):
     mlflow: bool = True
     mlflow_uri: str | None = Field(None, description="MLflow server; None = the local cluster's or a local store.")
     experiment: str | None = Field(None, description="MLflow experiment; default = job name.")
@@ -500,7 +500,7 @@ class TrackingConfig(_Strict):
     )
 
 
-class JobConfig(_Strict):
+class JobConfig(Strict):
     """One training job: the unit a job file describes."""
 
     name: str = Field(description="Job name: names runs, MLflow experiments and folders.")
@@ -816,7 +816,9 @@ def _sections() -> dict[str, type[BaseModel]]:
     return out
 
 
-def _apply(raw: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+def set_dotted(raw: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+    """Set ``raw[a][b][c] = value`` for ``path`` [a, b, c], making missing sections; the one dotted-key
+    setter (``--set``, ``RT_*``, Tune's search space). ``item`` names the override in the error."""
     node = raw
     for part in path[:-1]:
         nxt = node.setdefault(part, {})
@@ -832,7 +834,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, str]], origi
     for item, origin in overrides:
         keys, value = parse_override(item)
         try:
-            _apply(raw, keys, value, item)
+            set_dotted(raw, keys, value, item)
         except ConfigError as e:
             raise ConfigError(f"{e} (from {origin})") from None
         for k in [k for k in origins if k[: len(keys)] == tuple(keys)]:
