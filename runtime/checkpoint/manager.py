@@ -233,6 +233,12 @@ class CheckpointManager:
             self._sharded.wait()
         return self._last
 
+    def settle(self) -> None:
+        """Block until the save in flight no longer reads the live tensors (a sharded save's copy
+        to CPU; a full save snapshots before ``save`` returns). Call before an in-place update."""
+        if self._sharded is not None:
+            self._sharded.settle()
+
     def _drain(self, timeout: float | None) -> None:
         fut = self._future
         if fut is None:
@@ -531,9 +537,10 @@ class CheckpointManager:
     # ------------------------------------------------------------- sharded
 
     def save_sharded(self, state: dict[str, Any], step: int, meta: dict[str, Any]) -> None:
-        """Every rank, together, with its FSDP/DTensor state dict: stage the shards to CPU and
+        """Every rank, together, with its FSDP/DTensor state dict: copy the shards to CPU and
         write them in the background; rank 0 commits through ``commit`` (see the sharded module).
-        The time spent here is the training stall, recorded like ``save``'s."""
+        Call :meth:`settle` before changing ``state``'s tensors in place; the time this call and
+        ``settle`` hold the training thread is the stall, recorded like ``save``'s."""
         if self._closed:
             raise CheckpointError(f"checkpoint manager for {self.storage.uri} is closed")
         if self._sharded is None:

@@ -1,8 +1,10 @@
 """Sharded (FSDP/DTensor) checkpoints with ``torch.distributed.checkpoint`` in the same layout.
 
 Every rank writes its own shards with ``dcp.async_save`` into the step folder's staging
-area: the call stages the rank's shards to CPU memory (reused from save to save) and
-returns, so the training stall is that copy; the files are written in the background.
+area. The copy of the rank's shards into CPU memory (reused from save to save, pinned on GPU
+hosts) runs on a background thread (a side stream on GPUs) while the next step's forward and
+backward run; ``settle`` waits for it before anything changes the saved tensors in place (the
+trainer calls it just before the optimizer step). The files are written in the background.
 When all ranks are done, rank 0 hands the hashes of every rank's files (gathered over a
 dedicated gloo group) to its commit callback, which runs ``format.commit_staged``: the
 same commit protocol DDP saves use. The dedicated group keeps checkpoint collectives,
@@ -18,6 +20,7 @@ allows only dcp's own classes, and byte entries (non-tensor values) through
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -40,6 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from runtime.checkpoint.format import META, CheckpointRef, Kind, file_digest, step_name
 from runtime.checkpoint.storage import CheckpointError, LocalStorage, S3Storage, Staging, Storage
@@ -127,7 +131,7 @@ class ShardedWriter:
 
     ``commit`` runs on rank 0 only, once every rank's files are staged; ``failed`` turns a
     failure into the CheckpointError to raise (counting and logging it); ``on_stall`` gets
-    the seconds each ``save`` held the training thread.
+    the seconds each save held the training thread (the ``save`` call plus ``settle``'s wait).
     """
 
     def __init__(self, storage: Storage, commit: CommitCallback,
@@ -147,15 +151,19 @@ class ShardedWriter:
         self.group = dist.new_group(backend="gloo")  # collective: every rank gets here together
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-dcp")
         self._future: Future[CheckpointRef | None] | None = None
+        self._staged: Future[None] | None = None  # the copy to CPU of the save in flight
+        self._held_s = 0.0  # how long that save's call held the training thread
         cuda = torch.cuda.is_available()
-        # Synchronous staging into CPU buffers kept from save to save (pinned on GPU hosts): the
-        # stall is one device-to-host copy of this rank's shards, and the next optimizer step
-        # cannot race a copy still in progress.
+        # Staging into CPU buffers kept from save to save, on the stager's thread (and its own
+        # CUDA stream on GPU hosts), so the copy overlaps the next forward and backward.
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+                                                    use_async_staging=True, use_non_blocking_copy=cuda))
 
     def save(self, state: dict[str, Any], step: int, meta: dict[str, Any]) -> None:
-        """Every rank, together: stage this rank's shards to CPU and write them in the background."""
+        """Every rank, together: start copying this rank's shards to CPU and writing them.
+
+        ``state``'s tensors must not change in place until :meth:`settle` returns.
+        """
         t0 = time.monotonic()
         self.wait()  # back-pressure: the staging buffers are reused, so the last write must be done
         name = step_name(step)
@@ -173,14 +181,15 @@ class ShardedWriter:
             # A shared folder for LocalStorage; a private spool that gets uploaded for S3.
             folder = box[0] if shared else tempfile.mkdtemp(prefix=f"ckpt-{name}-r{self.rank}-")
         try:
-            pending = dcp.async_save(state, checkpoint_id=folder, process_group=self.group,
-                                     async_stager=self._stager)
+            response = dcp.async_save(state, checkpoint_id=folder, process_group=self.group,
+                                      async_stager=self._stager)
         except BaseException as exc:
             if staging is not None:
                 staging.abort()
             raise self.failed(name, exc) from exc
-        if self.on_stall:
-            self.on_stall(time.monotonic() - t0)
+        assert isinstance(response, AsyncSaveResponse)  # what async staging returns
+        self._staged, pending = response.staging_completion, response.upload_completion
+        self._held_s = time.monotonic() - t0
         self._future = self._executor.submit(
             self._finish, pending, staging, folder, prefix, step, dict(meta), time.time(), sorted(state)
         )
@@ -234,8 +243,20 @@ class ShardedWriter:
         log.info("sharded checkpoint %s committed (%d ranks)", ref.uri, self.world_size)
         return ref
 
+    def settle(self) -> None:
+        """Block until the save in flight has its CPU copy: call before changing its tensors in place."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        t0 = time.monotonic()
+        with contextlib.suppress(Exception):  # a failed copy fails the upload too: _finish reports it
+            staged.result()
+        if self.on_stall:
+            self.on_stall(self._held_s + time.monotonic() - t0)
+
     def wait(self) -> CheckpointRef | None:
         """Flush this rank's save in flight; rank 0 gets the commit (None elsewhere)."""
+        self.settle()
         fut, self._future = self._future, None
         if fut is None:
             return None

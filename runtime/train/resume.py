@@ -62,6 +62,7 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
         get_model_state_dict,
         get_optimizer_state_dict,
     )
+    from torch.distributed.tensor import DTensor
 
     from runtime.checkpoint import capture_rng_state
 
@@ -73,8 +74,15 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
         dist.all_gather_object(rng_all, rng)  # every rank's RNG, so a resume is exact per rank
     else:
         rng_all = [rng]
+    model_state = get_model_state_dict(t.model, options=opts)
+    if sharded:
+        # The sharded save copies to CPU while the next forward runs, and a forward updates
+        # buffers in place (batch-norm running statistics): FSDP2 shards parameters only, so
+        # every plain tensor here is such a buffer, copied now on the device (kilobytes).
+        model_state = {k: v.detach().clone() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v
+                       for k, v in model_state.items()}
     payload: dict[str, Any] = {
-        "model": get_model_state_dict(t.model, options=opts),
+        "model": model_state,
         "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=opts),
         "scheduler": t.scheduler.state_dict(),
         "trainer": state.as_dict(),

@@ -343,6 +343,8 @@ class Trainer:
         # reduce-scatter) the grad norm is identical everywhere, and a non-finite loss makes it
         # non-finite too; local SGD steps each rank on its own gradients, so a local decision
         # is the right one there.
+        if self.checkpoints is not None:
+            self.checkpoints.settle()  # a sharded save's copy to CPU overlapped this step until here
         if self.scaler is not None:
             bad = (~torch.isfinite(loss_sum)).float()  # the scaler skips overflowing steps itself
             self.scaler.step(opt)  # fused optimizers: no host sync (GradScaler passes found_inf)
