@@ -471,6 +471,7 @@ class JobConfig(Strict):
         return self.distributed.max_workers * self.data.batch_size * self.train.grad_accum_steps
 
     def config_hash(self) -> str:
+        """The hash of the resolved values (MLflow tag, checkpoint meta), computed by base.config_hash."""
         return config_hash(self.model_dump(mode="json"))
 
     def flat(self) -> dict[str, Any]:
