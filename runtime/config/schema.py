@@ -1,7 +1,7 @@
-"""The job configuration's sections, each a typed, validated model (``JobConfig`` composes them).
+"""The job configuration: each section a typed, validated model, and ``JobConfig`` composing them.
 
-A job file (``jobs/<name>.yaml``) is these models composed; every field is
-documented here, next to its validation. Unknown fields are errors (a typo must
+A job file (``jobs/<name>.yaml``) is a ``JobConfig``; every field is documented
+here, next to its validation. Unknown fields are errors (a typo must
 not silently fall back to a default), and every error names the file and the
 dotted field path.
 """
