@@ -14,18 +14,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib import metadata as importlib_metadata
 from typing import Any, Literal, TypeGuard
 
 import torch
 
 from runtime.checkpoint.storage import MANIFEST, Staging, Storage, UnsafeNameError, check_name, safe_join
+from runtime.config import config_hash
+from runtime.observe.versions import versions
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -79,23 +79,6 @@ def digest_entry(path: str) -> dict[str, Any]:
     """The manifest entry of one local file."""
     sha, size = file_digest(path)
     return {"sha256": sha, "size": size}
-
-
-def versions() -> dict[str, str]:
-    """Versions recorded with every checkpoint (from package metadata: importing ray is slow)."""
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("ray", "numpy"):
-        try:
-            out[dist] = importlib_metadata.version(dist)
-        except importlib_metadata.PackageNotFoundError:
-            continue
-    return out
-
-
-def config_hash(config: Any) -> str:
-    """Stable hash of a resolved config (key order does not matter)."""
-    blob = json.dumps(config, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def world_size() -> int:

@@ -40,13 +40,11 @@ from runtime.checkpoint.format import (
     InvalidCheckpoint,
     Kind,
     commit_staged,
-    config_hash,
     file_digest,
     is_int,
     read_manifest,
     step_name,
     verify_files,
-    versions,
 )
 from runtime.checkpoint.sharded import ShardedWriter, load_into, read_full
 from runtime.checkpoint.state import SnapshotBuffers
@@ -65,8 +63,8 @@ log = logging.getLogger("runtime.checkpoint")
 POINTER = "checkpoint_pointer.json"
 
 # Re-exported: callers import these from the manager as well.
-__all__ = ["CheckpointManager", "CheckpointMetrics", "CheckpointRef", "config_hash", "file_digest", "read_pointer",
-           "step_name", "versions", "write_pointer"]
+__all__ = ["CheckpointManager", "CheckpointMetrics", "CheckpointRef", "file_digest", "read_pointer", "step_name",
+           "write_pointer"]
 
 
 @dataclass

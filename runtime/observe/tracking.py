@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import socket
 import subprocess
 import tempfile
@@ -23,6 +22,7 @@ import yaml
 
 from runtime.cluster import ROOT, tracking_uri
 from runtime.config import JobConfig
+from runtime.observe.versions import versions
 
 if TYPE_CHECKING:
     from runtime.train.run import TrainOutcome
@@ -45,18 +45,6 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "ray", "mlflow"):
-        try:
-            out[dist] = version(dist)
-        except Exception:
-            out[dist] = "unknown"
-    return out
 
 
 class Tracker:

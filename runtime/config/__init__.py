@@ -1,0 +1,44 @@
+"""Typed, validated job configuration: ``from runtime.config import load_job, JobConfig, ...``.
+
+- ``base``: the strict model base (``Strict``), bounds, ``set_dotted``, ``config_hash`` and the
+  error messages (``format_errors``, ``short``);
+- ``schema``: the sections (``ModelConfig`` ... ``TrackingConfig``) and ``JobConfig``;
+- ``load``: job files, ``RT_*`` and ``--set`` overrides (``load_job``, ``config_from_dict``);
+- ``checks``: device preflight, likely-mistake warnings, run names.
+
+This module re-exports what other packages import; everything else is imported from its module.
+"""
+
+from runtime.config.base import Strict, config_hash, format_errors, set_dotted, short
+from runtime.config.checks import job_warnings, planned_device, preflight, validate_run_name
+from runtime.config.load import (
+    RUNTIME_SETTINGS,
+    available_jobs,
+    config_from_dict,
+    env_overrides,
+    load_job,
+    with_overrides,
+)
+from runtime.config.schema import DataConfig, FSDPConfig, JobConfig, ModelConfig
+
+__all__ = [
+    "RUNTIME_SETTINGS",
+    "DataConfig",
+    "FSDPConfig",
+    "JobConfig",
+    "ModelConfig",
+    "Strict",
+    "available_jobs",
+    "config_from_dict",
+    "config_hash",
+    "env_overrides",
+    "format_errors",
+    "job_warnings",
+    "load_job",
+    "planned_device",
+    "preflight",
+    "set_dotted",
+    "short",
+    "validate_run_name",
+    "with_overrides",
+]
