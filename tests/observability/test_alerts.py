@@ -15,6 +15,8 @@ import pytest
 import requests
 import yaml
 
+from alerts import runbooks
+
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS_DIR = ROOT / "alerts"
 RULE_FILES = sorted(ALERTS_DIR.glob("*.rules.yml"))
@@ -108,6 +110,27 @@ def test_node_down_runbooks_give_the_replace_node_command():
         assert "ansible-playbook -i <inventory> ansible/playbooks/replace_node.yml -e node=<name>" in section
         assert "make replace-node NODE=<name>" in section
         assert "docs/operations.md" in section
+
+
+@pytest.mark.parametrize("path", runbooks.files(), ids=lambda p: p.name)
+def test_runbook_links_are_written_from_the_one_pattern(path):
+    text = path.read_text()
+    assert runbooks.render(text, path.name) == text, f"{path.name}: run `make alerts-runbooks`"
+
+
+def test_the_runbook_writer_adds_a_missing_link_and_moves_every_link_to_a_new_base():
+    path = ALERTS_DIR / "training.rules.yml"
+    text = path.read_text()
+    without = "".join(line for line in text.splitlines(keepends=True) if not line.lstrip().startswith("runbook_url:"))
+    assert runbooks.render(without, path.name) == text
+    rebased = yaml.safe_load(runbooks.render(text, path.name, base="https://runbooks.example/"))
+    urls = [r["annotations"]["runbook_url"] for g in rebased["groups"] for r in g["rules"] if "alert" in r]
+    assert urls and all(u == f"https://runbooks.example/alerts/runbook.md#{u.rpartition('#')[2]}" for u in urls)
+
+
+def test_the_runbook_writer_rejects_annotations_without_an_alert_name():
+    with pytest.raises(ValueError, match="x.yml:2: annotations before any"):
+        runbooks.render("groups:\n  annotations:\n    summary: s\n", "x.yml")
 
 
 def declared_thresholds(path: Path) -> dict[str, str]:
