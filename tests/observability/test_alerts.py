@@ -16,6 +16,7 @@ import requests
 import yaml
 
 from alerts import runbooks
+from runtime.observe.catalog import series_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS_DIR = ROOT / "alerts"
@@ -131,6 +132,15 @@ def test_the_runbook_writer_adds_a_missing_link_and_moves_every_link_to_a_new_ba
 def test_the_runbook_writer_rejects_annotations_without_an_alert_name():
     with pytest.raises(ValueError, match="x.yml:2: annotations before any"):
         runbooks.render("groups:\n  annotations:\n    summary: s\n", "x.yml")
+
+
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+def test_every_runtime_series_an_alert_rule_reads_is_declared_in_the_catalog(path):
+    for group in yaml.safe_load(path.read_text())["groups"]:
+        for rule in group["rules"]:
+            # rt_* names standing alone (a recording rule's job_id:rt_...:sum is not an exported series)
+            for metric in re.findall(r"(?<![\w:])rt_[a-z0-9_]+(?![\w:])", rule["expr"]):
+                assert metric in series_samples(), f"{path.name}: {metric} is not in runtime/observe/catalog.py"
 
 
 def declared_thresholds(path: Path) -> dict[str, str]:
