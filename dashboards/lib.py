@@ -8,12 +8,16 @@ Filtering contract (tests/observability/test_dashboards.py checks it):
   runtime GPU metrics (rt_gpu_*)    job_id=~"$job", gpu=~"$gpu"
   DCGM metrics (DCGM_*)             instance=~"$instance", gpu=~"$gpu"
   node exporter (node_*) and `up`   instance=~"$instance"
-Metric names are the contract in docs/metrics.md. Standard library only.
+Runtime series (rt_*) must be declared in runtime.observe.catalog: rt() refuses any other, so a
+dashboard cannot query a series no exporter publishes. Metric names are described in docs/metrics.md.
+Standard library only (the catalog is too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from runtime.observe.catalog import series_samples
 
 SCHEMA_VERSION = 39  # Grafana 10.x dashboard schema
 TAGS = ["rt", "training-platform"]
@@ -28,7 +32,9 @@ INSTANCE = 'instance=~"$instance"'
 
 
 def rt(metric: str, *extra: str) -> str:
-    """A runtime metric filtered by the job variable (and gpu for rt_gpu_*)."""
+    """A runtime metric filtered by the job variable (and gpu for rt_gpu_*); it must be a declared series."""
+    if metric not in series_samples():
+        raise ValueError(f"{metric} is not a series the runtime exports: declare it in runtime/observe/catalog.py")
     labels = [JOB, *([GPU] if metric.startswith("rt_gpu_") else []), *extra]
     return f"{metric}{{{', '.join(labels)}}}"
 

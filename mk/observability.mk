@@ -5,20 +5,16 @@
 # `prometheus-tools` target instead of the binary's path.
 ALERT_RULES = $(sort $(wildcard $(ROOT)/alerts/*.rules.yml))
 ALERT_TESTS = $(sort $(wildcard $(ROOT)/alerts/tests/*.test.yml))
-# Where alert runbook links point: <base>alerts/runbook.md#<alertname>.
-RUNBOOK_BASE_URL ?= https://github.com/example-org/dist-train-platform/blob/main/
 
 .PHONY: alerts-check
-alerts-check: prometheus-tools ## Check the alert rules and run their promtool unit tests.
+alerts-check: prometheus-tools ## Check the alert rules, their runbook links and run their promtool unit tests.
+	cd "$(ROOT)" && $(PYTHON) -m alerts.runbooks --check
 	"$(PROMTOOL)" check rules $(ALERT_RULES)
 	"$(PROMTOOL)" test rules $(ALERT_TESTS)
 
-.PHONY: alerts-runbook-base
-alerts-runbook-base: ## Point every alert's runbook_url (rules and tests) at RUNBOOK_BASE_URL.
-	@for f in $(ALERT_RULES) $(ALERT_TESTS); do \
-	  sed -E -i 's|(runbook_url: ")[^"]*(alerts/runbook\.md#[a-z0-9-]+")|\1$(RUNBOOK_BASE_URL)\2|' "$$f"; \
-	done
-	@grep -ho 'runbook_url: "[^"]*"' $(ALERT_RULES) | sort -u | head -n 3
+.PHONY: alerts-runbooks
+alerts-runbooks: ## Write every alert's runbook_url (rules and tests) from the one pattern in alerts/runbooks.py.
+	cd "$(ROOT)" && $(PYTHON) -m alerts.runbooks
 
 .PHONY: dashboards
 dashboards: ## Regenerate the Grafana dashboards (dashboards/*.json) from dashboards/boards/*.py.

@@ -1,4 +1,4 @@
-"""Per-worker Prometheus exporter (names: docs/metrics.md).
+"""Per-worker Prometheus exporter (series declared in runtime.observe.catalog; described in docs/metrics.md).
 
 Every rank serves its own /metrics on a free port and announces it in a file_sd
 targets file (one JSON file per worker, written atomically, removed at exit), so
@@ -22,10 +22,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from runtime.observe.catalog import CONTROLLER_SERIES, GPU_SERIES, SERIES, WORKER_LABELS, WORKER_SERIES, Series
+
 log = logging.getLogger("runtime.observe.metrics")
 
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-SAVE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+def _family(s: Series, registry: CollectorRegistry) -> Gauge | Counter | Histogram:
+    """The prometheus_client family the catalog declares, in ``registry``."""
+    if s.kind == "counter":
+        return Counter(s.name, s.help, s.labels, registry=registry)
+    if s.kind == "histogram":
+        return Histogram(s.name, s.help, s.labels, buckets=s.buckets, registry=registry)
+    return Gauge(s.name, s.help, s.labels, registry=registry)
 
 
 class GpuCollector(Collector):
@@ -46,14 +54,8 @@ class GpuCollector(Collector):
         if self.nvml is None:
             return
         nv = self.nvml
-        keys = [*self.labels, "gpu"]
-        fams = {
-            "util": GaugeMetricFamily("rt_gpu_utilization_ratio", "GPU utilisation 0..1", labels=keys),
-            "used": GaugeMetricFamily("rt_gpu_memory_used_bytes", "GPU memory used", labels=keys),
-            "total": GaugeMetricFamily("rt_gpu_memory_total_bytes", "GPU memory total", labels=keys),
-            "temp": GaugeMetricFamily("rt_gpu_temperature_celsius", "GPU temperature", labels=keys),
-            "power": GaugeMetricFamily("rt_gpu_power_watts", "GPU power draw", labels=keys),
-        }
+        util, used, total, temp, power = (GaugeMetricFamily(s.name, s.help, labels=s.labels) for s in GPU_SERIES)
+        fams = {"util": util, "used": used, "total": total, "temp": temp, "power": power}
         try:
             for i in range(nv.nvmlDeviceGetCount()):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
@@ -75,48 +77,29 @@ class WorkerMetrics:
 
     def __init__(self, job_id: str, rank: int, sd_dir: str | None, extra_info: dict[str, str]) -> None:
         self.node = socket.gethostname()
-        self.labels = {"job_id": job_id, "rank": str(rank), "node": self.node}
-        self.registry = CollectorRegistry()
-        names = list(self.labels)
-        reg = self.registry
-
-        def g(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=reg)
-
-        def c(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=reg)
-
-        def h(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=reg)
-
-        lv = self.labels
-        self.loss = g("rt_train_loss", "Last training loss").labels(**lv)
-        self.accuracy = g("rt_train_accuracy", "Last training accuracy (0..1)").labels(**lv)
-        self.lr = g("rt_train_learning_rate", "Current learning rate").labels(**lv)
-        self.grad_norm = g("rt_train_grad_norm", "Gradient L2 norm before clipping").labels(**lv)
-        self.samples_per_second = g("rt_train_samples_per_second", "Worker samples/s").labels(**lv)
-        self.steps = c("rt_train_steps", "Optimizer steps").labels(**lv)
-        self.samples = c("rt_train_samples", "Samples consumed").labels(**lv)
-        self.nonfinite = c("rt_train_nonfinite_steps", "Steps skipped for NaN/inf").labels(**lv)
-        self.step_seconds = h("rt_train_step_seconds", "Optimizer step wall time", STEP_BUCKETS).labels(**lv)
-        self.data_wait = h("rt_train_data_wait_seconds", "Data loader wait per step", STEP_BUCKETS).labels(**lv)
-        self.comm_seconds = c("rt_train_comm_seconds", "Gradient all-reduce time").labels(**lv)
-        self.last_progress = g("rt_train_last_progress_timestamp_seconds", "Last completed step time").labels(**lv)
-        self.ckpt_save = h("rt_checkpoint_save_seconds", "Background checkpoint write", SAVE_BUCKETS).labels(**lv)
-        self.ckpt_stall = h("rt_checkpoint_stall_seconds", "Training stall per checkpoint", SAVE_BUCKETS).labels(**lv)
-        self.ckpt_bytes = g("rt_checkpoint_bytes", "Size of the last committed checkpoint").labels(**lv)
-        self.ckpt_failures = c("rt_checkpoint_failures", "Failed checkpoint saves").labels(**lv)
-        self.ckpt_step = g("rt_checkpoint_last_committed_step", "Newest committed step").labels(**lv)
-        self.ckpt_time = g("rt_checkpoint_last_committed_timestamp_seconds", "Newest commit time").labels(**lv)
-        self.storage_free = g("rt_checkpoint_storage_free_bytes", "Free bytes of checkpoint storage").labels(**lv)
-        self.storage_size = g("rt_checkpoint_storage_size_bytes", "Size of checkpoint storage").labels(**lv)
-        self.recoveries = c("rt_recoveries", "Restores from a checkpoint").labels(**lv)
-        self.recovery_seconds = g("rt_recovery_seconds", "Worker start to first step after restore").labels(**lv)
-        self.cost = Gauge(
-            "rt_job_estimated_cost_dollars", "Estimated job cost so far", [*names, "pricing"], registry=reg
-        )
-        info_keys = ["job_id", "job_name", "world_size", "instance_type"]
-        self.info = Gauge("rt_job_info", "One series per running job", info_keys, registry=reg)
+        self.labels = dict(zip(WORKER_LABELS, (job_id, str(rank), self.node), strict=True))
+        self.registry = reg = CollectorRegistry()
+        families: dict[str, Any] = {s.name: _family(s, reg) for s in WORKER_SERIES}
+        # This rank's child of every family labelled job_id/rank/node only; cost and info take more labels.
+        self.series: dict[str, Any] = {
+            s.name: families[s.name].labels(**self.labels) for s in WORKER_SERIES if s.labels == WORKER_LABELS
+        }
+        sv = self.series  # the reporter sets the loop's gauges by name (catalog.reported_gauges); the rest:
+        self.steps, self.samples = sv["rt_train_steps"], sv["rt_train_samples"]
+        self.nonfinite = sv["rt_train_nonfinite_steps"]
+        self.step_seconds, self.data_wait = sv["rt_train_step_seconds"], sv["rt_train_data_wait_seconds"]
+        self.comm_seconds = sv["rt_train_comm_seconds"]
+        self.last_progress = sv["rt_train_last_progress_timestamp_seconds"]
+        self.ckpt_save, self.ckpt_stall = sv["rt_checkpoint_save_seconds"], sv["rt_checkpoint_stall_seconds"]
+        self.ckpt_bytes, self.ckpt_failures = sv["rt_checkpoint_bytes"], sv["rt_checkpoint_failures"]
+        self.ckpt_step = sv["rt_checkpoint_last_committed_step"]
+        self.ckpt_time = sv["rt_checkpoint_last_committed_timestamp_seconds"]
+        self.storage_free = sv["rt_checkpoint_storage_free_bytes"]
+        self.storage_size = sv["rt_checkpoint_storage_size_bytes"]
+        self.recoveries, self.recovery_seconds = sv["rt_recoveries"], sv["rt_recovery_seconds"]
+        self.cost = families["rt_job_estimated_cost_dollars"]
+        self.info = families["rt_job_info"]
+        info_keys = SERIES["rt_job_info"].labels
         if rank == 0:  # rank 0 publishes job-level series once; every rank exports its own worker series
             self.info.labels(job_id=job_id, **{k: extra_info.get(k, "") for k in info_keys[1:]}).set(1)
         reg.register(GpuCollector(self.labels))
@@ -165,15 +148,10 @@ class ControllerMetrics:
 
     def __init__(self, job_id: str, min_workers: int, max_workers: int, sd_dir: str | None) -> None:
         self.registry = CollectorRegistry()
-        reg, lv = self.registry, {"job_id": job_id}
-        self.workers = Gauge("rt_train_workers", "Workers in the running group (0 while it restarts)",
-                             ["job_id"], registry=reg).labels(**lv)
-        Gauge("rt_train_workers_max", "distributed.num_workers max (or the fixed size)", ["job_id"],
-              registry=reg).labels(**lv).set(max_workers)
-        Gauge("rt_train_workers_min", "distributed.num_workers min (or the fixed size)", ["job_id"],
-              registry=reg).labels(**lv).set(min_workers)
-        self.resizes = Counter("rt_train_resizes", "Worker-group resizes of an elastic run", ["job_id"],
-                               registry=reg).labels(**lv)
+        fam: dict[str, Any] = {s.name: _family(s, self.registry).labels(job_id=job_id) for s in CONTROLLER_SERIES}
+        self.workers, self.resizes = fam["rt_train_workers"], fam["rt_train_resizes"]
+        fam["rt_train_workers_max"].set(max_workers)
+        fam["rt_train_workers_min"].set(min_workers)
         self.sd_file: Path | None = None
         self._server, self.port = _serve(self.registry)
         if sd_dir:

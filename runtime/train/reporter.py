@@ -19,6 +19,7 @@ from typing import Any
 import ray.train
 
 from runtime.checkpoint import CheckpointRef
+from runtime.observe.catalog import reported_gauges
 from runtime.train.run import RunInfo
 
 log = logging.getLogger("runtime.train")
@@ -69,11 +70,8 @@ class Reporter:
 
     def _export(self, metrics: dict[str, Any], comm_seconds: float) -> None:
         g = self.gauges
-        g.loss.set(metrics["train/loss"])
-        g.accuracy.set(metrics["train/accuracy"])
-        g.lr.set(metrics["train/learning_rate"])
-        g.grad_norm.set(metrics["train/grad_norm"])
-        g.samples_per_second.set(metrics["train/throughput"] / self.world)
+        for m in reported_gauges():  # the catalog's loop metrics with a gauge of their own
+            g.series[m.series].set(metrics[m.key] / self.world if m.per_rank else metrics[m.key])
         g.comm_seconds.inc(comm_seconds - self._comm_exported)
         self._comm_exported = comm_seconds
         if self.rank == 0:

@@ -15,6 +15,9 @@ import pytest
 import requests
 import yaml
 
+from alerts import runbooks
+from runtime.observe.catalog import series_samples
+
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS_DIR = ROOT / "alerts"
 RULE_FILES = sorted(ALERTS_DIR.glob("*.rules.yml"))
@@ -108,6 +111,36 @@ def test_node_down_runbooks_give_the_replace_node_command():
         assert "ansible-playbook -i <inventory> ansible/playbooks/replace_node.yml -e node=<name>" in section
         assert "make replace-node NODE=<name>" in section
         assert "docs/operations.md" in section
+
+
+@pytest.mark.parametrize("path", runbooks.files(), ids=lambda p: p.name)
+def test_runbook_links_are_written_from_the_one_pattern(path):
+    text = path.read_text()
+    assert runbooks.render(text, path.name) == text, f"{path.name}: run `make alerts-runbooks`"
+
+
+def test_the_runbook_writer_adds_a_missing_link_and_moves_every_link_to_a_new_base():
+    path = ALERTS_DIR / "training.rules.yml"
+    text = path.read_text()
+    without = "".join(line for line in text.splitlines(keepends=True) if not line.lstrip().startswith("runbook_url:"))
+    assert runbooks.render(without, path.name) == text
+    rebased = yaml.safe_load(runbooks.render(text, path.name, base="https://runbooks.example/"))
+    urls = [r["annotations"]["runbook_url"] for g in rebased["groups"] for r in g["rules"] if "alert" in r]
+    assert urls and all(u == f"https://runbooks.example/alerts/runbook.md#{u.rpartition('#')[2]}" for u in urls)
+
+
+def test_the_runbook_writer_rejects_annotations_without_an_alert_name():
+    with pytest.raises(ValueError, match="x.yml:2: annotations before any"):
+        runbooks.render("groups:\n  annotations:\n    summary: s\n", "x.yml")
+
+
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+def test_every_runtime_series_an_alert_rule_reads_is_declared_in_the_catalog(path):
+    for group in yaml.safe_load(path.read_text())["groups"]:
+        for rule in group["rules"]:
+            # rt_* names standing alone (a recording rule's job_id:rt_...:sum is not an exported series)
+            for metric in re.findall(r"(?<![\w:])rt_[a-z0-9_]+(?![\w:])", rule["expr"]):
+                assert metric in series_samples(), f"{path.name}: {metric} is not in runtime/observe/catalog.py"
 
 
 def declared_thresholds(path: Path) -> dict[str, str]:

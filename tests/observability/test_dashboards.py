@@ -18,13 +18,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # conftest.py does this too; explicit for the import below
 
-from dashboards import generate  # noqa: E402
+from dashboards import generate, lib  # noqa: E402
 from dashboards.queries import (  # noqa: E402
     BUILTIN_DEFAULTS,
     load_dashboards,
     panel_queries,
     substitute,
 )
+from runtime.observe.catalog import series_samples  # noqa: E402
 
 DASHBOARDS_DIR = ROOT / "dashboards"
 EXPECTED_UIDS = {
@@ -167,6 +168,19 @@ def test_every_metric_is_in_the_metric_contract(uid, title, expr):
         base = re.sub(r"_(bucket|sum|count)$", "", metric) if metric.startswith("rt_") else metric
         if metric.startswith(("rt_", "DCGM_")):
             assert f"`{base}`" in METRICS_DOC or base in METRICS_DOC, f"{metric} is not in docs/metrics.md"
+
+
+@pytest.mark.parametrize("uid,title,expr", TARGETS, ids=[f"{u}:{t}" for u, t, _ in TARGETS])
+def test_every_runtime_series_a_dashboard_queries_is_declared_in_the_catalog(uid, title, expr):
+    for metric, _ in selectors(expr):
+        if metric.startswith("rt_"):
+            assert metric in series_samples(), f"{uid}/{title}: {metric} is not in runtime/observe/catalog.py"
+
+
+def test_a_dashboard_cannot_be_built_on_an_undeclared_runtime_series():
+    with pytest.raises(ValueError, match="rt_train_bogus is not a series the runtime exports"):
+        lib.rt("rt_train_bogus")
+    assert lib.rt("rt_train_loss") == 'rt_train_loss{job_id=~"$job"}'
 
 
 def test_selector_check_rejects_unfiltered_metrics():

@@ -1,0 +1,79 @@
+"""Connecting to a cluster: the Ray address, its auth token, the MLflow and Prometheus discovery it offers.
+
+``RAY_ADDRESS`` (and ``MLFLOW_TRACKING_URI``, ``RT_PROMETHEUS_SD_DIR``) win; else the state
+that ``make cluster-up`` left in ``.cluster/``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from runtime.cluster.processes import port_open
+from runtime.cluster.state import ClusterError, default_cluster_dir, load_state
+
+
+def ray_address(cdir: Path | None = None) -> str:
+    """The address to ``ray.init``; raises ClusterError naming `make cluster-up` when there is none."""
+    cluster_dir = cdir or default_cluster_dir()
+    env = os.environ.get("RAY_ADDRESS")
+    if env:
+        return env
+    state = load_state(cluster_dir)
+    addr = state.get("ray", {}).get("address")
+    if addr:
+        host, _, port = addr.rpartition(":")
+        if port_open(host, int(port)):
+            return str(addr)
+    raise ClusterError(
+        "no Ray cluster is running: start the local one with `make cluster-up` "
+        "(or set RAY_ADDRESS=<head>:6379 for a remote cluster, RAY_ADDRESS=local for a throwaway one)"
+    )
+
+
+def tracking_uri(cdir: Path | None = None) -> str | None:
+    """MLflow server of `make cluster-up`, or MLFLOW_TRACKING_URI."""
+    cluster_dir = cdir or default_cluster_dir()
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    url = load_state(cluster_dir).get("mlflow", {}).get("url")
+    return str(url) if url else None
+
+
+def prometheus_sd_dir(cdir: Path | None = None) -> str | None:
+    cluster_dir = cdir or default_cluster_dir()
+    env = os.environ.get("RT_PROMETHEUS_SD_DIR")
+    if env:
+        return env
+    d = load_state(cluster_dir).get("prometheus", {}).get("sd_dir")
+    return str(d) if d else None
+
+
+def use_cluster_auth(cdir: Path | None = None) -> bool:
+    """Clients of the local cluster authenticate with its token, unless one was given explicitly.
+
+    Returns True when this changed the environment (callers refresh Ray's cached config).
+    """
+    cluster_dir = cdir or default_cluster_dir()
+    token = load_state(cluster_dir).get("ray", {}).get("auth_token_path")
+    if not token or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") == str(token):
+        return False
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    return True
+
+
+def job_env() -> dict[str, str]:
+    """This interpreter's environment first on the raylet's PATH: a job submitted with
+    ``ray job submit -- python script.py`` then runs the venv's ``python`` (torch, the runtime),
+    as on a stock Ray cluster started from an activated venv, not the system one."""
+    venv_bin = str(Path(sys.executable).parent)
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
+    env = {"PATH": os.pathsep.join([venv_bin, *rest])}
+    if sys.prefix != sys.base_prefix:  # a venv: tools that look for one (pip, uv) find it too
+        env["VIRTUAL_ENV"] = sys.prefix
+    return env

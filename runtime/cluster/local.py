@@ -1,0 +1,240 @@
+"""The local embedded cluster: a Ray head on this machine (plus extra raylets), MLflow and Prometheus.
+
+``python -m runtime cluster up|down|status`` manages it. Every process it starts is recorded
+with its pid in the state file, and ``down`` stops exactly those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from runtime.cluster.connect import job_env
+from runtime.cluster.processes import (
+    alive,
+    descendants,
+    free_port,
+    http_ok,
+    kill,
+    kill_group_leftovers,
+    port_open,
+    spawn,
+    venv_bin,
+    wait_until,
+)
+from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up
+from runtime.cluster.state import STATE_FILE, ClusterError, default_cluster_dir, load_state, port, save_state
+
+
+def ray_temp_dir(cluster_dir: Path) -> str:
+    """Short per-cluster temp dir (Ray's unix socket paths must stay under ~107 bytes)."""
+    import hashlib
+
+    return f"/tmp/rt-ray-{hashlib.sha256(str(cluster_dir.resolve()).encode()).hexdigest()[:8]}"
+
+
+def auth_env(cluster_dir: Path) -> dict[str, str]:
+    """Ray token authentication for this cluster: a private token file of its own (mode 600)."""
+    token = cluster_dir / "auth_token"
+    if not token.exists():
+        import secrets
+
+        cluster_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
+def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
+    """``ray start --head --block`` in its own process group, so `down` can stop exactly it."""
+    host = "127.0.0.1"
+    auth = auth_env(cluster_dir)
+    cmd = [
+        venv_bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port('ray')}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={port('dashboard')}", "--include-dashboard=true",
+        f"--metrics-export-port={port('ray_metrics')}", "--disable-usage-stats",
+        # The Jobs API needs the head's dashboard agent; on Ray's fixed default port a second cluster
+        # on the machine (tests beside yours) has none: jobs get "No available agent to submit job".
+        f"--dashboard-agent-listen-port={port('dashboard_agent')}",
+        f"--temp-dir={ray_temp_dir(cluster_dir)}",
+    ]
+    if num_cpus:
+        cmd.append(f"--num-cpus={num_cpus}")
+    log = cluster_dir / "logs" / "ray.log"
+    pid = spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth, **job_env(), **NODE_HEALTH_ENV})
+    wait_until(lambda: port_open(host, port("ray")) and alive(pid), "Ray head", 180, log)
+    return {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",
+            "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"]}
+
+
+# How fast the head's GCS declares a silent node dead: Ray's defaults (3 s period, 5 misses
+# after 10 s timeouts) take up to a minute; on a local cluster a lost raylet is noticed within
+# ~10 s, so an elastic run resizes promptly (docs/elastic.md). Generous enough for 2 busy cores.
+NODE_HEALTH_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "3000",
+                   "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "1000"}
+
+
+def _started(log: Path, offset: int) -> bool:
+    """`ray start` printed that its raylet joined (after ``offset``: the log is appended to)."""
+    if not log.exists():
+        return False
+    with log.open("rb") as f:
+        f.seek(offset)
+        return b"Ray runtime started" in f.read()
+
+
+def add_node(cdir: Path | None = None, num_cpus: int | None = None,
+             resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """Join one more raylet on this machine to the local cluster, with its own logical resources.
+
+    As Ray's own multi-node tests do: every raylet gets ports of its own, so several "nodes"
+    share 127.0.0.1. Each is its own process group (``ray start --block``): killing that group
+    (:func:`remove_node`) is a node loss as the cluster sees it.
+    """
+    cluster_dir = cdir or default_cluster_dir()
+    # A port picked free may be taken before the raylet binds it, and on a busy machine the raylet
+    # gives up when its dashboard agent takes over 15 s to start: try again, with new ports.
+    for _ in range(ADD_NODE_ATTEMPTS - 1):
+        with contextlib.suppress(ClusterError):
+            return _add_node(cluster_dir, num_cpus, resources)
+    return _add_node(cluster_dir, num_cpus, resources)  # the last try: its error stands
+
+
+def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, float] | None) -> dict[str, Any]:
+    state = load_state(cluster_dir)
+    head = state.get("ray", {}).get("address")
+    if not head:
+        raise ClusterError("no local Ray head to join: run `make cluster-up` first")
+    nodes = state.setdefault("nodes", [])
+    index = 1 + max((int(n["index"]) for n in nodes), default=0)
+    ports = {k: free_port() for k in ("node_manager", "object_manager", "metrics", "agent_listen",
+                                       "agent_grpc", "runtime_env")}
+    low = 20000 + 1000 * (index % 40)  # worker ports: a range of its own per node
+    cmd = [
+        venv_bin("ray"), "start", "--block", f"--address={head}", "--node-ip-address=127.0.0.1",
+        f"--node-manager-port={ports['node_manager']}", f"--object-manager-port={ports['object_manager']}",
+        f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent_listen']}",
+        f"--dashboard-agent-grpc-port={ports['agent_grpc']}", f"--runtime-env-agent-port={ports['runtime_env']}",
+        f"--min-worker-port={low}", f"--max-worker-port={low + 999}", "--disable-usage-stats",
+        f"--resources={json.dumps(resources or {})}",
+    ]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    log = cluster_dir / "logs" / f"ray-node{index}.log"
+    offset = log.stat().st_size if log.exists() else 0
+    pid = spawn(cmd, log, env={"RAY_USAGE_STATS_ENABLED": "0", **auth_env(cluster_dir)})
+    try:
+        wait_until(lambda: _started(log, offset) or not alive(pid), f"Ray node {index}", 120, log)
+        if not _started(log, offset):
+            raise ClusterError(f"Ray node {index} exited during start-up; see {log}")
+    except ClusterError:
+        kill(pid)
+        kill_group_leftovers(pid)
+        raise
+    node = {"index": index, "pid": pid, "num_cpus": num_cpus, "resources": resources or {}}
+    nodes.append(node)
+    save_state(state, cluster_dir)
+    return node
+
+
+def remove_node(index: int, cdir: Path | None = None, hard: bool = True) -> None:
+    """Stop the extra node ``index``: SIGKILL (hard, a node lost) or SIGTERM (a clean leave)."""
+    cluster_dir = cdir or default_cluster_dir()
+    state = load_state(cluster_dir)
+    node = next((n for n in state.get("nodes", []) if int(n["index"]) == index), None)
+    if node is None:
+        raise ClusterError(f"no extra node {index} in {cluster_dir / STATE_FILE}")
+    pid = int(node["pid"])
+    if hard:
+        # Everything the node runs dies at once, as with a lost machine: the raylet's process group
+        # and every descendant (Ray workers live in sessions of their own, they would linger).
+        doomed = descendants(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        for child in doomed:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, signal.SIGKILL)
+        kill_group_leftovers(pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    else:
+        kill(pid)
+        kill_group_leftovers(pid)
+    state["nodes"] = [n for n in state["nodes"] if int(n["index"]) != index]
+    save_state(state, cluster_dir)
+
+
+ADD_NODE_ATTEMPTS = 5
+
+
+def up(cdir: Path | None = None, num_cpus: int | None = None, with_mlflow: bool = True,
+       with_prometheus: bool = True, nodes: int = 1) -> dict[str, Any]:
+    """Start what is not already running; idempotent. ``nodes`` > 1 adds raylets on this machine
+    (``num_cpus`` logical CPUs each) until the cluster has that many nodes, head included."""
+    cluster_dir = cdir or default_cluster_dir()
+    state = load_state(cluster_dir)
+    if not (state.get("ray") and port_open("127.0.0.1", port("ray"))):
+        state["ray"] = _ray_up(cluster_dir, num_cpus)
+        state["nodes"] = []
+        save_state(state, cluster_dir)
+    if nodes > 1:
+        live = [n for n in state.get("nodes", []) if alive(int(n["pid"]))]
+        state["nodes"] = live
+        save_state(state, cluster_dir)
+        for _ in range(nodes - 1 - len(live)):
+            add_node(cluster_dir, num_cpus)
+        state = load_state(cluster_dir)
+    if with_mlflow and not (state.get("mlflow") and alive(state["mlflow"]["pid"])):
+        state["mlflow"] = mlflow_up(cluster_dir)
+        save_state(state, cluster_dir)
+    if with_prometheus and not (state.get("node_exporter") and alive(state["node_exporter"]["pid"])):
+        ne = node_exporter_up(cluster_dir)
+        if ne:
+            state["node_exporter"] = ne
+            save_state(state, cluster_dir)
+    if with_prometheus and not (state.get("prometheus") and alive(state["prometheus"]["pid"])):
+        prom = prometheus_up(cluster_dir, "node_exporter" in state)
+        if prom:
+            state["prometheus"] = prom
+            save_state(state, cluster_dir)
+    return state
+
+
+def down(cdir: Path | None = None) -> list[str]:
+    """Stop what `up` started (and only that); returns what was stopped."""
+    cluster_dir = cdir or default_cluster_dir()
+    state = load_state(cluster_dir)
+    stopped = []
+    for node in state.get("nodes", []):  # extra raylets first: they would outlive the head otherwise
+        kill(int(node["pid"]), timeout=30)
+        kill_group_leftovers(int(node["pid"]))
+        stopped.append(f"node{node['index']}")
+    for name in ("prometheus", "node_exporter", "mlflow", "ray"):
+        svc = state.get(name)
+        if svc and svc.get("pid"):
+            kill(int(svc["pid"]), timeout=60 if name == "ray" else 20)
+            kill_group_leftovers(int(svc["pid"]))
+            stopped.append(name)
+    (cluster_dir / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def status(cdir: Path | None = None) -> dict[str, str]:
+    cluster_dir = cdir or default_cluster_dir()
+    state = load_state(cluster_dir)
+    out = {}
+    ray_addr = state.get("ray", {}).get("address")
+    out["ray"] = f"up at {ray_addr} (dashboard {state['ray']['dashboard']})" if ray_addr and port_open(
+        "127.0.0.1", port("ray")) else "down"
+    extra = [n for n in state.get("nodes", []) if alive(int(n["pid"]))]
+    if extra:
+        out["nodes"] = f"head + {len(extra)} more on this machine"
+    for name, path in (("mlflow", "/health"), ("prometheus", "/-/ready")):
+        svc = state.get(name)
+        out[name] = f"up at {svc['url']}" if svc and http_ok(svc["url"] + path) else "down"
+    return out

@@ -1,0 +1,87 @@
+"""The local cluster's services beside Ray: MLflow, the node exporter and Prometheus.
+
+Each is started only when its binary is there (MLflow from the venv; the exporters from the
+tool folder `make prometheus-tools` fills) and waited for until it answers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from runtime.cluster.processes import http_ok, spawn, venv_bin, wait_until
+from runtime.cluster.state import ROOT, port
+
+
+def mlflow_up(cluster_dir: Path) -> dict[str, Any]:
+    store = cluster_dir / "mlflow"
+    (store / "artifacts").mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port('mlflow')}"
+    cmd = [
+        venv_bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(port("mlflow")),
+        "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+        "--artifacts-destination", str(store / "artifacts"), "--workers", "1",
+    ]
+    log = cluster_dir / "logs" / "mlflow.log"
+    pid = spawn(cmd, log)
+    wait_until(lambda: http_ok(f"{url}/health"), "MLflow server", 180, log)
+    return {"pid": pid, "url": url}
+
+
+def _tool_bin(name: str, env_var: str) -> Path | None:
+    """Binaries `make prometheus-tools` unpacks into .tools/ (or the path in env_var)."""
+    env = os.environ.get(env_var)
+    candidates = [Path(env)] if env else []
+    candidates.append(ROOT / ".tools" / "prometheus" / "usr" / "bin" / name)
+    return next((c for c in candidates if c.exists()), None)
+
+
+def node_exporter_up(cluster_dir: Path) -> dict[str, Any] | None:
+    binary = _tool_bin("prometheus-node-exporter", "RT_NODE_EXPORTER_BIN")
+    if binary is None:
+        return None
+    addr = f"127.0.0.1:{port('node_exporter')}"
+    log = cluster_dir / "logs" / "node_exporter.log"
+    pid = spawn([str(binary), f"--web.listen-address={addr}"], log)
+    wait_until(lambda: http_ok(f"http://{addr}/metrics"), "node exporter", 30, log)
+    return {"pid": pid, "url": f"http://{addr}"}
+
+
+def prometheus_config(cluster_dir: Path, node_exporter: bool) -> str:
+    """Scrape config for the local cluster: runtime workers (file_sd), Ray, node exporter, Prometheus."""
+    sd = cluster_dir / "prometheus" / "targets"
+    rules = sorted(str(p) for p in (ROOT / "alerts").glob("*.rules.yml"))
+    lines = [
+        "global:", "  scrape_interval: 5s", "  evaluation_interval: 5s",
+        "rule_files:", *[f"  - {r}" for r in rules],
+        "scrape_configs:",
+        "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{port('prometheus')}']",
+        "  - job_name: training", "    honor_labels: true",
+        "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
+        "        refresh_interval: 5s",
+        "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{port('ray_metrics')}']",
+    ]
+    if node_exporter:
+        target = f"127.0.0.1:{port('node_exporter')}"
+        lines += ["  - job_name: node", "    static_configs:", f"      - targets: ['{target}']"]
+    return "\n".join(lines) + "\n"
+
+
+def prometheus_up(cluster_dir: Path, node_exporter: bool) -> dict[str, Any] | None:
+    binary = _tool_bin("prometheus", "RT_PROMETHEUS_BIN")
+    if binary is None:
+        return None
+    pdir = cluster_dir / "prometheus"
+    (pdir / "targets").mkdir(parents=True, exist_ok=True)
+    conf = pdir / "prometheus.yml"
+    conf.write_text(prometheus_config(cluster_dir, node_exporter))
+    url = f"http://127.0.0.1:{port('prometheus')}"
+    cmd = [
+        str(binary), f"--config.file={conf}", f"--storage.tsdb.path={pdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port('prometheus')}", "--web.enable-lifecycle",
+    ]
+    log = cluster_dir / "logs" / "prometheus.log"
+    pid = spawn(cmd, log)
+    wait_until(lambda: http_ok(f"{url}/-/ready"), "Prometheus", 60, log)
+    return {"pid": pid, "url": url, "sd_dir": str(pdir / "targets")}
