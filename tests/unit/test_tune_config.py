@@ -169,3 +169,14 @@ def test_val_metric_is_evaluated_where_the_scheduler_decides_train_metric_is_not
     assert trial_base(pbt_val)["train"]["eval_at_steps"] == [15, 30]  # max_steps 40
     assert trial_base(parse_tune(_job(method="asha", max_t=40)))["train"]["eval_at_steps"] == []  # train/loss
     assert trial_base(parse_tune(_job(metric="val/loss")))["train"]["eval_at_steps"] == []  # random: no decisions
+
+
+def test_boolean_given_for_a_number_in_the_tune_section_is_refused() -> None:
+    """The tune section shares the job's strict base (runtime.config.Strict): true is not 1."""
+    msg = _error(num_samples=True)
+    assert "tune.num_samples" in msg and "not a boolean" in msg
+
+
+def test_search_key_below_a_plain_value_is_refused_naming_it() -> None:
+    msg = _error(space={"optimizer.lr.peak": {"uniform": [0.1, 0.2]}})
+    assert "tune.space.optimizer.lr.peak" in msg and "'lr' is not a section" in msg
