@@ -1,6 +1,7 @@
-"""The runtime package's structure: no import cycles, and one module that builds storage paths.
+"""The runtime package's structure: no import cycles, one module that builds storage paths, and
+no module that imports another's private names.
 
-Both checks read the source with ast (nothing is imported, so no import side effects).
+The checks read the source with ast (nothing is imported, so no import side effects).
 Imports inside functions count too: a lazy import that closes a cycle hides it, it does not
 remove it.
 """
@@ -174,3 +175,21 @@ f = f"{run} has no checkpoints"
 g = "checkpoints"
 '''
     assert [line for line, _ in layout_paths(source)] == [3, 4, 5, 6]
+
+
+def private_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module.name) of every underscore name ``source`` imports from a runtime module."""
+    return [(node.lineno, f"{node.module}.{a.name}") for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "runtime")
+            for a in node.names if a.name.startswith("_")]
+
+
+def test_no_runtime_module_imports_another_modules_private_names() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in modules(ROOT / "runtime").values()
+             for line, name in private_imports(path.read_text())]
+    assert not found, "private names imported across modules (make them public or move them):\n" + "\n".join(found)
+
+
+def test_private_import_check_sees_absolute_and_relative_imports() -> None:
+    source = "from runtime.train.driver import _storage, connect\nfrom .x import _y\nfrom os import _exit\n"
+    assert private_imports(source) == [(1, "runtime.train.driver._storage"), (2, "x._y")]
