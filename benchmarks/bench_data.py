@@ -168,8 +168,8 @@ def _gpu_decode(files: list[Path], cache: Path) -> dict[str, Any]:
     """Images/s of the device stage (nvJPEG batch decode + crop/resize/flip) on batches of 64."""
     import torch
 
-    from runtime.data.gpu import DeviceDecodeStage, collate_encoded, encode_sample, gpu_decode_available
-    from runtime.data.images import Recipe, sample_rng
+    from runtime.data.gpu import DeviceDecodeStage, collate_encoded, gpu_decode_available
+    from runtime.data.images import Recipe, encode_sample, sample_rng
 
     if not gpu_decode_available():
         return {"skipped": "torchvision's image extension cannot decode on this device"}

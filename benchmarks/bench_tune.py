@@ -32,7 +32,7 @@ COMMON = ("tracking.mlflow=false", "tracking.prometheus=false", "tune.seed=7")
 # cost, see docs/tune.md). ASHA rungs at 100 and 400 steps (grace 100, reduction factor 4): held-out
 # loss on digits swings up to 2x between epochs, and these rungs kept the full search's best in
 # 84-88 % of simulated replays of recorded full curves (docs/tune.md). Trials are judged on
-# val/loss, evaluated at the rungs (runtime.tune.trial_base) and every 4 epochs.
+# val/loss, evaluated at the rungs (runtime.tune.trial.trial_base) and every 4 epochs.
 ASHA = (
     *COMMON, "data.image_size=28", "train.max_steps=1600", "train.log_every_steps=20", "train.eval_every_epochs=4",
     "checkpoint.interval_steps=400", "tune.metric=val/loss", "tune.num_samples=12", "tune.max_concurrent_trials=2",
@@ -59,9 +59,10 @@ def _search(storage: str, name: str, *overrides: str) -> Any:
 
 
 def _rungs() -> list[int]:
-    """The steps the ASHA run evaluates at besides its epochs (runtime.tune.trial_base)."""
+    """The steps the ASHA run evaluates at besides its epochs (runtime.tune.trial.trial_base)."""
     from runtime.config import load_job
-    from runtime.tune import parse_tune, trial_base
+    from runtime.tune import parse_tune
+    from runtime.tune.trial import trial_base
 
     return list(trial_base(parse_tune(load_job("digits_tune", ["tune.method=asha", *ASHA], environ={})))
                 ["train"]["eval_at_steps"])
@@ -99,7 +100,7 @@ def _overhead(trials: list[Any]) -> dict[str, Any]:
 
 def run(results_dir: Path) -> dict[str, Any]:
     from runtime.train.driver import connect
-    from runtime.tune import plot_trials
+    from runtime.tune.report import plot_trials
 
     connect()
     with tempfile.TemporaryDirectory(prefix="bench-tune-") as storage:

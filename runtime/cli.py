@@ -11,8 +11,8 @@
 Overrides: ``--set a.b=c`` (repeatable), ``--sets "a.b=c d.e='two words'"`` (shell-quoted, what
 ``make ... SET=...`` passes) and ``RT_A__B=c`` environment variables; ``--set`` wins over RT_*.
 
-Exit codes: 0 ok, 1 the run failed, 2 bad input (nothing was started),
-3 no cluster to run on.
+Exit codes: 0 ok, 1 the run failed (tune: no trial reported the metric), 2 bad input (nothing
+was started), 3 no cluster to run on, 130 tune: the search was interrupted (resume with --resume).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from runtime.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
 EXIT_NO_CLUSTER = 3
+EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             return 0
         if args.command == "tune":
-            from runtime.tune import parse_tune, run_tune_cli
+            from runtime.tune import parse_tune
 
             if args.verbose:  # tune() connects too; connecting first is what makes it verbose
                 from runtime.cluster import ClusterError
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 except ClusterError as e:
                     print(f"error: {e}", file=sys.stderr)
                     return EXIT_NO_CLUSTER
-            return run_tune_cli(cfg, args)
+            return _tune(cfg, args)
         return _train(cfg, args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -195,4 +196,35 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     print(outcome_summary(outcome))
     if outcome.error or outcome.metrics.get("stop_reason") not in (None, "preempted"):
         return 1
+    return 0
+
+
+def _tune(cfg: Any, args: argparse.Namespace) -> int:
+    """``tune <job> [--resume] [--run-name NAME]``: 0 ok, 1 no trial succeeded, 130 interrupted
+    (resume with --resume), 3 no cluster. Bad input raises ConfigError (exit 2)."""
+    from pathlib import Path
+
+    from runtime.cluster import ClusterError, use_cluster_auth
+    from runtime.tune import parse_tune, tune
+
+    parse_tune(cfg)  # bad spaces fail here, before Ray is touched
+    use_cluster_auth()
+    try:
+        out = tune(cfg, args.run_name, job=args.job, resume=args.resume, show_progress=not args.no_progress)
+    except ClusterError as e:
+        print(f"error: {e}")
+        return EXIT_NO_CLUSTER
+    print(f"search {out.name}: {len(out.trials)} trials in {out.wall_seconds:.0f} s -> {out.search_dir}")
+    print(Path(out.report_files["md"]).read_text())
+    if out.parent_run_id:
+        print(f"MLflow: {out.mlflow_uri} (parent run {out.parent_run_id})")
+    if out.interrupted:
+        resume = f"make tune JOB={args.job} RESUME=1" + (f" RUN={args.run_name}" if args.run_name else "")
+        print(f"search interrupted; continue it with: {resume}")
+        return EXIT_INTERRUPTED
+    if out.best is None:
+        print("no trial reported the metric; see the trial logs in the search folder")
+        return 1
+    print("best configuration, ready to run:")
+    print(f"  {out.override_line(args.job)}")
     return 0

@@ -1,8 +1,8 @@
 """GPU decode (``data.decode: gpu``): loader workers only read bytes and draw crops; the
 device decodes a whole batch with nvJPEG and crops, flips and resizes it there.
 
-The CPU side parses only JPEG headers (for the image size the crop is drawn from, with
-the same seeded draws as the CPU path). Files nvJPEG should not get (PNG and other
+The CPU side (runtime.data.images.encode_sample) parses only JPEG headers (for the image
+size the crop is drawn from, with the same seeded draws as the CPU path). Files nvJPEG should not get (PNG and other
 formats, CMYK JPEGs, JPEGs without an end marker, i.e. truncated) are decoded and
 cropped on the CPU in the worker instead, so one bad file never fails a device batch.
 torchvision.io is imported only here and only on the device step: with the CPU torch
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import logging
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,21 +22,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from runtime.data.images import DECODE_ERRORS, HostBatch, Recipe, Skip, crop_image
+from runtime.data.images import EncodedSample, HostBatch, Skip
 
 log = logging.getLogger(__name__)
 
 Decoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
-
-
-@dataclass
-class EncodedSample:
-    data: bytes  # the JPEG file, or b"" when `crop` holds a CPU-decoded crop
-    box: tuple[int, int, int, int]  # left, top, width, height in source pixels
-    flip: bool
-    label: int
-    name: str
-    crop: Any = None  # HWC uint8 numpy array for files decoded on the CPU
 
 
 @dataclass
@@ -56,26 +45,6 @@ class EncodedImages:
 
     def pin_memory(self) -> EncodedImages:
         return self  # nvJPEG stages the bytes itself; pinning thousands of tiny tensors costs more
-
-
-def _nvjpeg_can_take(img: Image.Image, data: bytes) -> bool:
-    return img.format == "JPEG" and img.mode in ("RGB", "L") and data.rstrip(b"\0").endswith(b"\xff\xd9")
-
-
-def encode_sample(data: bytes, recipe: Recipe, rng: random.Random | None, label: int, name: str = "") -> Any:
-    """Header-only work for a GPU-decoded sample; other files are cropped on the CPU right here."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            ok = _nvjpeg_can_take(img, data)
-        if not ok:
-            return EncodedSample(b"", (0, 0, 0, 0), False, label, name, crop_image(data, recipe, rng))
-    except DECODE_ERRORS as e:
-        return Skip(name, f"{type(e).__name__}: {e}")
-    (left, top, w, h), flip = recipe.box(width, height, rng)
-    li, ti = min(max(0, round(left)), width - 1), min(max(0, round(top)), height - 1)
-    wi, hi = max(1, min(round(w), width - li)), max(1, min(round(h), height - ti))
-    return EncodedSample(data, (li, ti, wi, hi), flip, label, name)
 
 
 def collate_encoded(samples: Sequence[EncodedSample | Skip], size: int) -> HostBatch:

@@ -123,6 +123,38 @@ class Skip:
 
 
 @dataclass
+class EncodedSample:
+    """A sample for GPU decode (data.decode=gpu), as a loader worker hands it over."""
+
+    data: bytes  # the JPEG file, or b"" when `crop` holds a CPU-decoded crop
+    box: tuple[int, int, int, int]  # left, top, width, height in source pixels
+    flip: bool
+    label: int
+    name: str
+    crop: Any = None  # HWC uint8 numpy array for files decoded on the CPU
+
+
+def _nvjpeg_can_take(img: Image.Image, data: bytes) -> bool:
+    return img.format == "JPEG" and img.mode in ("RGB", "L") and data.rstrip(b"\0").endswith(b"\xff\xd9")
+
+
+def encode_sample(data: bytes, recipe: Recipe, rng: random.Random | None, label: int, name: str = "") -> Any:
+    """Header-only work for a GPU-decoded sample; other files are cropped on the CPU right here."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            ok = _nvjpeg_can_take(img, data)
+        if not ok:
+            return EncodedSample(b"", (0, 0, 0, 0), False, label, name, crop_image(data, recipe, rng))
+    except DECODE_ERRORS as e:
+        return Skip(name, f"{type(e).__name__}: {e}")
+    (left, top, w, h), flip = recipe.box(width, height, rng)
+    li, ti = min(max(0, round(left)), width - 1), min(max(0, round(top)), height - 1)
+    wi, hi = max(1, min(round(w), width - li)), max(1, min(round(h), height - ti))
+    return EncodedSample(data, (li, ti, wi, hi), flip, label, name)
+
+
+@dataclass
 class HostBatch:
     """A collated batch plus the samples dropped from it (the loader counts and names them)."""
 
@@ -232,8 +264,6 @@ class ImageFolderDataset(torch.utils.data.Dataset[Any]):
         label = int(self.labels[i])
         try:
             if self.encoded:
-                from runtime.data.gpu import encode_sample
-
                 return encode_sample(path.read_bytes(), self.recipe, rng, label, str(path))
             return crop_image(path, self.recipe, rng), label
         except DECODE_ERRORS as e:

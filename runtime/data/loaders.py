@@ -4,7 +4,6 @@ resume mid-epoch, so a restarted run continues at the next batch, not the epoch'
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,21 +12,18 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from runtime.config import DataConfig
 from runtime.data.base import DataBundle, Loaders
+from runtime.data.batches import Batches, loader_workers, recipes, use_gpu_decode
 from runtime.data.builtin import build_builtin
 from runtime.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    HostBatch,
     ImageFolderDataset,
-    Recipe,
     collate_crops,
     crop_image,
     first_readable,
     list_image_folder,
 )
 from runtime.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 class ResumableSampler(DistributedSampler[Any]):
@@ -72,25 +68,6 @@ class SplitSampler(Sampler[tuple[int, int]]):
         return len(range(self.rank, self.n, self.world))
 
 
-class Batches:
-    """Yields ``(x, y)`` from a DataLoader; HostBatch skips are counted and named here, in the
-    main process (``skipped``, reported by the trainer as data/skipped_samples)."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self.skipped = 0
-
-    def __iter__(self) -> Iterator[Any]:
-        for b in self.loader:
-            if isinstance(b, HostBatch):
-                for s in b.skipped:
-                    log.warning("data: skipped %s (%s)", s.name, s.reason)
-                self.skipped += len(b.skipped)
-                yield b.x, b.y
-            else:
-                yield b
-
-
 class SampledLoader(Batches):
     """A DataLoader over a map-style dataset whose sampler can resume mid-epoch."""
 
@@ -100,30 +77,6 @@ class SampledLoader(Batches):
 
     def set_position(self, epoch: int, batch_index: int) -> None:
         self.sampler.set_position(epoch, batch_index * self.batch_size)
-
-
-def loader_workers(cfg: DataConfig, on_gpu: bool) -> int:
-    lw = cfg.loader_workers
-    return (4 if on_gpu else 0) if lw == "auto" else int(lw)
-
-
-def use_gpu_decode(cfg: DataConfig, on_gpu: bool) -> bool:
-    """data.decode: gpu needs a CUDA device; auto picks it where nvJPEG works."""
-    if cfg.decode == "cpu":
-        return False
-    if cfg.decode == "gpu":
-        if not on_gpu:
-            raise ConfigError("data.decode=gpu needs a CUDA device for this worker; use data.decode=auto or cpu")
-        return True
-    from runtime.data.gpu import gpu_decode_available
-
-    return on_gpu and gpu_decode_available()
-
-
-def recipes(cfg: DataConfig) -> tuple[Recipe, Recipe]:
-    """(train, val) recipes from the config."""
-    train = Recipe(cfg.image_size, True, cfg.crop_scale, cfg.crop_ratio, cfg.hflip)
-    return train, Recipe(cfg.image_size, False)
 
 
 def _collate(size: int, gpu: bool) -> Any:

@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from runtime.config import DataConfig
 from runtime.data.base import DataBundle, Loaders
+from runtime.data.batches import Batches, loader_workers, recipes, use_gpu_decode
 from runtime.data.images import (
     DECODE_ERRORS,
     IMAGENET_MEAN,
@@ -55,10 +56,10 @@ from runtime.data.images import (
     Skip,
     collate_crops,
     crop_image,
+    encode_sample,
     list_image_folder,
     sample_rng,
 )
-from runtime.data.loaders import Batches, loader_workers, recipes, use_gpu_decode
 from runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -456,8 +457,6 @@ class ShardStream(IterableDataset[HostBatch]):
             if data is None:
                 raise ValueError(f"no image member (one of .{', .'.join(IMAGE_MEMBERS)})")
             if self.gpu:
-                from runtime.data.gpu import encode_sample
-
                 return encode_sample(data, self.recipe, rng, label, name)
             return crop_image(data, self.recipe, rng), label
         except DECODE_ERRORS as e:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
+from runtime.layout import LOCAL_RUNS
+
 # (key, label, which end is best); throughput and learning rate are described, not ranked.
 METRICS = (("train/loss", "train loss", min), ("train/accuracy", "train accuracy", max),
            ("val/loss", "val loss", min), ("val/accuracy", "val accuracy", max))
@@ -86,7 +88,7 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def find_run(run: str, runs_root: Path = Path("runs")) -> Path:
+def find_run(run: str, runs_root: Path = LOCAL_RUNS) -> Path:
     """A run folder given as a path, or a run name under ``runs_root`` (checkpoint.storage's default)."""
     for candidate in (Path(run), runs_root / run):
         if candidate.is_dir():
@@ -128,7 +130,7 @@ def summary_table(history: list[dict[str, Any]], run_dir: Path) -> list[str]:
     return lines
 
 
-def report(run: str, runs_root: Path = Path("runs")) -> tuple[list[str], Path | None]:
+def report(run: str, runs_root: Path = LOCAL_RUNS) -> tuple[list[str], Path | None]:
     """(summary lines, the plot written or None) for a run folder or name."""
     from runtime.observe.tracking import plot_curves
 

@@ -22,6 +22,7 @@ import yaml
 
 from runtime.cluster import ROOT, tracking_uri
 from runtime.config import JobConfig
+from runtime.layout import LOCAL_RUNS
 from runtime.observe.versions import versions
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ NUMERIC_PREFIXES = ("train/", "val/", "time/")
 
 
 def local_store_uri() -> str:
-    d = ROOT / "runs"
+    d = ROOT / LOCAL_RUNS
     d.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{d / 'mlflow.db'}"
 

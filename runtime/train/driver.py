@@ -26,6 +26,7 @@ import ray.train
 from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
+from runtime.layout import storage_filesystem, storage_paths
 from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
 from runtime.observe.report import CURVES_FILE, HistoryLog, read_history
 from runtime.train.elastic import RESIZE_EVENT, record_resize, resize_line
@@ -90,34 +91,6 @@ def resolve_use_gpu(cfg: JobConfig) -> bool:
     return bool(want)
 
 
-def storage_paths(cfg: JobConfig, run_name: str) -> tuple[str, str, str]:
-    """(Ray storage_path, our checkpoint URI, local run dir); refuses a run name that is not
-    one plain path component (it would place the run outside the storage folder)."""
-    validate_run_name(run_name)
-    storage = cfg.checkpoint.storage
-    if storage.startswith("s3://"):
-        base = storage.rstrip("/")
-        run_dir = str((Path("runs") / run_name).resolve())
-        return base, f"{base}/{run_name}/checkpoints", run_dir
-    base = str(Path(storage).expanduser().resolve())
-    return base, f"{base}/{run_name}/checkpoints", f"{base}/{run_name}"
-
-
-def _storage_filesystem(cfg: JobConfig) -> Any:
-    """pyarrow S3 filesystem honouring an S3-compatible endpoint (Ray persists through it)."""
-    if not cfg.checkpoint.storage.startswith("s3://"):
-        return None
-    endpoint = cfg.checkpoint.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-        "AWS_ENDPOINT_URL")
-    if not endpoint:
-        return None
-    import pyarrow.fs
-
-    scheme = "https" if endpoint.startswith("https") else "http"
-    return pyarrow.fs.S3FileSystem(endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme,
-                                   region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
-
-
 def default_run_name(cfg: JobConfig) -> str:
     return f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -136,7 +109,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
     storage_path, ckpt_uri, run_dir = storage_paths(cfg, run_name)
-    fs = _storage_filesystem(cfg)
+    fs = storage_filesystem(cfg)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     # A marker left by the preempted run we now resume would stop this one at its first step.
     (Path(run_dir) / PREEMPT_FILE).unlink(missing_ok=True)

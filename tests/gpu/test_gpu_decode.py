@@ -15,8 +15,8 @@ from PIL import Image
 
 from runtime.config import DataConfig
 from runtime.data import build_loaders
-from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded, encode_sample, gpu_decode_available
-from runtime.data.images import Recipe, collate_crops, crop_image, sample_rng
+from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded, gpu_decode_available
+from runtime.data.images import Recipe, collate_crops, crop_image, encode_sample, sample_rng
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

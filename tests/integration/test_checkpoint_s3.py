@@ -423,7 +423,7 @@ def test_s3_run_keeps_the_drivers_aws_credentials_out_of_the_job(
 
 def test_pbt_copy_of_an_s3_checkpoint_fetches_only_its_manifests_files(moto: MotoServer, tmp_path: Path) -> None:
     """Tune relays a trial's checkpoint by copying it; a planted key with ../ must not land outside."""
-    from runtime.tune import _copy_checkpoint
+    from runtime.tune.trial import copy_checkpoint
 
     uri = f"s3://{BUCKET}/trial"
     with CheckpointManager(uri, endpoint_url=moto.endpoint) as mgr:
@@ -431,7 +431,7 @@ def test_pbt_copy_of_an_s3_checkpoint_fetches_only_its_manifests_files(moto: Mot
     moto.client().put_object(Bucket=BUCKET, Key="trial/step_000000004/../../../escaped", Body=b"x")
     dest = tmp_path / "a" / "b" / "tune-ckpt"
     dest.mkdir(parents=True)
-    assert _copy_checkpoint(uri, 4, str(dest), moto.endpoint) == 4
+    assert copy_checkpoint(uri, 4, str(dest), moto.endpoint) == 4
     copied = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert copied == [f"a/b/tune-ckpt/step_000000004/{f}" for f in
                       ("manifest.json", "meta.json", "model.pt", "optimizer.pt", "trainer.pt")]

@@ -9,6 +9,7 @@ under the search's run; an interrupted search resumes with --resume.
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import math
 import os
@@ -25,6 +26,8 @@ import yaml
 from ray.tune import Stopper
 from rt_helpers import ROOT, committed_steps, job, train_worker_pids, wait_for
 
+from runtime.layout import search_paths, trial_checkpoints, trial_folder, tune_trial_folders
+
 pytestmark = pytest.mark.slow
 
 SMALL = ("train.max_steps=30", "train.log_every_steps=5", "checkpoint.interval_steps=5",
@@ -37,10 +40,15 @@ def _search(storage: str, *overrides: str, name: str) -> Any:
     return tune(job("digits_tune", storage, *SMALL, *overrides), name, show_progress=False)
 
 
+def _search_dir(storage: str, name: str) -> Path:
+    """The search folder of search ``name`` (known before the search returns it)."""
+    return Path(search_paths(job("digits_tune", storage), name)[1])
+
+
 def _tune_histories(search_dir: str, metric: str) -> dict[str, list[dict[str, Any]]]:
     """Every trial's results as Tune recorded them (progress.csv), keyed by trial id."""
     out = {}
-    for progress in Path(search_dir).glob("run_trial_*/progress.csv"):
+    for progress in glob.glob(f"{tune_trial_folders(search_dir)}/progress.csv"):
         with open(progress) as f:
             rows = list(csv.DictReader(f))
         rows = [r for r in rows if r.get(metric) not in (None, "", "nan")]
@@ -88,9 +96,11 @@ def test_random_search_reports_true_best_and_nests_trials_in_mlflow(cluster: dic
         assert [m.step for m in history] == [5, 10, 15, 20, 25, 30]
 
     # Retention: Tune keeps best + latest per trial; each trial's own manager keeps tune.trial_keep (2).
-    tune_kept = {d.name: len(list(d.glob("checkpoint_*"))) for d in Path(out.search_dir).glob("run_trial_*")}
+    tune_kept = {d.name: len(list(d.glob("checkpoint_*")))
+                 for d in map(Path, glob.glob(tune_trial_folders(out.search_dir)))}
     assert len(tune_kept) == len(out.trials) and all(1 <= n <= 2 for n in tune_kept.values()), tune_kept
-    own_kept = {d.parent.name: len(list(d.glob("step_*"))) for d in Path(out.search_dir, "runs").glob("*/checkpoints")}
+    own_kept = {d.parent.name: len(list(d.glob("step_*")))
+                for d in map(Path, glob.glob(trial_checkpoints(out.search_dir, out.name, "*")))}
     assert len(own_kept) == len(out.trials) and all(1 <= n <= 2 for n in own_kept.values()), own_kept
 
 
@@ -140,12 +150,13 @@ def test_asha_stops_worse_trials_at_a_rung_judged_on_held_out_loss_evaluated_the
 def test_trial_whose_worker_dies_is_restarted_by_tune_from_its_newest_checkpoint(
         cluster: dict[str, Any], storage: str) -> None:
     # 28x28 digits: ~45 ms a step, so the kill after the first commit lands mid-run.
-    search_dir = Path(storage) / "worker-kill"
+    search_dir = _search_dir(storage, "worker-kill")
     killed: list[int] = []  # newest committed step when the worker was killed
 
     def killer() -> None:
         def committed() -> list[int]:  # the trial's run name holds its id, unknown until it starts
-            return sorted(step for d in search_dir.glob("runs/*/checkpoints") for step in committed_steps(d))
+            return sorted(step for d in glob.glob(trial_checkpoints(str(search_dir), "worker-kill", "*"))
+                          for step in committed_steps(d))
 
         wait_for(lambda: bool(committed()) and bool(train_worker_pids()), "a committed checkpoint", timeout=300)
         killed.append(committed()[-1])
@@ -195,13 +206,14 @@ def _cli(storage: str, *extra: str) -> list[str]:
 
 def _finished_trials(search_dir: Path) -> set[str]:
     """Trials Tune has marked complete: the search's callback writes their wall time then."""
-    from runtime.tune import WALL_FILE
+    from runtime.tune.trial import WALL_FILE
 
-    return {json.loads(p.read_text())["trial_id"] for p in search_dir.glob(f"runs/*/{WALL_FILE}")}
+    walls = glob.glob(f"{trial_folder(str(search_dir), search_dir.name, '*')}/{WALL_FILE}")
+    return {json.loads(Path(p).read_text())["trial_id"] for p in walls}
 
 
 def test_interrupted_search_resumes_and_keeps_finished_trials(cluster: dict[str, Any], storage: str) -> None:
-    search_dir = Path(storage) / "resumable"
+    search_dir = _search_dir(storage, "resumable")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(_cli(storage), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -239,14 +251,14 @@ class _StopOnceAllTrialsStarted(Stopper):
         return False
 
     def stop_all(self) -> bool:
-        return len(list(self.search_dir.glob("run_trial_*"))) >= self.trials
+        return len(glob.glob(tune_trial_folders(str(self.search_dir)))) >= self.trials
 
 
 def test_search_stopped_before_any_trial_reported_still_reports_every_trials_params(
         cluster: dict[str, Any], storage: str) -> None:
     from runtime.tune import tune
 
-    search_dir = Path(storage) / "stopped-early"
+    search_dir = _search_dir(storage, "stopped-early")
     stopper = _StopOnceAllTrialsStarted(search_dir, 3)
     out = tune(job("digits_tune", storage, *SMALL), "stopped-early", show_progress=False, stopper=stopper)
     assert out.interrupted and out.best is None
@@ -254,7 +266,8 @@ def test_search_stopped_before_any_trial_reported_still_reports_every_trials_par
     unreported = [t for t in out.trials if t.iterations == 0]
     assert unreported, [(t.trial_id, t.iterations) for t in out.trials]
     for t in out.trials:
-        assert t.status == "UNFINISHED" and t.trial_id in next(search_dir.glob(f"run_trial_{t.trial_id}_*")).name
+        folder = Path(glob.glob(tune_trial_folders(str(search_dir), t.trial_id))[0])
+        assert t.status == "UNFINISHED" and t.trial_id in folder.name
         assert all(v is not None for v in t.params.values()) and t.params
     with open(out.report_files["csv"]) as f:
         assert {r["trial_id"] for r in csv.DictReader(f)} == {t.trial_id for t in out.trials}

@@ -16,12 +16,13 @@ from PIL import Image
 
 from runtime.config import DataConfig
 from runtime.data import IMAGENET_MEAN, IMAGENET_STD, build_loaders
-from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded, encode_sample
+from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded
 from runtime.data.images import (
     Recipe,
     center_crop_box,
     collate_crops,
     crop_image,
+    encode_sample,
     random_resized_crop_box,
     sample_rng,
 )

@@ -9,7 +9,7 @@ import pytest
 from runtime.cli import EXIT_BAD_INPUT, main
 from runtime.config import load_job, validate_run_name
 from runtime.errors import ConfigError
-from runtime.train.driver import storage_paths
+from runtime.layout import storage_paths
 
 BAD = ["../../x", "..", ".hidden", "a/b", "a\\b", "/abs", "", "x" * 129, "name with space", "nul\x00", "é"]
 GOOD = ["digits-20260101-120000", "run_1.v2", "A", "x" * 128, "-dash-first"]

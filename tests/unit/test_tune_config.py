@@ -123,7 +123,7 @@ def test_cli_exits_2_on_bad_space_before_starting_ray(capsys: pytest.CaptureFixt
 
 
 def test_trials_use_the_search_poll_period_and_keep_their_hyperparameters() -> None:
-    from runtime.tune import SearchContext, trial_job
+    from runtime.tune.trial import SearchContext, trial_job
 
     spec = parse_tune(_job(trial_poll_interval_s=0.2))
     assert spec.job.distributed.poll_interval_s == 0.5  # the job's own default, for plain training
@@ -139,7 +139,7 @@ def test_trials_use_the_search_poll_period_and_keep_their_hyperparameters() -> N
 def test_trial_driver_reserves_memory_but_no_cpu_by_default() -> None:
     from ray.tune.execution.placement_groups import PlacementGroupFactory
 
-    from runtime.tune import trial_resources
+    from runtime.tune.trial import trial_resources
 
     pgf = PlacementGroupFactory([trial_resources(parse_tune(_job()).tune)])
     assert pgf.required_resources.get("CPU", 0) == 0  # two 1-CPU trials fit on 2 CPUs
@@ -153,7 +153,7 @@ def test_trial_poll_period_must_be_positive() -> None:
 
 @pytest.mark.parametrize(("max_t", "grace", "rf"), [(1620, 180, 3), (40, 10, 2), (100, None, 3), (1000, 7, 2.5)])
 def test_asha_decision_steps_are_the_rungs_ray_builds(max_t: int, grace: int | None, rf: float) -> None:
-    from runtime.tune import decision_steps, scheduler
+    from runtime.tune.schedulers import decision_steps, scheduler
 
     spec = parse_tune(_job(method="asha", max_t=max_t, grace_period=grace, reduction_factor=rf))
     rungs = scheduler(spec)._brackets[0]._rungs  # Ray's own milestones, highest first
@@ -161,7 +161,7 @@ def test_asha_decision_steps_are_the_rungs_ray_builds(max_t: int, grace: int | N
 
 
 def test_val_metric_is_evaluated_where_the_scheduler_decides_train_metric_is_not() -> None:
-    from runtime.tune import trial_base
+    from runtime.tune.trial import trial_base
 
     asha_val = parse_tune(_job(method="asha", metric="val/loss", max_t=40, grace_period=10, reduction_factor=2))
     assert trial_base(asha_val)["train"]["eval_at_steps"] == [10, 20]
@@ -169,3 +169,14 @@ def test_val_metric_is_evaluated_where_the_scheduler_decides_train_metric_is_not
     assert trial_base(pbt_val)["train"]["eval_at_steps"] == [15, 30]  # max_steps 40
     assert trial_base(parse_tune(_job(method="asha", max_t=40)))["train"]["eval_at_steps"] == []  # train/loss
     assert trial_base(parse_tune(_job(metric="val/loss")))["train"]["eval_at_steps"] == []  # random: no decisions
+
+
+def test_boolean_given_for_a_number_in_the_tune_section_is_refused() -> None:
+    """The tune section shares the job's strict base (runtime.config.Strict): true is not 1."""
+    msg = _error(num_samples=True)
+    assert "tune.num_samples" in msg and "not a boolean" in msg
+
+
+def test_search_key_below_a_plain_value_is_refused_naming_it() -> None:
+    msg = _error(space={"optimizer.lr.peak": {"uniform": [0.1, 0.2]}})
+    assert "tune.space.optimizer.lr.peak" in msg and "'lr' is not a section" in msg

@@ -103,7 +103,7 @@ if scenario == "resave":
         print(exc)
         sys.exit(3)
 elif scenario == "pbt_install":
-    from runtime.tune import install_checkpoint
+    from runtime.tune.trial import install_checkpoint
     donor = sys.argv[6]
     sys.addaudithook(hook)
     install_checkpoint(donor, root, None)
@@ -149,12 +149,12 @@ def test_failed_rename_of_a_resave_puts_the_old_copy_back(tmp_path: Path) -> Non
 @pytest.fixture
 def donor(tmp_path: Path) -> Path:
     """A Tune checkpoint folder as a PBT donor's report carries it (step 5)."""
-    from runtime.tune import _copy_checkpoint
+    from runtime.tune.trial import copy_checkpoint
 
     with CheckpointManager(str(tmp_path / "donor-ckpts")) as mgr:
         mgr.save({"trainer": {"global_step": 5}}, step=5, meta={}, blocking=True)
     out = tmp_path / "tune-ckpt"
-    assert _copy_checkpoint(str(tmp_path / "donor-ckpts"), 5, str(out), None) == 5
+    assert copy_checkpoint(str(tmp_path / "donor-ckpts"), 5, str(out), None) == 5
     return out
 
 
@@ -169,7 +169,7 @@ def trial(tmp_path: Path) -> Path:
 
 
 def test_pbt_install_replaces_the_trials_checkpoints_with_the_donors(donor: Path, trial: Path) -> None:
-    from runtime.tune import install_checkpoint
+    from runtime.tune.trial import install_checkpoint
 
     assert install_checkpoint(str(donor), str(trial), None) == 5
     assert _steps(trial) == [5] and _newest(trial) == (5, 5)

@@ -1,0 +1,195 @@
+"""The runtime package's structure: no import cycles, one module that builds storage paths, and
+no module that imports another's private names.
+
+The checks read the source with ast (nothing is imported, so no import side effects).
+Imports inside functions count too: a lazy import that closes a cycle hides it, it does not
+remove it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from runtime.layout import CHECKPOINTS, LOCAL_RUNS, TRIAL_RUNS, TRIAL_TRAINABLE
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT_MODULE = "runtime.layout"
+# Folder names of the storage layout: only runtime.layout joins them into a path.
+LAYOUT_FOLDERS = {CHECKPOINTS, TRIAL_RUNS, LOCAL_RUNS.name}
+TRIAL_FOLDER_PREFIX = f"{TRIAL_TRAINABLE}_"
+
+
+def modules(package: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of ``package`` (a folder holding __init__.py)."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports (``from a import b`` counts a.b when
+    that is a module, else a)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            subs = {f"{module}.{a.name}" for a in node.names} & known
+            found |= subs if len(subs) == len(node.names) else {module, *subs}
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    mods = modules(package)
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component that has one, as a path ``[a, b, ..., a]``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return [_cycle_in(comp, graph) for comp in components]
+
+
+def _cycle_in(comp: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first inside it)."""
+    start = min(comp)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & comp):
+                if w == start:
+                    return [*paths[v], start]
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle in component {comp}")
+
+
+def path_pieces(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, text) of the string pieces that build a path: f-strings, operands of ``/`` and the
+    arguments of ``Path(...)``/``os.path.join(...)``; f-string fields read as ``{}``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            out.append((node.lineno, str(text)))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            out += [(node.lineno, n.value) for n in (node.left, node.right)
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("Path", "PurePath", "os.path.join"):
+            out += [(node.lineno, a.value) for a in node.args if isinstance(a, ast.Constant)
+                    and isinstance(a.value, str)]
+    return out
+
+
+def layout_paths(source: str) -> list[tuple[int, str]]:
+    """Pieces of ``source`` that join a layout folder into a path, and any text naming Tune's
+    trial folders."""
+    tree = ast.parse(source)
+    hits = [(line, text) for line, text in path_pieces(tree)
+            if text in LAYOUT_FOLDERS or ("/" in text and set(text.split("/")) & LAYOUT_FOLDERS)]
+    hits += [(n.lineno, n.value) for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and TRIAL_FOLDER_PREFIX in n.value]
+    return sorted(set(hits))
+
+
+def test_runtime_import_graph_has_no_cycles() -> None:
+    found = cycles(import_graph(ROOT / "runtime"))
+    assert not found, "import cycles in runtime/:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_cycle_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .c import g\n")
+    (pkg / "sub" / "c.py").write_text("def g():\n    from .. import a\n")
+    (pkg / "d.py").write_text("import pkg.a\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.sub.b"] == {"pkg.sub.c"} and graph["pkg.sub.c"] == {"pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]]
+
+
+def test_only_runtime_layout_builds_run_checkpoint_and_trial_folder_paths() -> None:
+    found = []
+    for name, path in modules(ROOT / "runtime").items():
+        if name != LAYOUT_MODULE:
+            found += [f"{path.relative_to(ROOT)}:{line}: {text!r}" for line, text in layout_paths(path.read_text())]
+    assert not found, "paths of the storage layout built outside runtime/layout.py:\n" + "\n".join(found)
+
+
+def test_layout_path_check_flags_joined_folders_not_prose() -> None:
+    source = '''
+from pathlib import Path
+a = f"{base}/{run}/checkpoints"
+b = f"{search_dir}/runs"
+c = Path("runs") / name
+d = "run_trial_*"
+e = "see <checkpoint.storage>/<run name>/checkpoints) for the layout"
+f = f"{run} has no checkpoints"
+g = "checkpoints"
+'''
+    assert [line for line, _ in layout_paths(source)] == [3, 4, 5, 6]
+
+
+def private_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module.name) of every underscore name ``source`` imports from a runtime module."""
+    return [(node.lineno, f"{node.module}.{a.name}") for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "runtime")
+            for a in node.names if a.name.startswith("_")]
+
+
+def test_no_runtime_module_imports_another_modules_private_names() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in modules(ROOT / "runtime").values()
+             for line, name in private_imports(path.read_text())]
+    assert not found, "private names imported across modules (make them public or move them):\n" + "\n".join(found)
+
+
+def test_private_import_check_sees_absolute_and_relative_imports() -> None:
+    source = "from runtime.train.driver import _storage, connect\nfrom .x import _y\nfrom os import _exit\n"
+    assert private_imports(source) == [(1, "runtime.train.driver._storage"), (2, "x._y")]
