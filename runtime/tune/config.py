@@ -18,15 +18,14 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from runtime.config import JobConfig, Strict, config_from_dict, format_errors, set_dotted, short
 from runtime.errors import ConfigError
+from runtime.observe.catalog import metric_names
 
 # Methods whose scheduler acts on every intermediate result (stops, pauses or clones trials).
 SCHEDULERS = ("asha", "hyperband", "pbt")
 
-# What the loop reports (runtime/train/trainer.py Trainer.report / evaluate): the only valid search metrics.
-KNOWN_METRICS = (
-    "train/loss", "train/accuracy", "train/throughput", "train/learning_rate", "train/grad_norm",
-    "time/step_s", "time/data_s", "val/loss", "val/accuracy",
-)
+# What the loop reports at every report or evaluation (declared in runtime/observe/catalog.py):
+# the only valid search metrics.
+KNOWN_METRICS = metric_names(searchable=True)
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
 
 
