@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from rt_helpers import job
 
 from runtime import cluster as rc
 from runtime.checkpoint import CheckpointManager
 from runtime.train.driver import StreamingFit, connect
+from tests.support import job
 
 pytestmark = pytest.mark.slow
 

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from rt_helpers import committed_steps, job, train_worker_pids, wait_for
 
 from runtime.checkpoint import CheckpointManager
 from runtime.train.driver import train
+from tests.support import job
+from tests.support.cluster import WorkerGroupKiller
 
 pytestmark = pytest.mark.slow
 
@@ -83,26 +81,20 @@ def test_worker_kill_under_fsdp_resumes_from_the_newest_sharded_checkpoint_bit_i
     reference = train(job("digits_smoke", storage, *sets), "fsdp-reference", show_progress=False)
     assert not reference.error and reference.metrics["step"] == 120
     checkpoints = Path(storage) / "fsdp-killed" / "checkpoints"
-    kill: dict[str, int] = {}
-
-    def killer() -> None:
-        wait_for(lambda: len(train_worker_pids()) == 2 and bool(committed_steps(checkpoints)), "a sharded commit")
-        time.sleep(0.1)  # a few steps past it, so some work is really redone
-        kill["committed"] = committed_steps(checkpoints)[-1]
-        os.kill(train_worker_pids()[-1], signal.SIGKILL)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    killer = WorkerGroupKiller(checkpoints, (signal.SIGKILL,))  # once the first sharded checkpoint commits
+    killer.start()
     out = train(job("digits_smoke", storage, *sets), "fsdp-killed", show_progress=False)
-    t.join(timeout=5)
-    assert "committed" in kill and not out.error and out.metrics["step"] == 120
+    killer.stop()
+    killer.join(timeout=5)
+    assert killer.kills and not out.error and out.metrics["step"] == 120
+    committed = killer.kills[0].committed
     last, resumed = 0, None
     for h in out.history:
         if "resumed_from_step" in h and last:
             resumed = h["resumed_from_step"]
             break
         last = h.get("step", last)
-    assert resumed is not None and resumed >= kill["committed"], (resumed, kill)
+    assert resumed is not None and resumed >= committed, (resumed, killer.kills)
     assert last - resumed <= 10, f"redid {last - resumed} steps"
     assert out.metrics["rank_param_digests"] == reference.metrics["rank_param_digests"]
     with CheckpointManager(out.checkpoint_uri) as mgr:

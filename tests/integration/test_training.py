@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from rt_helpers import ROOT, job
 
 from runtime.checkpoint import CheckpointManager
 from runtime.train.driver import train
+from tests.support import ROOT, job
 
 pytestmark = pytest.mark.slow
 

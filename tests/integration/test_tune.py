@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 import yaml
 from ray.tune import Stopper
-from rt_helpers import ROOT, committed_steps, job, train_worker_pids, wait_for
+
+from tests.support import ROOT, job, wait_for
+from tests.support.cluster import committed_steps, train_worker_pids
 
 pytestmark = pytest.mark.slow
 
