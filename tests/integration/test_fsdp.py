@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.checkpoint import CheckpointManager
+from runtime.checkpoint import CheckpointManager, step_name
 from runtime.train.driver import train
 from tests.support import job
 from tests.support.cluster import WorkerGroupKiller
@@ -36,7 +37,9 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 def test_fsdp_trains_the_same_model_as_ddp_and_checkpoints_interchange(cluster: dict, storage: str) -> None:
-    ddp = train(job("digits_smoke", storage, *BASE, "train.max_steps=20"), "ddp", show_progress=False)
+    # keep=4: its step 10 (an interval checkpoint of 2 DDP ranks) is the switch below's starting point.
+    ddp = train(job("digits_smoke", storage, *BASE, "train.max_steps=20", "checkpoint.keep=4"), "ddp",
+                show_progress=False)
     fsdp = train(job("digits_smoke", storage, *BASE, "train.max_steps=20", "distributed.strategy=fsdp"), "fsdp",
                  show_progress=False)
     assert not fsdp.error and fsdp.metrics["step"] == 20
@@ -49,8 +52,10 @@ def test_fsdp_trains_the_same_model_as_ddp_and_checkpoints_interchange(cluster: 
     assert step == fsdp_step == 20
     assert_close(ddp_model, fsdp_model)
 
-    # A DDP checkpoint (2 ranks) continues as FSDP on 2 ranks: same result as DDP all along.
-    train(job("digits_smoke", storage, *BASE, "train.max_steps=10"), "switch", show_progress=False)
+    # A DDP checkpoint (2 ranks) continues as FSDP on 2 ranks: same result as DDP all along. The DDP
+    # run's step 10 is the checkpoint a 10-step DDP run ends with (same steps, data and state).
+    shutil.copytree(Path(storage) / "ddp" / "checkpoints" / step_name(10),
+                    Path(storage) / "switch" / "checkpoints" / step_name(10))
     resumed = train(job("digits_smoke", storage, *BASE, "train.max_steps=20", "distributed.strategy=fsdp"),
                     "switch", show_progress=False)
     assert [h["resumed_from_step"] for h in resumed.history if "resumed_from_step" in h] == [10]
