@@ -69,12 +69,22 @@ lint: setup ## Ruff over Python code, mypy over runtime/.
 	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes
 	$(VENV)/bin/mypy
 
+# How many suites `make test` runs at once. 1: one after another, output streamed. 2: the
+# Python suites beside the others (test hosts, Terraform, linters) with make -j2, each suite's
+# output printed whole when it ends. Either way every suite runs (-k) and a failure fails the target.
+TEST_JOBS ?= 1
+
 .PHONY: test
-test: setup prometheus-tools test-python $(TEST_TARGETS) ## Run every test suite (runtime, observability, Terraform, Ansible hosts).
+test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts); TEST_JOBS=2 runs two at a time.
+	@$(MAKE) --no-print-directory -k -j$(TEST_JOBS) $(if $(filter-out 1,$(TEST_JOBS)),--output-sync=target) test-suites
+
+.PHONY: test-suites
+test-suites: setup prometheus-tools test-python $(TEST_TARGETS)
 
 .PHONY: test-python
 test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integration on a local Ray cluster, observability).
-	RT_PROMETHEUS_BIN=$(PROMETHEUS) $(PY) -m pytest tests/unit tests/integration tests/observability tests/kubernetes tests/gpu -q $(PYTEST_ARGS)
+	RT_PROMETHEUS_BIN=$(PROMETHEUS) $(PY) -m pytest tests/unit tests/integration tests/observability tests/kubernetes tests/gpu \
+	  -q --durations=25 $(PYTEST_ARGS)
 
 .PHONY: bench
 bench: setup cluster-ready ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.

@@ -157,16 +157,14 @@ def _sharded_worker(rank: int, world: int, port: int, work: str) -> None:
 def sharded(results_dir: Path) -> dict[str, Any]:
     """The sharded async save's training stall vs a blocking sharded save of the same state."""
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
+    from tests.support import free_port
+
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-sharded-", dir=results_dir))
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        mp.spawn(_sharded_worker, args=(SHARDED_WORLD, port, str(work)), nprocs=SHARDED_WORLD, join=True)
+        mp.spawn(_sharded_worker, args=(SHARDED_WORLD, free_port(), str(work)), nprocs=SHARDED_WORLD, join=True)
         got = json.loads((work / "sharded.json").read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -16,23 +16,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from tests.support.cluster import local_cluster, own_cluster_env
+
 LOSSES = 3
 SLOT = "elastic_slot"
 INTERVAL = 10
 CHECK_S = 3.0  # distributed.elastic.resize_check_interval_s: how soon returning capacity is used
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
@@ -101,22 +96,13 @@ def run(results_dir: Path) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-elastic-", dir=results_dir))
     cluster_dir = tmp / "cluster"
     # Its own cluster, always: nodes are killed here. Set before Ray is imported (auth is read once).
-    os.environ.update({"RT_CLUSTER_DIR": str(cluster_dir), "RAY_AUTH_MODE": "token",
-                       "RAY_AUTH_TOKEN_PATH": str(cluster_dir / "auth_token")})
-    for name in ("ray", "dashboard", "ray_metrics", "mlflow", "prometheus", "node_exporter"):
-        os.environ[f"RT_{name.upper()}_PORT"] = str(_free_port())
+    os.environ.update(own_cluster_env(cluster_dir))
     from runtime import cluster
 
     try:
-        state = cluster.up(cluster_dir, num_cpus=2, with_mlflow=False, with_prometheus=False)
-        os.environ["RAY_ADDRESS"] = state["ray"]["address"]
-        for _ in range(3):
-            cluster.add_node(cluster_dir, num_cpus=2, resources={SLOT: 1})
-        return _measure(cluster_dir, tmp / "runs")
+        with local_cluster(cluster_dir, num_cpus=2, with_mlflow=False, with_prometheus=False):
+            for _ in range(3):
+                cluster.add_node(cluster_dir, num_cpus=2, resources={SLOT: 1})
+            return _measure(cluster_dir, tmp / "runs")
     finally:
-        import ray
-
-        ray.shutdown()
-        cluster.down(cluster_dir)
-        os.environ.pop("RAY_ADDRESS", None)
         shutil.rmtree(tmp, ignore_errors=True)

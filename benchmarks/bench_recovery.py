@@ -16,46 +16,17 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import statistics
 import tempfile
-import threading
-import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+from tests.support.cluster import WorkerGroupKiller, local_cluster, own_cluster_env
 
 # Each one shortly after a checkpoint commits (interval 10 steps, ~20 ms a step here); 1 for a quick check.
 KILLS = int(os.environ.get("BENCH_RECOVERY_KILLS", "3"))
 POLL_S = 0.25  # distributed.poll_interval_s: how soon Ray Train notices the dead worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _committed(ckpts: Path) -> list[int]:
-    return sorted(int(p.parent.name.split("_")[1]) for p in ckpts.glob("step_*/manifest.json"))
-
-
-def _newest_commit_time(ckpts: Path) -> float:
-    """When the newest checkpoint was committed (its manifest is written last), 0 before any."""
-    times = []
-    for manifest in ckpts.glob("step_*/manifest.json"):
-        try:
-            times.append(manifest.stat().st_mtime)
-        except FileNotFoundError:  # pruned since the listing
-            pass
-    return max(times, default=0.0)
-
-
-def _worker_pids(job_id: str) -> list[int]:
-    """Live Ray Train workers of this driver's job only: a shared cluster may be training others."""
-    from ray.util.state import list_actors
-
-    return sorted(a.pid for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"),
-                                                      ("state", "=", "ALIVE"), ("job_id", "=", job_id)]))
 
 
 def pair_recoveries(kills: list[float], resumed_at: list[float]) -> list[float | None]:
@@ -83,45 +54,17 @@ def _measure(storage: Path) -> dict[str, Any]:
         f"checkpoint.storage={storage}", "model.name=mlp", "train.max_steps=300", "train.log_every_steps=1",
         "checkpoint.interval_steps=10", "checkpoint.max_failures=5", "distributed.timeout_s=10",
         "tracking.mlflow=false", "tracking.prometheus=false", f"distributed.poll_interval_s={POLL_S}"], environ={})
-    ckpts = storage / run / "checkpoints"
-    kills: list[float] = []
     connect()
-    job_id = ray.get_runtime_context().get_job_id()
-    done = threading.Event()
-
-    def wait(pred: Any) -> bool:
-        while not pred():
-            if done.is_set():
-                return False
-            time.sleep(0.05)
-        return True
-
-    def killer() -> None:
-        killed_group: set[int] = set()
-        for _ in range(KILLS):
-            # Each kill hits a new worker group (Train stops the old one first) once that group has
-            # committed a checkpoint: a kill while the old group is still being torn down, or while the
-            # new one starts, would leave no recovery of its own in the history.
-            if not wait(lambda g=killed_group: len(p := _worker_pids(job_id)) == 2 and not set(p) & g):
-                return
-            started = time.time()
-            if not wait(lambda t0=started: _newest_commit_time(ckpts) > t0):
-                return
-            time.sleep(0.1)  # a few steps past the checkpoint
-            pids = _worker_pids(job_id)
-            if len(pids) != 2 or set(pids) & killed_group:
-                continue
-            killed_group = set(pids)
-            kills.append(time.time())
-            os.kill(pids[-1], signal.SIGKILL)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    # Only this driver's workers: a shared cluster may be training others. Kills stop with the run.
+    killer = WorkerGroupKiller(storage / run / "checkpoints", [signal.SIGKILL] * KILLS,
+                               job_id=ray.get_runtime_context().get_job_id(), timeout=float("inf"))
+    killer.start()
     try:
         out = train(cfg, run, show_progress=False)
     finally:
-        done.set()
-        t.join(timeout=10)
+        killer.stop()
+        killer.join(timeout=10)
+    kills = [k.time for k in killer.kills]
     resumed_at = [h["_time"] for h in out.history if "resumed_from_step" in h]
     redone = []
     last = 0
@@ -155,26 +98,15 @@ def run(results_dir: Path) -> dict[str, Any]:
         except ClusterError:
             started = tmp / "cluster"
             # Before Ray is imported: it reads its auth settings once per process (as the test cluster does).
-            os.environ.update({"RT_CLUSTER_DIR": str(started), "RAY_AUTH_MODE": "token",
-                               "RAY_AUTH_TOKEN_PATH": str(started / "auth_token")})
-            for name in ("ray", "dashboard", "ray_metrics", "mlflow", "prometheus", "node_exporter", "dashboard_agent"):
-                os.environ[f"RT_{name.upper()}_PORT"] = str(_free_port())
-            from runtime import cluster
-
-            state = cluster.up(started, num_cpus=4, with_mlflow=False, with_prometheus=False)
-            os.environ["RAY_ADDRESS"] = state["ray"]["address"]
-        result = _measure(tmp / "runs")
+            os.environ.update(own_cluster_env(started))
+        with ExitStack() as stack:
+            if started is not None:  # stops exactly the throwaway's own processes at the end
+                stack.enter_context(local_cluster(started, num_cpus=4, with_mlflow=False, with_prometheus=False))
+            result = _measure(tmp / "runs")
         result["poll_interval_s"] = POLL_S
         result["cluster"] = "throwaway" if started is not None else "running"
         return result
     finally:
-        if started is not None:
-            import ray
-
-            from runtime import cluster
-
-            ray.shutdown()
-            cluster.down(started)  # reads the throwaway's own state file: only its processes stop
         # The throwaway's RT_CLUSTER_DIR, ports and token path must not outlive it: the next benchmark in
         # this process would look for the cluster there and find none.
         os.environ.clear()

@@ -20,7 +20,9 @@ $(OPS_STAMP): $(ROOT)/requirements/ops.txt
 ops-setup: $(OPS_STAMP) ## Create the ops tools venv (.venv-ops: ansible-core, ansible-lint, testinfra).
 
 .PHONY: ops-host-packages
-ops-host-packages: ## Install the Debian packages the test hosts need (systemd-nspawn, debootstrap, dpkg-dev).
+# After prometheus-tools (order only): both may run apt, which takes one lock, and `make test
+# TEST_JOBS=2` would otherwise start them side by side.
+ops-host-packages: | prometheus-tools ## Install the Debian packages the test hosts need (systemd-nspawn, debootstrap, dpkg-dev).
 	@missing=""; for p in $(OPS_HOST_PKGS); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1 || apt-get update; \

@@ -8,7 +8,6 @@ ports of their own so a developer's `make cluster-up` cluster is left alone.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,41 +15,20 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from tests.support.cluster import local_cluster, own_cluster_env
 
 # Decided at import, before any test module imports Ray: Ray reads its authentication
 # settings once per process, so the test cluster's token path must be in the environment first.
 CLUSTER_DIR = Path(tempfile.mkdtemp(prefix="rt-test-cluster-"))
-_SERVICES = ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent")
-_PORTS = {f"RT_{n.upper()}_PORT": str(_free_port()) for n in _SERVICES}
-os.environ.update({**_PORTS, "RT_CLUSTER_DIR": str(CLUSTER_DIR),
-                   "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(CLUSTER_DIR / "auth_token")})
+os.environ.update(own_cluster_env(CLUSTER_DIR))
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[dict[str, Any]]:
     """Start the embedded cluster once; every integration test drives it through RAY_ADDRESS."""
-    from runtime import cluster as rc
-
-    state = rc.up(CLUSTER_DIR, num_cpus=4)
-    os.environ["RAY_ADDRESS"] = state["ray"]["address"]
-    try:
+    with local_cluster(CLUSTER_DIR, num_cpus=4) as state:
         yield {**state, "dir": CLUSTER_DIR}
-    finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        rc.down(CLUSTER_DIR)
-        os.environ.pop("RAY_ADDRESS", None)
 
 
 @pytest.fixture

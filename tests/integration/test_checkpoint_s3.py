@@ -20,10 +20,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3_server import CREDENTIALS, free_port, start_moto_server, stop_moto_server
-
 from runtime.checkpoint import CheckpointError, CheckpointManager, S3Storage
 from runtime.checkpoint.cli import main as cli_main
+from tests.support import free_port
+from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
 
 BUCKET = "ckpt-test"
 
@@ -381,9 +381,9 @@ def test_s3_run_keeps_the_drivers_aws_credentials_out_of_the_job(
     in it, and workers must still reach S3 with the node's own credentials."""
     import ray
     from ray.util.state import list_jobs
-    from rt_helpers import job
 
     from runtime.train.driver import connect, train
+    from tests.support import job
 
     monkeypatch.chdir(tmp_path)  # an S3 run's local folder is ./runs/<name>
     for key, value in DRIVER_SECRETS.items():

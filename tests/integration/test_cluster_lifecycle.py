@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from rt_helpers import ROOT
+
+from tests.support import ROOT, free_port
+from tests.support.cluster import SERVICES
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -39,7 +34,7 @@ def test_make_cluster_up_then_down_leaves_no_process_behind(tmp_path: Path) -> N
     cdir = tmp_path / "cluster"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RT_"))}
     env.update({"RT_CLUSTER_DIR": str(cdir), "MAKEFLAGS": ""})
-    for name in ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent"):
+    for name in SERVICES:
         env[f"RT_{name.upper()}_PORT"] = str(free_port())
     up = subprocess.run(["make", "cluster-up"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]

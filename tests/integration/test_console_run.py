@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from rt_helpers import ROOT, committed_steps, train_worker_pids, wait_for
+
+from tests.support import ROOT, wait_for
+from tests.support.cluster import committed_steps, train_worker_pids
 
 pytestmark = pytest.mark.slow
 

@@ -9,13 +9,14 @@ import boto3
 import pytest
 import torch
 from PIL import Image
-from s3_server import CREDENTIALS, free_port, start_moto_server, stop_moto_server
 
 from runtime.config import DataConfig
 from runtime.data import build_loaders
 from runtime.data.cli import main as data_cli
 from runtime.data.shards import pack
 from runtime.errors import ConfigError
+from tests.support import free_port
+from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
 
 BUCKET = "datasets"
 

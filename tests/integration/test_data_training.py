@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rt_helpers import job
 
 from runtime.data import write_digits_imagefolder
 from runtime.data.shards import pack
 from runtime.train.driver import train
+from tests.support import job
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from rt_helpers import job
 
 from runtime import cluster as rc
 from runtime.checkpoint import CheckpointManager
 from runtime.train.driver import StreamingFit, connect
+from tests.support import job
+from tests.support.trainer import train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -105,12 +106,10 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
     assert history[-1]["final"] and history[-1]["step"] == MAX_STEPS
 
     # An uninterrupted run with the same global batch (1 worker x 8 x 6) ends at the same parameters.
+    # It is the yardstick, not what is proven: the trainer runs it in this process, without Ray.
     ref_cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers=1", "train.grad_accum_steps=6")
     assert ref_cfg.global_batch_size() == GLOBAL_BATCH
-    ref = StreamingFit(ref_cfg, "uninterrupted")
-    for _ in ref.reports():
-        pass
-    assert ref.error is None, ref.error
+    train_in_process(ref_cfg, Path(storage) / "uninterrupted")
     elastic, uninterrupted = _final_params(storage, "elastic"), _final_params(storage, "uninterrupted")
     worst = max(float((elastic[k] - uninterrupted[k]).abs().max()) for k in elastic)
     assert worst < 1e-4, f"parameters differ by up to {worst}"

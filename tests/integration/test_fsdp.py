@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import os
+import shutil
 import signal
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from rt_helpers import committed_steps, job, train_worker_pids, wait_for
 
-from runtime.checkpoint import CheckpointManager
+from runtime.checkpoint import CheckpointManager, step_name
 from runtime.train.driver import train
+from tests.support import job
+from tests.support.cluster import WorkerGroupKiller
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +37,9 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 def test_fsdp_trains_the_same_model_as_ddp_and_checkpoints_interchange(cluster: dict, storage: str) -> None:
-    ddp = train(job("digits_smoke", storage, *BASE, "train.max_steps=20"), "ddp", show_progress=False)
+    # keep=4: its step 10 (an interval checkpoint of 2 DDP ranks) is the switch below's starting point.
+    ddp = train(job("digits_smoke", storage, *BASE, "train.max_steps=20", "checkpoint.keep=4"), "ddp",
+                show_progress=False)
     fsdp = train(job("digits_smoke", storage, *BASE, "train.max_steps=20", "distributed.strategy=fsdp"), "fsdp",
                  show_progress=False)
     assert not fsdp.error and fsdp.metrics["step"] == 20
@@ -51,8 +52,10 @@ def test_fsdp_trains_the_same_model_as_ddp_and_checkpoints_interchange(cluster: 
     assert step == fsdp_step == 20
     assert_close(ddp_model, fsdp_model)
 
-    # A DDP checkpoint (2 ranks) continues as FSDP on 2 ranks: same result as DDP all along.
-    train(job("digits_smoke", storage, *BASE, "train.max_steps=10"), "switch", show_progress=False)
+    # A DDP checkpoint (2 ranks) continues as FSDP on 2 ranks: same result as DDP all along. The DDP
+    # run's step 10 is the checkpoint a 10-step DDP run ends with (same steps, data and state).
+    shutil.copytree(Path(storage) / "ddp" / "checkpoints" / step_name(10),
+                    Path(storage) / "switch" / "checkpoints" / step_name(10))
     resumed = train(job("digits_smoke", storage, *BASE, "train.max_steps=20", "distributed.strategy=fsdp"),
                     "switch", show_progress=False)
     assert [h["resumed_from_step"] for h in resumed.history if "resumed_from_step" in h] == [10]
@@ -83,26 +86,20 @@ def test_worker_kill_under_fsdp_resumes_from_the_newest_sharded_checkpoint_bit_i
     reference = train(job("digits_smoke", storage, *sets), "fsdp-reference", show_progress=False)
     assert not reference.error and reference.metrics["step"] == 120
     checkpoints = Path(storage) / "fsdp-killed" / "checkpoints"
-    kill: dict[str, int] = {}
-
-    def killer() -> None:
-        wait_for(lambda: len(train_worker_pids()) == 2 and bool(committed_steps(checkpoints)), "a sharded commit")
-        time.sleep(0.1)  # a few steps past it, so some work is really redone
-        kill["committed"] = committed_steps(checkpoints)[-1]
-        os.kill(train_worker_pids()[-1], signal.SIGKILL)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    killer = WorkerGroupKiller(checkpoints, (signal.SIGKILL,))  # once the first sharded checkpoint commits
+    killer.start()
     out = train(job("digits_smoke", storage, *sets), "fsdp-killed", show_progress=False)
-    t.join(timeout=5)
-    assert "committed" in kill and not out.error and out.metrics["step"] == 120
+    killer.stop()
+    killer.join(timeout=5)
+    assert killer.kills and not out.error and out.metrics["step"] == 120
+    committed = killer.kills[0].committed
     last, resumed = 0, None
     for h in out.history:
         if "resumed_from_step" in h and last:
             resumed = h["resumed_from_step"]
             break
         last = h.get("step", last)
-    assert resumed is not None and resumed >= kill["committed"], (resumed, kill)
+    assert resumed is not None and resumed >= committed, (resumed, killer.kills)
     assert last - resumed <= 10, f"redid {last - resumed} steps"
     assert out.metrics["rank_param_digests"] == reference.metrics["rank_param_digests"]
     with CheckpointManager(out.checkpoint_uri) as mgr:

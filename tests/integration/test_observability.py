@@ -9,10 +9,10 @@ import urllib.request
 from typing import Any
 
 import pytest
-from rt_helpers import job
 
 from dashboards.queries import is_gpu_only, load_dashboards, panel_queries
 from runtime.train.driver import train
+from tests.support import job
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,13 @@ from typing import Any
 
 import pytest
 import torch
-from rt_helpers import ROOT, committed_steps, job, train_worker_pids, wait_for
-from s3_server import CREDENTIALS, free_port, start_moto_server, stop_moto_server
 
 from runtime.checkpoint import CheckpointManager, step_name
 from runtime.train.driver import TrainOutcome, connect, train
+from tests.support import ROOT, free_port, job, wait_for
+from tests.support.cluster import WorkerGroupKiller, committed_steps
+from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
+from tests.support.trainer import train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -44,17 +46,6 @@ BASE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", 
 
 def ckpt_dir(storage: str, run: str) -> Path:
     return Path(storage) / run / "checkpoints"
-
-
-def newest_commit_time(checkpoints: Path) -> float:
-    """When the newest checkpoint was committed (its manifest is written last), 0 before any."""
-    times = []
-    for manifest in checkpoints.glob("step_*/manifest.json"):
-        try:
-            times.append(manifest.stat().st_mtime)
-        except FileNotFoundError:  # pruned since the listing
-            pass
-    return max(times, default=0.0)
 
 
 def restarts(history: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
@@ -101,29 +92,13 @@ def test_worker_kills_redo_at_most_one_interval_and_end_bit_identical(
     run = "kills"
     cfg = job("digits_smoke", storage, *BASE, f"train.max_steps={MAX_STEPS}",
               f"checkpoint.interval_steps={INTERVAL}", "checkpoint.max_failures=5")
-    kills: list[tuple[float, int, int]] = []  # (time, newest committed step, signal)
-
-    def killer() -> None:
-        killed_group: set[int] = set()
-        for sig in (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM):
-            # Each kill hits a new worker group (Train stops the old one before starting it) once that
-            # group has committed a checkpoint, so it is training and its restart shows in the history;
-            # a kill while the group is still starting would leave no trace there.
-            wait_for(lambda: len(p := train_worker_pids()) == 2 and not set(p) & killed_group,
-                     "a new worker group")
-            started = time.time()
-            wait_for(lambda: newest_commit_time(ckpt_dir(storage, run)) > started,
-                     "a checkpoint committed by the new worker group")
-            time.sleep(0.1)  # a few steps past the checkpoint, so some work is really redone
-            pids = train_worker_pids()
-            kills.append((time.time(), committed_steps(ckpt_dir(storage, run))[-1], sig))
-            killed_group = set(pids)
-            os.kill(pids[-1], sig)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    # Each kill hits a new worker group once it has committed a checkpoint, so its restart shows in the history.
+    killer = WorkerGroupKiller(ckpt_dir(storage, run), (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM))
+    killer.start()
     out = train(cfg, run, show_progress=False)
-    t.join(timeout=5)
+    killer.stop()
+    killer.join(timeout=5)
+    kills = killer.kills
     assert len(kills) == 3, kills
     assert not out.error and out.metrics["step"] == MAX_STEPS and out.metrics["final"]
     seen = restarts(out.history)
@@ -179,7 +154,9 @@ def test_resume_skips_corrupt_checkpoints_and_says_why(cluster: dict, storage: s
     run = "corrupt"
     cfg = job("digits_smoke", storage, *BASE, "train.max_steps=25", "checkpoint.interval_steps=5",
               "checkpoint.keep=5")
-    train(cfg, run, show_progress=False)
+    # The checkpoints to corrupt come from the trainer in this process (Ray is not what makes them
+    # valid or not); the resume below is a real 2-worker run on the cluster.
+    train_in_process(cfg, Path(storage) / run)
     d = ckpt_dir(storage, run)
     assert committed_steps(d) == [5, 10, 15, 20, 25]
     (d / step_name(25) / "manifest.json").unlink()

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from rt_helpers import ROOT, job
 
 from runtime.checkpoint import CheckpointManager
 from runtime.train.driver import train
+from runtime.train.run import TrainOutcome
+from tests.support import ROOT, job
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +27,16 @@ def final_model(outcome: Any) -> dict[str, torch.Tensor]:
     return payload["model"]
 
 
-def test_two_worker_ddp_keeps_ranks_identical_and_loss_falls(cluster: dict, storage: str) -> None:
-    cfg = job("digits_smoke", storage, "train.max_steps=40", "tracking.mlflow=false", "train.log_every_steps=5")
-    out = train(cfg, show_progress=False)
+@pytest.fixture(scope="module")
+def digits_run(cluster: dict, tmp_path_factory: pytest.TempPathFactory) -> TrainOutcome:
+    """The shipped digits job (120 steps, 2 workers), reported every 5 steps: one run, checked twice."""
+    storage = str(tmp_path_factory.mktemp("digits") / "runs")
+    return train(job("digits_smoke", storage, "tracking.mlflow=false", "train.log_every_steps=5"),
+                 show_progress=False)
+
+
+def test_two_worker_ddp_keeps_ranks_identical_and_loss_falls(digits_run: TrainOutcome) -> None:
+    out = digits_run
     digests = out.metrics["rank_param_digests"]
     assert len(digests) == 2 and digests[0] == digests[1], digests
     losses = [h["train/loss"] for h in out.history if "train/loss" in h]
@@ -53,8 +61,8 @@ def test_gradient_accumulation_matches_one_big_batch(cluster: dict, storage: str
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
-def test_digits_converges_above_90_percent_with_two_workers(cluster: dict, storage: str) -> None:
-    out = train(job("digits_smoke", storage, "tracking.mlflow=false"), show_progress=False)
+def test_digits_converges_above_90_percent_with_two_workers(digits_run: TrainOutcome) -> None:
+    out = digits_run
     assert out.metrics["val/accuracy"] >= 0.90, out.metrics
 
 

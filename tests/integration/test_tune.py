@@ -24,7 +24,9 @@ from typing import Any
 import pytest
 import yaml
 from ray.tune import Stopper
-from rt_helpers import ROOT, committed_steps, job, train_worker_pids, wait_for
+
+from tests.support import ROOT, job, wait_for
+from tests.support.cluster import committed_steps, train_worker_pids
 
 from runtime.layout import search_paths, trial_checkpoints, trial_folder, tune_trial_folders
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
@@ -10,16 +9,11 @@ import yaml
 
 from runtime.observe.metrics import WorkerMetrics
 from tests.kubernetes.conftest import ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support import free_port
 
 
 def test_exporter_binds_the_fixed_port_and_a_second_worker_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("RT_METRICS_PORT", str(port))
     monkeypatch.setenv("RT_METRICS_BIND", "127.0.0.1")
     first = WorkerMetrics("k8s-port", 0, None, {})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import yaml
 
 from tests.kubernetes.conftest import ROOT
+from tests.support import free_port
 
 SCRIPT = ROOT / "kubernetes" / "k8s_render.py"
 
@@ -100,9 +100,7 @@ def test_submit_without_a_kube_context_exits_3_with_a_message(tmp_path: Path) ->
 
 
 def test_submit_to_an_unreachable_cluster_exits_3_before_applying(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a loopback port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a loopback port nobody listens on
     kubeconfig = tmp_path / "config"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "dead",

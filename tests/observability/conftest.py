@@ -11,7 +11,6 @@ here on demand), each server on a free loopback port with its own tmp dir.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+
+from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # `make test-python` passes RT_PROMETHEUS_BIN=$(PROMETHEUS); promtool and the
@@ -50,12 +51,6 @@ def ensure_prometheus_tools() -> None:
         text=True,
     )
     assert done.returncode == 0, f"`make prometheus-tools` failed:\n{done.stdout}\n{done.stderr}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:

@@ -1,17 +1,18 @@
-"""Helpers shared by test suites (and, as issue 21 moves them here, benchmarks)."""
+"""Helpers shared by the test suites and the benchmarks (one home for each, issue 21).
+
+Light on imports: ``tests.support.cluster`` and ``tests.support.s3`` are used by benchmarks and by
+tests that start no trainer; the in-process trainer lives in ``tests.support.trainer``.
+"""
 
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from runtime.config import JobConfig
-from runtime.train.run import RunInfo
-from runtime.train.setup import Placement
-from runtime.train.trainer import Trainer
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -21,20 +22,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def train_in_process(cfg: JobConfig, folder: Path, rank: int = 0,
-                     world: int = 1) -> tuple[Trainer, list[dict[str, Any]]]:
-    """The real trainer without Ray: restore from ``folder``'s checkpoints, fit, close.
+def wait_for(pred: Callable[[], bool], what: str, timeout: float = 240) -> None:
+    """Poll ``pred`` every 50 ms; TimeoutError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(0.05)
 
-    With ``world`` > 1 the caller has initialised the process group. Returns the trainer and
-    every report it made, in order.
-    """
-    reports: list[dict[str, Any]] = []
-    run = RunInfo(run_name="r", job_id="j", checkpoint_uri=str(folder / "checkpoints"), run_dir=str(folder))
-    trainer = Trainer(cfg, run, placement=Placement(rank, world, torch.device("cpu")),
-                      report_fn=lambda m, checkpoint=None: reports.append(m))
-    try:
-        trainer.restore()
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer, reports
+
+def job(name: str, storage: str, *overrides: str) -> Any:
+    """A shipped job with test-size overrides and checkpoints under the test's tmp dir."""
+    from runtime.config import load_job
+
+    return load_job(name, [f"checkpoint.storage={storage}", *overrides], environ={})

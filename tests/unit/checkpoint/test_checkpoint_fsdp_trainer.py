@@ -17,7 +17,8 @@ from runtime.checkpoint import CheckpointManager
 from runtime.config import JobConfig
 from runtime.train.parallel import full_tensor
 from runtime.train.trainer import Trainer
-from tests.support import free_port, train_in_process
+from tests.support import free_port
+from tests.support.trainer import train_in_process
 
 pytestmark = pytest.mark.slow
 

@@ -246,7 +246,7 @@ def _s3_worker(rank: int, port: int, uri: str, endpoint: str, out: str) -> None:
 @pytest.mark.slow
 def test_sharded_checkpoint_on_s3_commits_every_ranks_shards_and_rotates(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.integration.s3_server import CREDENTIALS, start_moto_server, stop_moto_server
+    from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
 
     for k, v in CREDENTIALS.items():
         monkeypatch.setenv(k, v)

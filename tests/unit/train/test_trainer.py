@@ -12,7 +12,7 @@ from runtime.config import JobConfig
 from runtime.train.run import PREEMPT_FILE, RunInfo
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
-from tests.support import train_in_process
+from tests.support.trainer import train_in_process
 
 # digits: 1438 training samples / 128 per batch = 11 batches an epoch, so runs cross epochs.
 BASE = {"model": {"name": "mlp"}, "data": {"source": "digits", "batch_size": 128},

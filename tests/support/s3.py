@@ -1,4 +1,4 @@
-"""A real S3 HTTP endpoint on loopback (moto_server) for tests that need S3.
+"""A real S3 HTTP endpoint on loopback (moto_server) for tests and benchmarks that need S3.
 
 moto keeps everything in memory: a restarted server starts empty (no persistence).
 """
@@ -6,7 +6,6 @@ moto keeps everything in memory: a restarted server starts empty (no persistence
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,6 @@ CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # Buckets are created inside the server process before it listens, so a restarted server

@@ -1,0 +1,138 @@
+"""A local Ray cluster of our own, and the worker-killing loop, for tests and benchmarks alike.
+
+A test or benchmark cluster runs beside a developer's ``make cluster-up`` one: every service gets
+a free port and token auth lives in the cluster's own folder. Ray reads its authentication
+settings once per process, so ``own_cluster_env`` must be in ``os.environ`` before Ray is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tests.support import free_port
+
+# Every service runtime.cluster reads a port for (RT_<NAME>_PORT).
+SERVICES = ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent")
+
+
+def own_cluster_env(cluster_dir: Path) -> dict[str, str]:
+    """The environment that points runtime.cluster at ``cluster_dir``, free ports and token auth there."""
+    return {**{f"RT_{name.upper()}_PORT": str(free_port()) for name in SERVICES},
+            "RT_CLUSTER_DIR": str(cluster_dir), "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(cluster_dir / "auth_token")}
+
+
+@contextmanager
+def local_cluster(cluster_dir: Path, **up: Any) -> Iterator[dict[str, Any]]:
+    """``runtime.cluster.up(cluster_dir, **up)`` with RAY_ADDRESS set; on exit disconnect and stop
+    exactly what it started (``down`` reads this cluster's own state file)."""
+    from runtime import cluster as rc
+
+    try:
+        state = rc.up(cluster_dir, **up)
+        os.environ["RAY_ADDRESS"] = state["ray"]["address"]
+        yield state
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        rc.down(cluster_dir)
+        os.environ.pop("RAY_ADDRESS", None)
+
+
+def train_worker_pids(job_id: str | None = None) -> list[int]:
+    """PIDs of the live Ray Train workers on the connected cluster; only ``job_id``'s when given
+    (a shared cluster may be training others). Never processes of other clusters."""
+    from ray.util.state import list_actors
+
+    filters = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    if job_id is not None:
+        filters.append(("job_id", "=", job_id))
+    return sorted(a.pid for a in list_actors(filters=filters))
+
+
+def committed_steps(checkpoints: Path) -> list[int]:
+    """Steps committed in a run's checkpoint folder (a manifest is the commit marker), oldest first."""
+    return sorted(int(p.parent.name.split("_")[1]) for p in checkpoints.glob("step_*/manifest.json"))
+
+
+def newest_commit_time(checkpoints: Path) -> float:
+    """When the newest checkpoint was committed (its manifest is written last), 0 before any."""
+    times = []
+    for manifest in checkpoints.glob("step_*/manifest.json"):
+        try:
+            times.append(manifest.stat().st_mtime)
+        except FileNotFoundError:  # pruned since the listing
+            pass
+    return max(times, default=0.0)
+
+
+class Kill(NamedTuple):
+    """One signal sent to a worker: when, the newest step committed then, which signal."""
+
+    time: float
+    committed: int
+    signal: int
+
+
+class WorkerGroupKiller(threading.Thread):
+    """Signals one worker of each new worker group, once that group has committed a checkpoint.
+
+    Each kill hits a new group (Train stops the old one before starting the next) after that group
+    committed, a few steps later, so it is training and some work is really redone; a kill while a
+    group is being torn down or still starting would leave no recovery of its own in the history.
+    ``kills`` holds what was sent. ``stop()`` ends the loop (the run finished first); a group that
+    does not appear within ``timeout`` seconds raises TimeoutError in the thread.
+    """
+
+    def __init__(self, checkpoints: Path, signals: Sequence[int] = (signal.SIGKILL,), *,
+                 job_id: str | None = None, workers: int = 2, timeout: float = 240) -> None:
+        super().__init__(daemon=True)
+        self.checkpoints, self.signals, self.job_id = checkpoints, tuple(signals), job_id
+        self.workers, self.timeout = workers, timeout
+        self.kills: list[Kill] = []
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _wait(self, pred: Callable[[], bool], what: str) -> bool:
+        """True once ``pred`` holds, False when stopped first."""
+        deadline = time.monotonic() + self.timeout
+        while not pred():
+            if self._stopping.is_set():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gave up waiting for {what}")
+            time.sleep(0.05)
+        return True
+
+    def run(self) -> None:
+        killed_group: set[int] = set()
+        for sig in self.signals:
+            while True:
+                def new_group() -> bool:
+                    pids = train_worker_pids(self.job_id)
+                    return len(pids) == self.workers and not set(pids) & killed_group
+
+                if not self._wait(new_group, "a new worker group"):
+                    return
+                started = time.time()
+                if not self._wait(lambda: newest_commit_time(self.checkpoints) > started,
+                                  "a checkpoint committed by the new worker group"):
+                    return
+                time.sleep(0.1)  # a few steps past the checkpoint, so some work is really redone
+                pids = train_worker_pids(self.job_id)
+                if len(pids) == self.workers and not set(pids) & killed_group:
+                    break  # still the group that committed: kill it (else it failed meanwhile; wait again)
+            self.kills.append(Kill(time.time(), committed_steps(self.checkpoints)[-1], sig))
+            killed_group = set(pids)
+            os.kill(pids[-1], sig)
