@@ -25,10 +25,9 @@ import pytest
 import yaml
 from ray.tune import Stopper
 
+from runtime.layout import search_paths, trial_checkpoints, trial_folder, tune_trial_folders
 from tests.support import ROOT, job, wait_for
 from tests.support.cluster import committed_steps, train_worker_pids
-
-from runtime.layout import search_paths, trial_checkpoints, trial_folder, tune_trial_folders
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from runtime.observe.catalog import (
     reported_gauges,
 )
 from runtime.observe.metrics import ControllerMetrics, WorkerMetrics
-from tests.support import train_in_process
+from tests.support.trainer import train_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 # A report's bookkeeping keys (where the run is, checkpoint and restore notes), not metrics.
