@@ -157,7 +157,7 @@ def test_trial_whose_worker_dies_is_restarted_by_tune_from_its_newest_checkpoint
     def killer() -> None:
         def committed() -> list[int]:  # the trial's run name holds its id, unknown until it starts
             return sorted(step for d in glob.glob(trial_checkpoints(str(search_dir), "worker-kill", "*"))
-                          for step in committed_steps(d))
+                          for step in committed_steps(Path(d)))
 
         wait_for(lambda: bool(committed()) and bool(train_worker_pids()), "a committed checkpoint", timeout=300)
         killed.append(committed()[-1])
