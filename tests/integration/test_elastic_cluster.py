@@ -100,9 +100,13 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
     # At most one checkpoint interval redone per resize (plus Ray's registration lag: we resume from storage).
     resumes = [(h["resumed_from_step"], h.get("resized_from")) for h in history if "resumed_from_step" in h]
     assert [r for _, r in resumes] == [3, 2], resumes
-    (ev_down, _), (ev_up, _) = events
-    assert (ev_down["from"], ev_down["to"], ev_up["from"], ev_up["to"]) == (3, 2, 2, 3), events
-    assert "lost" in ev_down["reason"] and ev_up["reason"] == "capacity came back", events
+    # Every resize is an event, in order. Under load Ray may place a group at one size and fall back
+    # before the cluster settles (a returning raylet slow to heartbeat): the chain of resizes still
+    # starts with the loss and ends with the return.
+    chain = [(e["from"], e["to"]) for e, _ in events]
+    assert chain[0] == (3, 2) and chain[-1] == (2, 3), events
+    assert all(a[1] == b[0] for a, b in zip(chain, chain[1:])), events
+    assert "lost" in events[0][0]["reason"] and events[-1][0]["reason"] == "capacity came back", events
     assert history[-1]["final"] and history[-1]["step"] == MAX_STEPS
 
     # An uninterrupted run with the same global batch (1 worker x 8 x 6) ends at the same parameters.
