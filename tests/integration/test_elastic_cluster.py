@@ -99,7 +99,10 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
     assert all(h["samples_seen"] == h["step"] * GLOBAL_BATCH for h in history if "samples_seen" in h)
     # At most one checkpoint interval redone per resize (plus Ray's registration lag: we resume from storage).
     resumes = [(h["resumed_from_step"], h.get("resized_from")) for h in history if "resumed_from_step" in h]
-    assert [r for _, r in resumes] == [3, 2], resumes
+    assert len(resumes) >= 2 and resumes[0][1] == 3, resumes  # the smaller group resumed a 3-worker checkpoint
+    # The regrown group resumes the newest commit: the 2-worker group's, or still the 3-worker one when
+    # the node came back before the smaller group's first interval (same world size: no reshard).
+    assert resumes[-1][1] in (2, None) and resumes[-1][0] >= resumes[0][0], resumes
     # Every resize is an event, in order. Under load Ray may place a group at one size and fall back
     # before the cluster settles (a returning raylet slow to heartbeat): the chain of resizes still
     # starts with the loss and ends with the return.
