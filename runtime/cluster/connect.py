@@ -32,23 +32,20 @@ def ray_address(cdir: Path | None = None) -> str:
     )
 
 
+def _recorded(env: str, service: str, key: str, cdir: Path | None) -> str | None:
+    """An explicit environment setting wins; else what `make cluster-up` recorded for the service."""
+    value = os.environ.get(env) or load_state(cdir or default_cluster_dir()).get(service, {}).get(key)
+    return str(value) if value else None
+
+
 def tracking_uri(cdir: Path | None = None) -> str | None:
     """MLflow server of `make cluster-up`, or MLFLOW_TRACKING_URI."""
-    cluster_dir = cdir or default_cluster_dir()
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    url = load_state(cluster_dir).get("mlflow", {}).get("url")
-    return str(url) if url else None
+    return _recorded("MLFLOW_TRACKING_URI", "mlflow", "url", cdir)
 
 
 def prometheus_sd_dir(cdir: Path | None = None) -> str | None:
-    cluster_dir = cdir or default_cluster_dir()
-    env = os.environ.get("RT_PROMETHEUS_SD_DIR")
-    if env:
-        return env
-    d = load_state(cluster_dir).get("prometheus", {}).get("sd_dir")
-    return str(d) if d else None
+    """Where training exporters announce themselves: RT_PROMETHEUS_SD_DIR, or the local Prometheus's."""
+    return _recorded("RT_PROMETHEUS_SD_DIR", "prometheus", "sd_dir", cdir)
 
 
 def use_cluster_auth(cdir: Path | None = None) -> bool:
