@@ -163,7 +163,7 @@ def remove_node(index: int, cdir: Path | None = None, hard: bool = True) -> None
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
     else:
-        kill(pid)
+        kill(pid, group=False)
         kill_group_leftovers(pid)
     state["nodes"] = [n for n in state["nodes"] if int(n["index"]) != index]
     save_state(state, cluster_dir)
@@ -211,13 +211,13 @@ def down(cdir: Path | None = None) -> list[str]:
     state = load_state(cluster_dir)
     stopped = []
     for node in state.get("nodes", []):  # extra raylets first: they would outlive the head otherwise
-        kill(int(node["pid"]), timeout=30)
+        kill(int(node["pid"]), timeout=30, group=False)
         kill_group_leftovers(int(node["pid"]))
         stopped.append(f"node{node['index']}")
     for name in ("prometheus", "node_exporter", "mlflow", "ray"):
         svc = state.get(name)
         if svc and svc.get("pid"):
-            kill(int(svc["pid"]), timeout=60 if name == "ray" else 20)
+            kill(int(svc["pid"]), timeout=60 if name == "ray" else 20, group=name != "ray")
             kill_group_leftovers(int(svc["pid"]))
             stopped.append(name)
     (cluster_dir / STATE_FILE).unlink(missing_ok=True)

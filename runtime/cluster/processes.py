@@ -99,11 +99,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill(pid: int, timeout: float = 20) -> None:
+def kill(pid: int, timeout: float = 20, group: bool = True) -> None:
+    """SIGTERM ``pid``'s process group (or, with ``group=False``, the leader alone), SIGKILL the
+    group after ``timeout`` seconds.
+
+    ``ray start --block`` wants the leader-only form: it stops its own children in order and is
+    gone in ~3 s, while a group-wide SIGTERM reaches the GCS at the same time as the raylet and
+    the GCS then takes over 30 s to exit.
+    """
     if not alive(pid):
         return
     try:
-        os.killpg(pid, signal.SIGTERM)
+        (os.killpg if group else os.kill)(pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         return
     deadline = time.time() + timeout
