@@ -86,32 +86,39 @@ def trial_job(ctx: SearchContext, params: dict[str, Any]) -> JobConfig:
 def copy_checkpoint(ckpt_root: str, step: int, dest: str, endpoint_url: str | None) -> int | None:
     """Fetch a committed checkpoint folder (local or S3) into ``dest/<step folder>``.
 
-    The trial's own rotation may already have replaced `step` by a newer commit while the
-    report travelled here: then the newest valid one is copied. Returns the step copied.
-    Only the files its manifest names are copied, each name checked (safe_join) before it
-    becomes a local path.
+    The trial's own rotation may replace `step` by a newer commit while the report travels
+    here, or while its files are being copied: then the newest valid one is copied instead
+    (a few tries; None when none could be copied, and the result goes to Tune without one).
+    Returns the step copied. Only the files its manifest names are copied, each name checked
+    (safe_join) before it becomes a local path.
     """
     from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointRef, step_name
-    from runtime.checkpoint.storage import safe_join
+    from runtime.checkpoint.storage import UnsafeNameError, safe_join
 
     mgr = CheckpointManager(ckpt_root, keep=0, endpoint_url=endpoint_url)
+    ref: CheckpointRef | None = CheckpointRef(mgr.storage.uri_of(step_name(step)), step, step_name(step))
     try:
-        ref = CheckpointRef(mgr.storage.uri_of(step_name(step)), step, step_name(step))
-        try:
-            names = mgr.files_of(ref)
-        except CheckpointError as exc:
-            log.info("checkpoint %s not copied (%s); copying the newest valid one", ref.name, exc)
-            newest, _ = mgr.latest_valid()
-            if newest is None:
+        for _ in range(COPY_ATTEMPTS):
+            if ref is None:
                 return None
-            ref, names = newest, mgr.files_of(newest)
-        for fname in names:
-            out = safe_join(dest, f"{ref.name}/{fname}")
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-            mgr.storage.get_file(f"{ref.name}/{fname}", out)
-        return ref.step
+            try:
+                for fname in mgr.files_of(ref):
+                    out = safe_join(dest, f"{ref.name}/{fname}")
+                    os.makedirs(os.path.dirname(out), exist_ok=True)
+                    mgr.storage.get_file(f"{ref.name}/{fname}", out)
+                return ref.step
+            except UnsafeNameError:
+                raise
+            except (CheckpointError, FileNotFoundError) as exc:  # rotated away (S3 404s are CheckpointErrors)
+                log.info("checkpoint %s not copied (%s); copying the newest valid one", ref.name, exc)
+                shutil.rmtree(os.path.join(dest, ref.name), ignore_errors=True)
+                ref, _ = mgr.latest_valid()
+        return None
     finally:
         mgr.close()
+
+
+COPY_ATTEMPTS = 3
 
 
 def install_checkpoint(folder: str, ckpt_root: str, endpoint_url: str | None) -> int:

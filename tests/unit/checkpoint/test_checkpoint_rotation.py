@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.checkpoint import CheckpointManager
 
@@ -179,3 +180,33 @@ def test_pbt_install_killed_at_its_commit_leaves_the_trials_own_checkpoint(donor
     done = _crash_child("pbt_install", "kill", "os.rename", f"{trial}/.tmp-step_000000005-", str(trial), str(donor))
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert _steps(trial) == [6, 7] and _newest(trial) == (7, 7)
+
+
+def test_a_checkpoint_rotated_away_while_tune_copies_it_is_replaced_by_the_newest_commit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trial relays step 5 to Tune while its own training commits step 7 (keep=1) and prunes 5
+    # between two of the copied files: the relay carries step 7, never a half-copied step 5.
+    from runtime.checkpoint.storage import LocalStorage
+    from runtime.tune.trial import copy_checkpoint
+
+    root = tmp_path / "ckpts"
+    with CheckpointManager(str(root), keep=2) as mgr:
+        for step in (5, 6):
+            mgr.save({"trainer": {"global_step": step}, "model": {"w": torch.ones(3) * step}}, step=step,
+                     meta={}, blocking=True)
+    real_get_file, rotated = LocalStorage.get_file, []
+
+    def rotate_after_the_first_file(self: LocalStorage, key: str, dest: str) -> None:
+        real_get_file(self, key, dest)
+        if not rotated:
+            rotated.append(key)
+            with CheckpointManager(str(root), keep=1) as trainer:
+                trainer.save({"trainer": {"global_step": 7}, "model": {"w": torch.ones(3) * 7}}, step=7,
+                             meta={}, blocking=True)
+
+    monkeypatch.setattr(LocalStorage, "get_file", rotate_after_the_first_file)
+    out = tmp_path / "tune-ckpt"
+    assert copy_checkpoint(str(root), 5, str(out), None) == 7
+    assert rotated and rotated[0].startswith("step_000000005/")
+    assert [p.name for p in out.iterdir()] == ["step_000000007"]
+    assert _steps(root) == [7]
