@@ -69,10 +69,12 @@ lint: setup ## Ruff over Python code, mypy over runtime/.
 	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes
 	$(VENV)/bin/mypy
 
-# How many suites `make test` runs at once. 1: one after another, output streamed. 2: the
-# Python suites beside the others (test hosts, Terraform, linters) with make -j2, each suite's
-# output printed whole when it ends. Either way every suite runs (-k) and a failure fails the target.
-TEST_JOBS ?= 1
+# How many suites `make test` runs at once. 2 (default): the Python suites beside the others
+# (test hosts, Terraform, linters) with make -j2, each suite's output printed whole when it ends;
+# the Python suites keep ~18% of 2 cores idle (Ray start-ups wait on one another) and the test
+# hosts, at a lower priority, fill that. 1: one after another, output streamed. Either way every
+# suite runs (-k) and a failure fails the target.
+TEST_JOBS ?= 2
 
 .PHONY: test
 test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts); TEST_JOBS=2 runs two at a time.
