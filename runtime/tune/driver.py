@@ -140,6 +140,10 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     trial.__name__ = TRIAL_TRAINABLE  # Tune names its trial folders after it (runtime.layout)
     trainable = rt.with_resources(trial, trial_resources(tc))
     cap = DiskCap(search_dir, name, int(tc.max_disk_mb * 2**20), cfg.checkpoint.endpoint_url)
+    # Tune warns (three lines, every few seconds of a search with short checkpoint intervals) that
+    # CheckpointConfig(num_to_keep) forces snapshots of the search state: the platform sets that
+    # config, so the user cannot act on it. The variable turns it back on.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     t0 = time.time()
     if resume:
         tuner = rt.Tuner.restore(search_dir, trainable=trainable, resume_unfinished=True, resume_errored=True,
