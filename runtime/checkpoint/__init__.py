@@ -7,6 +7,7 @@ Under FSDP every rank writes its own shards (``save_sharded``, the ``sharded`` m
 both writers share the format and commit protocol of the ``format`` module.
 """
 
+from runtime.checkpoint.backends import open_storage
 from runtime.checkpoint.manager import (
     CheckpointManager,
     CheckpointMetrics,
@@ -15,14 +16,9 @@ from runtime.checkpoint.manager import (
     step_name,
     write_pointer,
 )
+from runtime.checkpoint.s3 import S3Storage
 from runtime.checkpoint.state import capture_rng_state, restore_rng_state, snapshot_to_cpu
-from runtime.checkpoint.storage import (
-    CheckpointError,
-    LocalStorage,
-    S3Storage,
-    Storage,
-    open_storage,
-)
+from runtime.checkpoint.storage import CheckpointError, LocalStorage, Storage
 
 __all__ = [
     "CheckpointError",

@@ -32,6 +32,7 @@ from typing import IO, Any, Literal, cast
 
 import torch
 
+from runtime.checkpoint.backends import open_storage
 from runtime.checkpoint.format import (
     KEY_RE,
     META,
@@ -55,7 +56,6 @@ from runtime.checkpoint.storage import (
     Staging,
     Storage,
     is_disk_full,
-    open_storage,
 )
 
 log = logging.getLogger("runtime.checkpoint")

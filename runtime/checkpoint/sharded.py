@@ -46,7 +46,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from runtime.checkpoint.format import META, CheckpointRef, Kind, file_digest, step_name
-from runtime.checkpoint.storage import CheckpointError, LocalStorage, S3Storage, Staging, Storage
+from runtime.checkpoint.s3 import S3Storage
+from runtime.checkpoint.storage import CheckpointError, LocalStorage, Staging, Storage
 
 log = logging.getLogger("runtime.checkpoint")
 

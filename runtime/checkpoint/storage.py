@@ -1,9 +1,10 @@
-"""Where checkpoint folders live: a local/shared folder or an S3 prefix.
+"""Where checkpoint folders live: the storage API, its names and errors, and the local backend.
 
-Both backends expose the same small object API over relative keys
-(``step_000000100/model.pt``) plus a *staging* object that turns "write these files,
-then publish" into the backend's atomic commit: a rename for a folder, "manifest
-uploaded last" for S3 (which has no rename).
+Both backends (a local/shared folder here, an S3 prefix in runtime.checkpoint.s3) expose the
+same small object API over relative keys (``step_000000100/model.pt``) plus a *staging* object
+that turns "write these files, then publish" into the backend's atomic commit: a rename for a
+folder, "manifest uploaded last" for S3 (which has no rename). runtime.checkpoint.backends
+picks one for a URI.
 """
 
 from __future__ import annotations
@@ -12,15 +13,10 @@ import builtins
 import errno
 import logging
 import os
-import random
 import re
 import shutil
-import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar
-from urllib.parse import urlparse
+from typing import Protocol, TypeVar
 
 log = logging.getLogger("runtime.checkpoint")
 
@@ -29,9 +25,8 @@ TMP_PREFIX = ".tmp-"
 # A committed folder moved aside while the same step is written again (local storage).
 OLD_PREFIX = f"{TMP_PREFIX}old-"
 # ``.tmp-step_000000010-1a2b3c4d`` (staging) or ``.tmp-old-step_000000010-1a2b3c4d`` (moved aside).
-_ASIDE_RE = re.compile(r"^\.tmp-(old-)?(step_\d{9,})-[0-9a-f]{8}$")
+ASIDE_RE = re.compile(r"^\.tmp-(old-)?(step_\d{9,})-[0-9a-f]{8}$")
 _DRIVE_RE = re.compile(r"^[A-Za-z]:")
-SSE_CHOICES = ("AES256", "aws:kms", "aws:kms:dsse")
 
 T = TypeVar("T")
 
@@ -226,7 +221,7 @@ class LocalStorage:
             return []
         restored = []
         for entry in sorted(os.listdir(self.root)):
-            m = _ASIDE_RE.match(entry)
+            m = ASIDE_RE.match(entry)
             if not m or not m.group(1):  # only moved-aside copies: staging may be in flight
                 continue
             name = m.group(2)
@@ -301,376 +296,6 @@ class _LocalStaging:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _s3_retryable(exc: BaseException) -> bool:
-    """Connection-level failures and server-side errors are worth retrying; 4xx are not."""
-    from boto3.exceptions import S3UploadFailedError
-    from botocore.exceptions import (
-        ClientError,
-        HTTPClientError,
-    )
-    from botocore.exceptions import (
-        ConnectionError as BotoConnectionError,
-    )
-
-    if isinstance(exc, S3UploadFailedError):  # wraps both connection and 4xx errors
-        return not any(c in str(exc) for c in ("NoSuchBucket", "AccessDenied", "InvalidAccess"))
-    if isinstance(exc, (BotoConnectionError, HTTPClientError, OSError)):
-        return True
-    if isinstance(exc, ClientError):
-        code = str(exc.response.get("Error", {}).get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return status >= 500 or code in {"SlowDown", "RequestTimeout", "InternalError"}
-    return False
-
-
-class S3Storage:
-    """``s3://bucket/prefix`` via boto3: multipart uploads, bounded retries with backoff.
-
-    Two retry layers: botocore's own (per HTTP request) and a loop around each object
-    that survives the endpoint disappearing for a while, bounded by ``retry_seconds``.
-
-    Encryption: the bucket's default applies (e.g. its KMS key) unless ``sse`` (or the
-    ``RT_S3_SSE`` / ``RT_S3_SSE_KMS_KEY_ID`` environment) asks for one per object.
-    """
-
-    def __init__(
-        self,
-        uri: str,
-        endpoint_url: str | None = None,
-        sse: str | None = None,
-        sse_kms_key_id: str | None = None,
-        retries: int = 5,
-        retry_seconds: float = 60.0,
-        multipart_mb: int = 16,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
-        spool_dir: str | None = None,
-    ) -> None:
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-
-        parsed = urlparse(uri)
-        if parsed.scheme != "s3" or not parsed.netloc:
-            raise CheckpointError(f"not an s3:// uri: {uri!r}")
-        self.bucket = parsed.netloc
-        self.prefix = parsed.path.strip("/")
-        self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self.endpoint_url = (
-            endpoint_url
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-        )
-        self.sse = sse or os.environ.get("RT_S3_SSE") or None
-        if self.sse is not None and self.sse not in SSE_CHOICES:
-            raise CheckpointError(
-                f"server-side encryption {self.sse!r} (RT_S3_SSE) is not one of {', '.join(SSE_CHOICES)}"
-            )
-        self.sse_kms_key_id = sse_kms_key_id or os.environ.get("RT_S3_SSE_KMS_KEY_ID") or None
-        if self.sse_kms_key_id and not (self.sse or "").startswith("aws:kms"):
-            raise CheckpointError("RT_S3_SSE_KMS_KEY_ID needs RT_S3_SSE=aws:kms (or aws:kms:dsse)")
-        self.retries = retries
-        self.retry_seconds = retry_seconds
-        self.spool_dir = spool_dir
-        config = Config(
-            # botocore retries quick blips per request; self.retry rides out longer outages.
-            retries={"max_attempts": 2, "mode": "standard"},
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-        )
-        self.client = boto3.client("s3", endpoint_url=self.endpoint_url, config=config)
-        chunk = multipart_mb * 1024 * 1024
-        self.transfer = TransferConfig(
-            multipart_threshold=chunk, multipart_chunksize=chunk, max_concurrency=4
-        )
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def uri_of(self, key: str) -> str:
-        return f"s3://{self.bucket}/{self._key(key)}"
-
-    def _extra(self) -> dict[str, str]:
-        extra = {"ServerSideEncryption": self.sse} if self.sse else {}
-        if self.sse_kms_key_id:
-            extra["SSEKMSKeyId"] = self.sse_kms_key_id
-        return extra
-
-    def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with exponential backoff; raise CheckpointError naming ``what`` at the end."""
-        deadline = time.monotonic() + self.retry_seconds
-        delay = 0.2
-        for attempt in range(1, self.retries + 2):
-            try:
-                return fn()
-            except Exception as exc:
-                if not _s3_retryable(exc):
-                    raise CheckpointError(f"{what}: {exc}") from exc
-                left = deadline - time.monotonic()
-                if attempt > self.retries or left <= 0:
-                    raise CheckpointError(
-                        f"{what}: gave up after {attempt} attempts: {exc}"
-                    ) from exc
-                sleep = min(delay * (1 + random.random()), left)  # jitter
-                log.warning(
-                    "%s failed (attempt %d): %s; retrying in %.1fs", what, attempt, exc, sleep
-                )
-                time.sleep(sleep)
-                delay *= 2
-        raise AssertionError("unreachable")
-
-    def list(self, prefix: str = "") -> dict[str, int]:
-        full = self._key(prefix.strip("/") + "/") if prefix else self._key("")
-
-        def run() -> dict[str, int]:
-            out: dict[str, int] = {}
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=full
-            )
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    rel = obj["Key"][len(self.prefix) + 1 :] if self.prefix else obj["Key"]
-                    out[rel] = obj["Size"]
-            return out
-
-        return self.retry(f"list {self.uri_of(prefix)}", run)
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        self.retry(
-            f"upload {self.uri_of(key)}",
-            lambda: self.client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, **self._extra()
-            ),
-        )
-
-    def put_file(self, key: str, path: str) -> None:
-        self.retry(
-            f"upload {self.uri_of(key)}",
-            lambda: self.client.upload_file(
-                path, self.bucket, self._key(key), ExtraArgs=self._extra(), Config=self.transfer
-            ),
-        )
-
-    def get_bytes(self, key: str) -> bytes:
-        def run() -> bytes:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-
-        return self.retry(f"download {self.uri_of(key)}", run)
-
-    def get_file(self, key: str, dest: str) -> None:
-        self.retry(
-            f"download {self.uri_of(key)}",
-            lambda: self.client.download_file(
-                self.bucket, self._key(key), dest, Config=self.transfer
-            ),
-        )
-
-    def copy(self, src: str, dst: str) -> None:
-        """Server-side copy of one object (multipart for large ones); no bytes pass through here."""
-        self.retry(
-            f"copy {self.uri_of(src)} to {self.uri_of(dst)}",
-            lambda: self.client.copy(
-                {"Bucket": self.bucket, "Key": self._key(src)},
-                self.bucket,
-                self._key(dst),
-                ExtraArgs=self._extra(),
-                Config=self.transfer,
-            ),
-        )
-
-    def local_path(self, key: str) -> str | None:
-        return None
-
-    def exists(self, key: str) -> bool:
-        from botocore.exceptions import ClientError
-
-        def run() -> bool:
-            try:
-                self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-                return True
-            except ClientError as exc:
-                if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                    return False
-                raise
-
-        return self.retry(f"head {self.uri_of(key)}", run)
-
-    def delete_keys(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
-            self.retry(
-                f"delete under {self.uri}",
-                lambda b=batch: self.client.delete_objects(  # type: ignore[misc]
-                    Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}
-                ),
-            )
-
-    def delete_prefix(self, prefix: str) -> None:
-        # The manifest goes first so a folder never looks committed while half deleted.
-        keys = sorted(self.list(prefix), key=lambda k: not k.endswith("/" + MANIFEST))
-        manifests = [k for k in keys if k.endswith("/" + MANIFEST)]
-        self.delete_keys(manifests)
-        self.delete_keys([k for k in keys if k not in manifests])
-        self.abort_uploads(prefix)
-
-    def abort_uploads(self, prefix: str = "") -> builtins.list[str]:
-        """Abort unfinished multipart uploads (orphans of a killed writer) under ``prefix``."""
-        full = self._key(prefix)
-
-        def run() -> list[str]:
-            aborted = []
-            resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=full)
-            for up in resp.get("Uploads", []):
-                self.client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
-                )
-                aborted.append(up["Key"])
-            return aborted
-
-        return self.retry(f"abort multipart uploads under {self.uri_of(prefix)}", run)
-
-    def stage(self, name: str, fsync: bool = True) -> _S3Staging:
-        return _S3Staging(self, name)
-
-    def partial_uploads(self) -> builtins.list[str]:
-        def run() -> list[str]:
-            resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self._key(""))
-            return [u["Key"] for u in resp.get("Uploads", [])]
-
-        return self.retry(f"list multipart uploads under {self.uri}", run)
-
-    def _staged_prefixes(self) -> dict[str, builtins.list[str]]:
-        """``.tmp-step_*-<hex>`` prefix -> its keys (re-saves of a committed step)."""
-        out: dict[str, list[str]] = {}
-        for key in self.list(""):
-            top, _, rest = key.partition("/")
-            if _ASIDE_RE.match(top) and rest:
-                out.setdefault(top, []).append(key)
-        return out
-
-    def clean_partials(self) -> builtins.list[str]:
-        self.recover()
-        removed = []
-        for top, keys in self._staged_prefixes().items():
-            if f"{top}/{MANIFEST}" not in keys:  # never committed: an interrupted re-save
-                self.delete_keys(keys)
-                removed.append(top)
-        return removed + self.abort_uploads()
-
-    def recover(self) -> builtins.list[str]:
-        restored = []
-        for top, keys in sorted(self._staged_prefixes().items()):
-            m = _ASIDE_RE.match(top)
-            if m is None or f"{top}/{MANIFEST}" not in keys:
-                continue
-            name = m.group(2)
-            manifest = self.get_bytes(f"{top}/{MANIFEST}")
-            if not self._same_bytes(f"{name}/{MANIFEST}", manifest):
-                publish(self, top, name, manifest)
-                log.warning("restored %s from %s (a re-save of it was interrupted)",
-                            self.uri_of(name), self.uri_of(top))
-                restored.append(name)
-            self.delete_keys(keys)  # only once name/ holds this very commit
-        return restored
-
-    def _same_bytes(self, key: str, data: bytes) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            return self.get_bytes(key) == data
-        except CheckpointError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, ClientError) and cause.response.get("Error", {}).get("Code") == "NoSuchKey":
-                return False
-            raise
-
-
-def publish(storage: S3Storage, staged: str, name: str, manifest: bytes) -> None:
-    """Copy a committed copy from ``staged/`` over ``name/``: S3 has no rename.
-
-    Files first, manifest last, then files of the old copy the new one lacks. Until the new
-    manifest lands, ``name/`` holds the old manifest over partly new files, which fails
-    verification, while ``staged/`` stays committed: a crash or a failure anywhere here
-    loses nothing (``recover`` finishes it). Publishing twice is harmless.
-    """
-    files = [k.partition("/")[2] for k in storage.list(staged)]
-    old = [k.partition("/")[2] for k in storage.list(name)]
-    for fname in files:
-        if fname != MANIFEST:
-            storage.copy(f"{staged}/{fname}", f"{name}/{fname}")
-    storage.put_bytes(f"{name}/{MANIFEST}", manifest)
-    storage.delete_keys([f"{name}/{f}" for f in old if f not in files])
-
-
-class _S3Staging:
-    """Uploads each file, then the manifest last.
-
-    A new step goes straight into ``<name>/``. Re-saving a committed step goes into
-    ``.tmp-<name>-<hex>/`` and is committed there first; only then is it published over
-    the old folder (``publish``), so a valid copy exists at every moment.
-    """
-
-    def __init__(self, storage: S3Storage, name: str) -> None:
-        self.storage = storage
-        self.name = name
-        self.resave = storage.exists(f"{name}/{MANIFEST}")
-        self.prefix = f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}" if self.resave else name
-        self.spool = tempfile.mkdtemp(prefix=f"ckpt-{name}-", dir=storage.spool_dir)
-        self.uploaded: dict[str, int] = {}  # key -> size
-        self.committed = False
-
-    def local_path(self, filename: str) -> str:
-        return safe_join(self.spool, filename)
-
-    def finish_file(self, filename: str) -> None:
-        key = f"{self.prefix}/{filename}"
-        size = os.path.getsize(self.local_path(filename))
-        self.storage.put_file(key, self.local_path(filename))
-        self.uploaded[key] = size
-        os.remove(self.local_path(filename))  # keep the spool at one file at a time
-
-    def commit(self, manifest: bytes) -> str:
-        # A server that restarted mid-save may have lost objects it already acknowledged:
-        # check them all before the manifest makes the folder visible.
-        listing = self.storage.list(self.prefix)
-        for key, size in self.uploaded.items():
-            if listing.get(key) != size:
-                raise CheckpointError(
-                    f"{self.storage.uri_of(key)} is missing or has the wrong size after upload "
-                    f"(server lost it?); not committing {self.storage.uri_of(self.name)}"
-                )
-        self.storage.put_bytes(f"{self.prefix}/{MANIFEST}", manifest)
-        self.committed = True
-        shutil.rmtree(self.spool, ignore_errors=True)
-        if self.resave:
-            publish(self.storage, self.prefix, self.name, manifest)
-            self.storage.delete_prefix(self.prefix)
-        return self.storage.uri_of(self.name)
-
-    def abort(self) -> None:
-        shutil.rmtree(self.spool, ignore_errors=True)
-        if self.committed:  # a staged re-save that failed to publish: recover() finishes it
-            return
-        try:
-            self.storage.delete_keys(self.uploaded)
-        except Exception as exc:  # server may be gone; prune cleans orphans
-            log.warning(
-                "could not remove partial upload %s: %s", self.storage.uri_of(self.name), exc
-            )
-
-
-def open_storage(uri: str, endpoint_url: str | None = None, **kwargs: Any) -> Storage:
-    """``s3://bucket/prefix`` → S3Storage; ``file://path`` or a plain path → LocalStorage."""
-    if uri.startswith("s3://"):
-        return S3Storage(uri, endpoint_url=endpoint_url, **kwargs)
-    if uri.startswith("file://"):
-        return LocalStorage(urlparse(uri).path)
-    if "://" in uri:
-        raise CheckpointError(f"unsupported storage uri {uri!r}: use a path, file:// or s3://")
-    return LocalStorage(uri)
 
 
 def is_disk_full(exc: BaseException) -> bool:
