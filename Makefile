@@ -71,13 +71,13 @@ lint: setup ## Ruff over Python code, mypy over runtime/.
 
 # How many suites `make test` runs at once. 2 (default): the Python suites beside the others
 # (test hosts, Terraform, linters) with make -j2, each suite's output printed whole when it ends;
-# the Python suites keep ~18% of 2 cores idle (Ray start-ups wait on one another) and the test
+# the Python suites leave ~18% of 2 cores idle (measured: 82% busy) and the test
 # hosts, at a lower priority, fill that. 1: one after another, output streamed. Either way every
 # suite runs (-k) and a failure fails the target.
 TEST_JOBS ?= 2
 
 .PHONY: test
-test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts); TEST_JOBS=2 runs two at a time.
+test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts), two at a time; TEST_JOBS=1 runs one at a time.
 	@$(MAKE) --no-print-directory -k -j$(TEST_JOBS) $(if $(filter-out 1,$(TEST_JOBS)),--output-sync=target) test-suites
 
 .PHONY: test-suites
