@@ -380,6 +380,10 @@ class CheckpointConfig(Strict):
     storage: str = Field("runs", description="Local folder or s3://bucket/prefix for runs and checkpoints.")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto...).")
     interval_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
+    at_steps: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description="Also commit a checkpoint right after these steps, before their report, so that report "
+                    "carries it: where a scheduler may clone a trial (runtime.tune adds PBT's perturbation points).")
     keep: int = Field(3, ge=1, description="Valid checkpoints kept; the newest valid one is never deleted.")
     max_failures: int = Field(3, ge=-1, description="Worker-group restarts Ray may do; -1 = unlimited.")
     on_failure: Literal["continue", "stop"] = Field("continue", description="When a save fails.")

@@ -232,6 +232,7 @@ class Trainer:
         tc = self.cfg.train
         ckpt_every = self.cfg.checkpoint.interval_steps if self.checkpoints is not None else 0
         eval_steps = set(tc.eval_at_steps)
+        commit_steps = set(self.cfg.checkpoint.at_steps) if self.checkpoints is not None else set()
         batches = DevicePrefetcher(
             host_batches(self.loaders.train, self.loaders.batches_per_epoch, self.state.epoch,
                          self.state.batch_in_epoch),
@@ -252,14 +253,18 @@ class Trainer:
                 self.stats.first_step_done(self.device)
             evaluate = self.pending_eval or step in eval_steps
             log_step = step % tc.log_every_steps == 0
-            ckpt_step = bool(ckpt_every) and step % ckpt_every == 0
-            if not (evaluate or log_step or ckpt_step):
+            commit_now = step in commit_steps  # committed before the exchange: this report carries it
+            ckpt_step = not commit_now and bool(ckpt_every) and step % ckpt_every == 0
+            if not (evaluate or log_step or ckpt_step or commit_now):
                 continue  # a steady-state step: nothing waits for the device
             extra: dict[str, Any] = self._timed(self.evaluate) if evaluate else {}
             self.pending_eval = False
-            b = self.exchange(want_metrics=log_step or evaluate)
+            if commit_now:
+                self._timed(lambda: self.checkpoint(blocking=True))
+            b = self.exchange(want_metrics=log_step or evaluate or commit_now)
             if b.preempt:
-                self.checkpoint(blocking=True)
+                if not commit_now:
+                    self.checkpoint(blocking=True)
                 final = self.exchange(want_metrics=True)
                 self.report(final, {**extra, "preempted": True}, final=True)
                 self.stop_reason = "preempted"

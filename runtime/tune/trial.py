@@ -60,11 +60,17 @@ def trial_resources(tc: TuneConfig) -> dict[str, float]:
 
 
 def trial_base(spec: TuneSpec) -> dict[str, Any]:
-    """The job every trial starts from: a ``val/`` metric is also evaluated where the scheduler decides."""
+    """The job every trial starts from: a ``val/`` metric is also evaluated where the scheduler decides,
+    and under PBT a checkpoint is committed there too: the result PBT judges must carry the state a
+    lower trial clones (Tune's save of a running function trainable returns its last result's
+    checkpoint, and without one PBT skips the exploit)."""
     base = spec.base
     if spec.tune.metric.startswith("val/"):
         train = base["train"]
         train["eval_at_steps"] = sorted({*train["eval_at_steps"], *decision_steps(spec)})
+    if spec.tune.method == "pbt":
+        ckpt = base["checkpoint"]
+        ckpt["at_steps"] = sorted({*ckpt["at_steps"], *decision_steps(spec)})
     return base
 
 

@@ -102,6 +102,7 @@ FILE_CASES = {
     "name climbing out": v("name: ../../etc\n", "letters, digits", absent=("pattern",), cmd="train"),
     "crop above one": v("data: {crop_scale: [0.5, 2.0]}\n", "crop_scale"),
     "eval at step zero": v("train: {eval_at_steps: [0]}\n", "train.eval_at_steps.0"),
+    "checkpoint at step zero": v("checkpoint: {at_steps: [0]}\n", "checkpoint.at_steps.0"),
     "no length": v("train: {max_steps: null, epochs: null}\n", "train.max_steps or train.epochs"),
     "lr in words": v("optimizer: {lr: fast}\n", "optimizer.lr", "number"),
     "negative resources": v("distributed: {resources_per_worker: {efa: -1}}\n", "> 0"),

@@ -171,6 +171,15 @@ def test_val_metric_is_evaluated_where_the_scheduler_decides_train_metric_is_not
     assert trial_base(parse_tune(_job(metric="val/loss")))["train"]["eval_at_steps"] == []  # random: no decisions
 
 
+def test_pbt_trials_commit_a_checkpoint_at_each_perturbation_point_other_methods_do_not() -> None:
+    from runtime.tune.trial import trial_base
+
+    pbt = parse_tune(_job(method="pbt", pbt={"perturbation_interval": 15}))
+    assert trial_base(pbt)["checkpoint"]["at_steps"] == [15, 30]  # max_steps 40
+    asha = parse_tune(_job(method="asha", metric="val/loss", max_t=40, grace_period=10, reduction_factor=2))
+    assert trial_base(asha)["checkpoint"]["at_steps"] == []
+
+
 def test_boolean_given_for_a_number_in_the_tune_section_is_refused() -> None:
     """The tune section shares the job's strict base (runtime.config.Strict): true is not 1."""
     msg = _error(num_samples=True)

@@ -86,3 +86,13 @@ def test_reports_come_only_at_log_steps_evaluations_and_the_end(tmp_path: Path) 
     finally:
         trainer.close()
     assert seen == [5, 10, 12]  # log steps 5 and 10 (checkpoints at 5 and 10 share them), then the end
+
+
+def test_checkpoint_at_steps_commits_before_that_steps_report_so_it_carries_the_checkpoint(tmp_path: Path) -> None:
+    # PBT judges the report at a perturbation point and clones the checkpoint that report carries:
+    # step 7 is neither a log step (4) nor a checkpoint interval (5), and its commit is not async.
+    _, reports = train_in_process(_cfg(train={"max_steps": 12}, checkpoint={"at_steps": [7]}), tmp_path)
+    at7 = [r for r in reports if r["step"] == 7]
+    assert len(at7) == 1 and at7[0]["checkpoint_step"] == 7, [(r["step"], r.get("checkpoint_step")) for r in reports]
+    interval = [r for r in reports if r["step"] == 8]  # the interval commit at 5 reached Ray before 7's
+    assert interval and interval[0].get("checkpoint_step") is None
