@@ -84,6 +84,25 @@ NODE_HEALTH_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeo
                    "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "1000"}
 
 
+def _listed(state: dict[str, Any], cluster_dir: Path, node_manager_port: int) -> bool:
+    """The head lists the raylet on ``node_manager_port`` as ALIVE, with its resources: from then
+    on a placement (an elastic run's first size) can count it. ``ray start`` reports a joined
+    raylet a moment before that on a busy machine. Asks the dashboard, the one head endpoint
+    that names raylets by port; token auth as for every other client of this cluster."""
+    import urllib.request
+
+    token = Path(auth_env(cluster_dir)["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+    req = urllib.request.Request(f"{state['ray']['dashboard']}/nodes?view=summary",  # noqa: S310 (loopback)
+                                 headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310 (the loopback URL we built)
+            summary = json.load(r)["data"]["summary"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return any(n.get("raylet", {}).get("nodeManagerPort") == node_manager_port
+               and n["raylet"].get("state") == "ALIVE" and n["raylet"].get("resourcesTotal") for n in summary)
+
+
 def _started(log: Path, offset: int) -> bool:
     """`ray start` printed that its raylet joined (after ``offset``: the log is appended to)."""
     if not log.exists():
@@ -95,7 +114,8 @@ def _started(log: Path, offset: int) -> bool:
 
 def add_node(cdir: Path | None = None, num_cpus: int | None = None,
              resources: dict[str, float] | None = None) -> dict[str, Any]:
-    """Join one more raylet on this machine to the local cluster, with its own logical resources.
+    """Join one more raylet on this machine to the local cluster, with its own logical resources;
+    returns once the head lists it (its resources count for the next placement).
 
     As Ray's own multi-node tests do: every raylet gets ports of its own, so several "nodes"
     share 127.0.0.1. Each is its own process group (``ray start --block``): killing that group
@@ -137,6 +157,10 @@ def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, floa
         wait_until(lambda: _started(log, offset) or not alive(pid), f"Ray node {index}", 120, log)
         if not _started(log, offset):
             raise ClusterError(f"Ray node {index} exited during start-up; see {log}")
+        wait_until(lambda: _listed(state, cluster_dir, ports["node_manager"]) or not alive(pid),
+                   f"the head to list Ray node {index}", 60, log)
+        if not alive(pid):
+            raise ClusterError(f"Ray node {index} exited after it started; see {log}")
     except ClusterError:
         kill(pid)
         kill_group_leftovers(pid)

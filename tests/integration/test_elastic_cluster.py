@@ -49,8 +49,11 @@ def slots(cluster: dict[str, Any]) -> Iterator[Path]:
     for _ in range(NODES):
         rc.add_node(cdir, num_cpus=2, resources={SLOT: 1})
     connect()
-    # A raylet that printed "started" may not be in the GCS's view yet: a run started then would
-    # begin on fewer workers and grow, which is not the behaviour under test.
+    # add_node returns once the head lists the node: no wait here.
+    listed = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT)]
+    assert len(listed) == NODES, ray.nodes()
+    # Free as well (a run started before the slots are would begin on fewer workers and grow,
+    # which is not the behaviour under test): the resource view follows the node table.
     wait_for(lambda: ray.available_resources().get(SLOT, 0) >= NODES, f"{NODES} free {SLOT}s", 120)
     try:
         yield cdir
