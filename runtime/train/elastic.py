@@ -64,6 +64,9 @@ class ElasticWatch(ControllerCallback):
     # ------------------------------------------------------------- controller hooks
 
     def after_controller_start(self, train_run_context: Any) -> None:
+        # The first size is decided from the same 20-s view: nodes that joined since the
+        # coordinator's last tick (an earlier elastic run created it) would not count yet.
+        refresh_capacity()
         try:
             from runtime.observe.metrics import ControllerMetrics
 

@@ -46,9 +46,18 @@ GLOBAL_BATCH = 48
 def slots(cluster: dict[str, Any]) -> Iterator[Path]:
     """Three one-worker nodes beside the session's head; whatever is left is removed at the end."""
     cdir = Path(cluster["dir"])
+    # Ray's autoscaling coordinator (which sizes elastic runs) exists before the nodes join, as
+    # it does after any earlier elastic run on the cluster: it re-reads the nodes every 20 s, so
+    # unless the run refreshes it (ElasticWatch) the first size depends on when its last read was
+    # (in CI it had seen one of the three). Not deterministic: a read after the last join hides it.
+    connect()
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    ray.get(get_or_create_autoscaling_coordinator().get_reserved_resources.remote("test", recompute=True))
     for _ in range(NODES):
         rc.add_node(cdir, num_cpus=2, resources={SLOT: 1})
-    connect()
     # add_node returns once the head lists the node: no wait here.
     listed = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT)]
     assert len(listed) == NODES, ray.nodes()
