@@ -84,15 +84,14 @@ NODE_HEALTH_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeo
                    "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "1000"}
 
 
-def _listed(state: dict[str, Any], cluster_dir: Path, node_manager_port: int) -> bool:
+def _listed(dashboard: str, token: str, node_manager_port: int) -> bool:
     """The head lists the raylet on ``node_manager_port`` as ALIVE, with its resources: from then
     on a placement (an elastic run's first size) can count it. ``ray start`` reports a joined
     raylet a moment before that on a busy machine. Asks the dashboard, the one head endpoint
     that names raylets by port; token auth as for every other client of this cluster."""
     import urllib.request
 
-    token = Path(auth_env(cluster_dir)["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
-    req = urllib.request.Request(f"{state['ray']['dashboard']}/nodes?view=summary",  # noqa: S310 (loopback)
+    req = urllib.request.Request(f"{dashboard}/nodes?view=summary",  # noqa: S310 (loopback)
                                  headers={"Authorization": f"Bearer {token}"})
     try:
         with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310 (the loopback URL we built)
@@ -157,7 +156,8 @@ def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, floa
         wait_until(lambda: _started(log, offset) or not alive(pid), f"Ray node {index}", 120, log)
         if not _started(log, offset):
             raise ClusterError(f"Ray node {index} exited during start-up; see {log}")
-        wait_until(lambda: _listed(state, cluster_dir, ports["node_manager"]) or not alive(pid),
+        token = Path(auth_env(cluster_dir)["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        wait_until(lambda: _listed(state["ray"]["dashboard"], token, ports["node_manager"]) or not alive(pid),
                    f"the head to list Ray node {index}", 60, log)
         if not alive(pid):
             raise ClusterError(f"Ray node {index} exited after it started; see {log}")

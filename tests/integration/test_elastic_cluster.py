@@ -21,6 +21,7 @@ import torch
 from runtime import cluster as rc
 from runtime.checkpoint import CheckpointManager
 from runtime.train.driver import StreamingFit, connect
+from runtime.train.elastic import refresh_capacity
 from tests.support import job, wait_for
 from tests.support.trainer import train_in_process
 
@@ -51,11 +52,7 @@ def slots(cluster: dict[str, Any]) -> Iterator[Path]:
     # unless the run refreshes it (ElasticWatch) the first size depends on when its last read was
     # (in CI it had seen one of the three). Not deterministic: a read after the last join hides it.
     connect()
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator,
-    )
-
-    ray.get(get_or_create_autoscaling_coordinator().get_reserved_resources.remote("test", recompute=True))
+    refresh_capacity()  # creates the coordinator, with a view of the cluster before the joins
     for _ in range(NODES):
         rc.add_node(cdir, num_cpus=2, resources={SLOT: 1})
     # add_node returns once the head lists the node: no wait here.
