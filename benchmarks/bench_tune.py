@@ -8,8 +8,9 @@
    as trial wall seconds (the driver times every trial, stopped ones too); saved = 1 - ASHA /
    full. Both runs must pick the same best configuration.
 2. Per-trial overhead = (trial wall time - time inside training steps) / trial wall time.
-   Training time is time/step_s x steps, reported by the loop; the rest is Train start-up
-   (controller, worker processes, data and model set-up), evaluation, checkpoints, reporting
+   Training time is time/step_s x steps, reported by the loop; the rest is start-up (one-worker
+   trials train in the trial's own process: its imports, data and model set-up; multi-worker
+   ones also start a Train controller and worker processes), evaluation, checkpoints, reporting
    and teardown. Most of it is a fixed cost per trial, so it is measured twice: on the trials
    of part 1 (two starting at once), and on trials that train for a few minutes alone, whose
    fixed cost F gives the training a trial needs for < 5 %: F / (F + T) < 0.05 <=> T > 19 F.

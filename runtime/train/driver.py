@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -31,7 +32,7 @@ from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
 from runtime.observe.report import CURVES_FILE, HistoryLog, read_history
 from runtime.train.elastic import RESIZE_EVENT, record_resize, resize_line
 from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
-from runtime.train.trainer import train_loop_per_worker
+from runtime.train.trainer import run_rank, train_loop_per_worker
 
 log = logging.getLogger("runtime.train.driver")
 
@@ -95,6 +96,16 @@ def default_run_name(cfg: JobConfig) -> str:
     return f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def new_run(cfg: JobConfig, run_name: str) -> RunInfo:
+    """The run's identity and folders, its run folder created (shared by Train runs and in-process trials)."""
+    _storage, ckpt_uri, run_dir = storage_paths(cfg, run_name)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    # A marker left by the preempted run we now resume would stop this one at its first step.
+    (Path(run_dir) / PREEMPT_FILE).unlink(missing_ok=True)
+    return RunInfo(run_name=run_name, job_id=run_name, checkpoint_uri=ckpt_uri, run_dir=run_dir,
+                   sd_dir=prometheus_sd_dir(), instance_type=os.environ.get("RT_INSTANCE_TYPE", "local-cpu"))
+
+
 def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
                   mlflow_run_id: str | None = None, lockstep: bool = False) -> tuple[Any, RunInfo]:
     """The TorchTrainer for this job; shared by `train` and each Tune trial.
@@ -108,19 +119,13 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
 
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
-    storage_path, ckpt_uri, run_dir = storage_paths(cfg, run_name)
+    run = new_run(cfg, run_name)
+    storage_path = storage_paths(cfg, run_name)[0]
     fs = storage_filesystem(cfg)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    # A marker left by the preempted run we now resume would stop this one at its first step.
-    (Path(run_dir) / PREEMPT_FILE).unlink(missing_ok=True)
     d = cfg.distributed
     resources: dict[str, float] = {"CPU": d.cpus_per_worker, **d.resources_per_worker}
     if use_gpu:
         resources["GPU"] = d.gpus_per_worker
-    run = RunInfo(
-        run_name=run_name, job_id=run_name, checkpoint_uri=ckpt_uri, run_dir=run_dir,
-        sd_dir=prometheus_sd_dir(), instance_type=os.environ.get("RT_INSTANCE_TYPE", "local-cpu"),
-    )
     loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
                                    "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}, "progress": progress,
                                    "progress_lockstep": lockstep}
@@ -193,27 +198,17 @@ class FailureNotices(ray.train.UserCallback):
             log.warning("could not tell the driver about a failure: %s", e)
 
 
-class StreamingFit:
-    """A TorchTrainer whose ``fit()`` runs on a thread while rank 0's reports stream back.
+class ReportStream:
+    """A run whose ``fit`` runs on a thread while rank 0's reports stream back to this process.
 
-    Train's ``fit()`` blocks until the run ends, but the driver (or a Tune trial) must show,
-    log and relay every report as it happens: rank 0 puts them on a Ray queue actor.
+    Ray Train's ``fit()`` blocks until the run ends, but the driver (or a Tune trial) must show,
+    log and relay every report as it happens. Subclasses say where the run happens and which
+    queue its reports arrive on.
     """
 
-    def __init__(self, cfg: JobConfig, run_name: str, *, mlflow_run_id: str | None = None,
-                 lockstep: bool = False) -> None:
-        from ray.util.queue import Queue
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # The queue actor asks for no CPU and lives on this process's node, as Ray Train's controller
-        # does: a worker node lost mid-run (an elastic resize, a failure) never takes the driver's
-        # report stream with it. In lockstep (a trial under a scheduler) the queue has one slot
-        # (runtime.train.reporter.Reporter._stream).
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self._queue: Any = Queue(maxsize=1 if lockstep else 10_000,
-                                 actor_options={"num_cpus": 0, "scheduling_strategy": here})
-        self.trainer, self.run = build_trainer(cfg, run_name, progress=self._queue,
-                                               mlflow_run_id=mlflow_run_id, lockstep=lockstep)
+    def __init__(self, run: RunInfo, reports: Any) -> None:
+        self.run = run
+        self._queue = reports  # a ray.util.queue.Queue (Train runs) or a queue.Queue (in-process)
         self.result: Any = None
         self.error: BaseException | None = None
         self.last_step: Any = None  # the newest step reported (where a resize interrupted training)
@@ -222,24 +217,25 @@ class StreamingFit:
         self.on_resize: Callable[[dict[str, Any], Any, int], None] | None = None
 
     def _fit(self) -> None:
+        raise NotImplementedError
+
+    def _fit_catching(self) -> None:
         try:
-            self.result = self.trainer.fit()
+            self._fit()
         except BaseException as e:  # noqa: BLE001 (the caller re-raises it on its own thread)
             self.error = e
 
     def reports(self, on_event: Callable[[dict[str, Any]], None] | None = None) -> Iterator[dict[str, Any]]:
-        """Start fit() and yield each report until the run has ended and the queue is empty.
+        """Start the run and yield each report until it has ended and the queue is empty.
 
         Failure notices from the controller (FailureNotices) go to ``on_event``, never into the reports.
         """
-        from ray.util.queue import Empty
-
-        thread = threading.Thread(target=self._fit, name=f"fit-{self.run.run_name}", daemon=True)
+        thread = threading.Thread(target=self._fit_catching, name=f"fit-{self.run.run_name}", daemon=True)
         thread.start()
         while thread.is_alive() or not self._queue.empty():
             try:
                 item = self._queue.get(timeout=0.5)
-            except Empty:  # nothing reported this half second
+            except queue.Empty:  # nothing reported this half second (Ray's Empty is a queue.Empty too)
                 continue
             if item.get("_event") == RESIZE_EVENT:  # from the controller (runtime.train.elastic), not a report
                 self.resizes += 1
@@ -255,6 +251,66 @@ class StreamingFit:
             self.last_step = item.get("step", self.last_step)
             yield item
         thread.join()
+
+
+class StreamingFit(ReportStream):
+    """A Ray Train ``TorchTrainer`` run; rank 0 puts its reports on a Ray queue actor."""
+
+    def __init__(self, cfg: JobConfig, run_name: str, *, mlflow_run_id: str | None = None,
+                 lockstep: bool = False) -> None:
+        from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # The queue actor asks for no CPU and lives on this process's node, as Ray Train's controller
+        # does: a worker node lost mid-run (an elastic resize, a failure) never takes the driver's
+        # report stream with it. In lockstep (a trial under a scheduler) the queue has one slot
+        # (runtime.train.reporter.Reporter._stream).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        reports: Any = Queue(maxsize=1 if lockstep else 10_000,
+                             actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        self.trainer, run = build_trainer(cfg, run_name, progress=reports, mlflow_run_id=mlflow_run_id,
+                                          lockstep=lockstep)
+        super().__init__(run, reports)
+
+    def _fit(self) -> None:
+        self.result = self.trainer.fit()
+
+
+def runs_in_process(cfg: JobConfig) -> bool:
+    """Whether a trial trains in its own process (InProcessFit) rather than through a Train run.
+
+    A one-worker DDP job has no peers to coordinate and, in a trial, no failures for Ray Train to
+    handle (Tune restarts the trial): Train's controller, worker and helper actors (seven new
+    processes, ~20 CPU-s of imports and set-up per trial) would buy it nothing. FSDP needs a
+    process group, so it keeps the Train run even on one worker.
+    """
+    return cfg.distributed.max_workers == 1 and cfg.distributed.strategy == "ddp"
+
+
+class InProcessFit(ReportStream):
+    """The job's one rank, run on a thread of this process (a Tune trial that reserved its resources)."""
+
+    def __init__(self, cfg: JobConfig, run_name: str, *, mlflow_run_id: str | None = None,
+                 lockstep: bool = False) -> None:
+        import torch
+
+        from runtime.train.setup import Placement
+
+        use_gpu = resolve_use_gpu(cfg)
+        preflight(cfg, use_gpu)
+        super().__init__(new_run(cfg, run_name), queue.Queue(maxsize=1 if lockstep else 0))
+        self.cfg, self.lockstep = cfg, lockstep
+        self.mlflow = {"run_id": mlflow_run_id, "uri": tracking_uri()}
+        # Ray hands a trial that reserved a GPU exactly that one (CUDA_VISIBLE_DEVICES).
+        self.placement = Placement(0, 1, torch.device("cuda", 0) if use_gpu else torch.device("cpu"))
+
+    def _fit(self) -> None:
+        run_rank(self.cfg, self.run, progress=self._queue, lockstep=self.lockstep, mlflow=self.mlflow,
+                 placement=self.placement, report_fn=_reported)
+
+
+def _reported(metrics: dict[str, Any], checkpoint: Any = None) -> None:
+    """In-process runs have no Ray Train to hand reports to: rank 0 streams every one to the queue."""
 
 
 def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,7 +31,9 @@ class Reporter:
     def __init__(self, rank: int, world: int, run: RunInfo, progress: Any, lockstep: bool, gauges: Any,
                  checkpoints: Any, report_fn: Callable[..., None], report_all: bool = False) -> None:
         self.rank, self.world, self.run = rank, world, run
-        self.progress = progress  # the driver's ray.util.queue.Queue: rank 0 streams every report to it
+        # Where rank 0 streams every report: the driver's ray.util.queue.Queue, or a queue.Queue when
+        # the loop runs in its caller's process (a one-worker trial, runtime.train.driver.InProcessFit).
+        self.progress = progress
         self.lockstep = lockstep  # a Tune trial under a scheduler: wait until the trial takes each report
         self.gauges = gauges  # runtime.observe.metrics.WorkerMetrics or None
         self.checkpoints = checkpoints  # CheckpointManager or None
@@ -88,6 +91,9 @@ class Reporter:
         loop training on past it. Searches without one (random, grid, Optuna) do not wait.
         """
         item = {**metrics, "_time": time.time()}
+        if isinstance(self.progress, queue.Queue):  # same process: a one-slot (lockstep) queue blocks, others never
+            self.progress.put(item)
+            return
         try:
             if self.lockstep:
                 self.progress.put(item, timeout=None)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+from functools import partial
 from typing import Any
 
 from runtime.config import JobConfig
@@ -22,7 +23,7 @@ from runtime.layout import TRIAL_TRAINABLE, search_paths, storage_filesystem, tr
 from runtime.tune.config import SCHEDULERS, parse_tune
 from runtime.tune.report import SearchOutcome, collect_trials, finish_parent, pick_best, write_report
 from runtime.tune.schedulers import param_space, scheduler, search_alg
-from runtime.tune.trial import WALL_FILE, SearchContext, run_trial, trial_base, trial_resources
+from runtime.tune.trial import WALL_FILE, SearchContext, run_trial, trial_base, trial_placement
 
 log = logging.getLogger("runtime.tune")
 
@@ -116,7 +117,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
 
     from runtime.cluster import tracking_uri
     from runtime.observe.tracking import Tracker
-    from runtime.train.driver import connect
+    from runtime.train.driver import connect, resolve_use_gpu
 
     spec = parse_tune(cfg)
     tc = spec.tune
@@ -138,7 +139,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
                         lockstep=tc.method in SCHEDULERS)
     trial = rt.with_parameters(run_trial, ctx=ctx)
     trial.__name__ = TRIAL_TRAINABLE  # Tune names its trial folders after it (runtime.layout)
-    trainable = rt.with_resources(trial, trial_resources(tc))
+    trainable = rt.with_resources(trial, partial(trial_placement, ctx, tc, resolve_use_gpu(spec.job)))
     cap = DiskCap(search_dir, name, int(tc.max_disk_mb * 2**20), cfg.checkpoint.endpoint_url)
     # Tune warns (three lines, every few seconds of a search with short checkpoint intervals) that
     # CheckpointConfig(num_to_keep) forces snapshots of the search state: the platform sets that

@@ -36,6 +36,7 @@ class TrialRow:
     restored_from: str
     startup_seconds: float | None = None  # trial start -> first training step (Train start-up)
     teardown_seconds: float | None = None  # last report -> trial end
+    runner: str = ""  # "process": trained in the trial's own process; "train": through a Ray Train run
     history: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
 
@@ -112,6 +113,7 @@ def collect_trials(results: Any, spec: TuneSpec, search_name: str, search_dir: s
             wall_seconds=timing.get("wall_seconds"), train_seconds=timing.get("train_seconds"),
             restored_from=",".join(restored), history=hist,
             startup_seconds=timing.get("startup_seconds"), teardown_seconds=timing.get("teardown_seconds"),
+            runner=next((str(h["trial/runner"]) for h in reversed(hist) if h.get("trial/runner")), ""),
         ))
     return sorted(rows, key=lambda t: t.trial_id)
 

@@ -1,16 +1,18 @@
-"""One trial of a search: a Tune function trainable that runs one multi-worker TorchTrainer.
+"""One trial of a search: a Tune function trainable that runs the job with one set of hyperparameters.
 
-Each trial is launched from a Tune *function trainable* (Ray 2.60's Tune + Train V2
-pattern); the trial itself asks for almost no CPU, its Train workers take the resources of
-the job's ``distributed`` section.
+Each trial is a Tune *function trainable*. A multi-worker trial launches one Ray Train
+``TorchTrainer`` (Ray 2.60's Tune + Train V2 pattern): the trial itself asks for almost no CPU,
+its Train workers take the resources of the job's ``distributed`` section. A one-worker trial
+trains in its own process instead (runtime.train.driver.InProcessFit) and reserves its worker's
+resources: same loop, same checkpoints, none of Train's start-up.
 
-Reports reach Tune through :class:`TrialRun`, which relays rank 0's reports (streamed to
-runtime.train.driver.StreamingFit's queue) rather than Ray's ``TuneReportCallback``: that
-callback forwards metrics only (the checkpoint becomes a path string), while PBT exploits
-and HyperBand pauses need a real Tune checkpoint. So every relayed result that follows a
-newly committed checkpoint carries a copy of that verified checkpoint folder; a trial
-restarted with another trial's checkpoint (PBT exploit) installs it into its own storage
-before training, and the loop's normal restore picks it up.
+Reports reach Tune through :class:`TrialRun`, which relays rank 0's reports (streamed to the
+trial's queue) rather than Ray's ``TuneReportCallback``: that callback forwards metrics only
+(the checkpoint becomes a path string), while PBT exploits and HyperBand pauses need a real
+Tune checkpoint. So every relayed result that follows a newly committed checkpoint carries a
+copy of that verified checkpoint folder; a trial restarted with another trial's checkpoint
+(PBT exploit) installs it into its own storage before training, and the loop's normal
+restore picks it up.
 """
 
 from __future__ import annotations
@@ -54,9 +56,26 @@ class SearchContext:
     endpoint_url: str | None = None
 
 
-def trial_resources(tc: TuneConfig) -> dict[str, float]:
-    """What a trial's driver process reserves (its Train workers reserve their own)."""
-    return {"CPU": tc.trial_cpus, "memory": tc.trial_memory_mb * 2**20}
+def trial_resources(tc: TuneConfig, cfg: JobConfig, use_gpu: bool) -> dict[str, float]:
+    """What a trial's process reserves: a trial that trains in its own process (one worker) also
+    reserves its worker's; one that starts a Train run reserves only its driver's (its workers ask
+    for their own)."""
+    from runtime.train.driver import runs_in_process
+
+    out = {"CPU": tc.trial_cpus, "memory": tc.trial_memory_mb * 2**20}
+    if runs_in_process(cfg):
+        d = cfg.distributed
+        out.update(d.resources_per_worker, CPU=max(tc.trial_cpus, d.cpus_per_worker))
+        if use_gpu:
+            out["GPU"] = d.gpus_per_worker
+    return out
+
+
+def trial_placement(ctx: SearchContext, tc: TuneConfig, use_gpu: bool, params: dict[str, Any]) -> Any:
+    """Tune's resource request for the trial these hyperparameters make (they may set its worker count)."""
+    from ray.tune import PlacementGroupFactory
+
+    return PlacementGroupFactory([trial_resources(tc, trial_job(ctx, params), use_gpu)])
 
 
 def trial_base(spec: TuneSpec) -> dict[str, Any]:
@@ -199,10 +218,11 @@ class TrialRun:
         self.relayed_ckpt = -1  # newest checkpoint step sent to Tune
         self.first_report: tuple[float, float] | None = None  # (arrival, train seconds in it): start-up ends there
         self.last_report_at = self.started
+        self.runner = ""  # "process" (the loop runs here) or "train" (a Ray Train run), decided in run()
 
     def run(self) -> None:
         from runtime.observe.tracking import Tracker
-        from runtime.train.driver import StreamingFit
+        from runtime.train.driver import InProcessFit, StreamingFit, runs_in_process
         from runtime.train.run import TrainOutcome
 
         self._take_donor_checkpoint()
@@ -213,8 +233,10 @@ class TrialRun:
         # Ray Train's preemption watcher is one more actor process per run, for an API
         # (ray.train.get_preemption_info) the loop does not use: a trial's start-up is cheaper without.
         os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
-        fitting = StreamingFit(self.cfg, self.run_name, mlflow_run_id=tracker.run_id if tracker else None,
-                               lockstep=self.ctx.lockstep)
+        self.runner = "process" if runs_in_process(self.cfg) else "train"
+        fit = InProcessFit if self.runner == "process" else StreamingFit
+        fitting = fit(self.cfg, self.run_name, mlflow_run_id=tracker.run_id if tracker else None,
+                      lockstep=self.ctx.lockstep)
         final: tuple[dict[str, Any], dict[str, Any]] | None = None
         for item in fitting.reports():
             self.last_report_at = time.time()
@@ -274,7 +296,8 @@ class TrialRun:
             return None
         metrics.update(self.origin, **{"trial/train_seconds": self.train_s,
                                        "trial/wall_seconds": time.time() - self.started,
-                                       "trial/run_name": self.run_name, "mlflow_run_id": self.mlflow_run_id})
+                                       "trial/run_name": self.run_name, "trial/runner": self.runner,
+                                       "mlflow_run_id": self.mlflow_run_id})
         return metrics
 
     def _relay(self, item: dict[str, Any], metrics: dict[str, Any]) -> None:
@@ -299,7 +322,8 @@ class TrialRun:
         from runtime.checkpoint import open_storage
 
         ended = time.time()
-        timing = {"trial_id": self.trial_id, "wall_seconds": ended - self.started, "train_seconds": self.train_s,
+        timing = {"trial_id": self.trial_id, "runner": self.runner, "wall_seconds": ended - self.started,
+                  "train_seconds": self.train_s,
                   "steps": self.step - self.origin["restored_step"], **self.origin}
         if self.first_report is not None and self.history:
             # Where a trial's time outside training steps goes: Train start-up before the first
@@ -311,5 +335,5 @@ class TrialRun:
 
 
 def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
-    """Tune function trainable: one trial = one TorchTrainer run with these hyperparameters."""
+    """Tune function trainable: one trial = one training run with these hyperparameters."""
     TrialRun(config, ctx).run()

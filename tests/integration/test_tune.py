@@ -84,6 +84,7 @@ def test_random_search_reports_true_best_and_nests_trials_in_mlflow(cluster: dic
     out = _search(storage, name="random")
     assert [t.status for t in out.trials] == ["TERMINATED"] * 2
     assert all(t.steps == 30 for t in out.trials)
+    assert {t.runner for t in out.trials} == {"process"}  # one worker: trained in the trial's own process
     _assert_report_names_true_best(out)
 
     client = MlflowClient(cluster["mlflow"]["url"])
@@ -168,12 +169,14 @@ def test_trial_whose_worker_dies_is_restarted_by_tune_from_its_newest_checkpoint
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
+    # Two workers per trial: the trial runs a Ray Train run (one-worker trials train in their own process).
     out = _search(storage, "tune.num_samples=1", "tune.max_concurrent_trials=1", "train.max_steps=120",
-                  "data.image_size=28", "checkpoint.interval_steps=20", name="worker-kill")
+                  "data.image_size=28", "checkpoint.interval_steps=20", "distributed.num_workers=2",
+                  name="worker-kill")
     t.join(timeout=5)
     assert killed, "the worker was never killed"
     (trial,) = out.trials
-    assert trial.status == "TERMINATED"
+    assert trial.status == "TERMINATED" and trial.runner == "train"
     rows = _tune_histories(out.search_dir, out.metric)[trial.trial_id]
     steps = [int(r["step"]) for r in rows]
     since = [int(r["iterations_since_restore"]) for r in rows]  # Tune's count, from 1 again in each attempt

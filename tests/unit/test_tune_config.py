@@ -136,15 +136,37 @@ def test_trials_use_the_search_poll_period_and_keep_their_hyperparameters() -> N
     assert spec.job.checkpoint.max_failures == 3 and trial.checkpoint.max_failures == 0  # Tune restarts trials
 
 
-def test_trial_driver_reserves_memory_but_no_cpu_by_default() -> None:
-    from ray.tune.execution.placement_groups import PlacementGroupFactory
+def _ctx(spec: Any) -> Any:
+    from runtime.tune.trial import SearchContext
 
-    from runtime.tune.trial import trial_resources
+    return SearchContext(search_name="s", search_dir="/tmp/s", base=spec.base, metric="train/loss", trial_keep=1,
+                         parent_run_id=None, mlflow_uri=None, poll_interval_s=0.1, lockstep=False)
 
-    pgf = PlacementGroupFactory([trial_resources(parse_tune(_job()).tune)])
-    assert pgf.required_resources.get("CPU", 0) == 0  # two 1-CPU trials fit on 2 CPUs
+
+def test_a_multi_worker_trials_driver_reserves_memory_but_no_cpu_by_default() -> None:
+    from runtime.tune.trial import trial_placement
+
+    spec = parse_tune(_job())
+    pgf = trial_placement(_ctx(spec), spec.tune, False, {"distributed.num_workers": 2})
+    assert pgf.required_resources.get("CPU", 0) == 0  # its Train workers reserve their own
     assert pgf.required_resources["memory"] == 512 * 2**20
-    assert PlacementGroupFactory([trial_resources(parse_tune(_job(trial_cpus=1)).tune)]).required_resources["CPU"] == 1
+    spec = parse_tune(_job(trial_cpus=1))
+    assert trial_placement(_ctx(spec), spec.tune, False, {"distributed.num_workers": 2}).required_resources["CPU"] == 1
+
+
+def test_a_one_worker_trial_trains_in_its_own_process_and_reserves_its_workers_resources() -> None:
+    from runtime.train.driver import runs_in_process
+    from runtime.tune.trial import trial_job, trial_placement
+
+    spec = parse_tune(_job())
+    assert spec.job.distributed.num_workers == 1 and runs_in_process(trial_job(_ctx(spec), {}))
+    cpu = trial_placement(_ctx(spec), spec.tune, False, {}).required_resources
+    assert cpu["CPU"] == 1 and "GPU" not in cpu  # two 1-worker trials still fit on 2 CPUs
+    gpu = trial_placement(_ctx(spec), spec.tune, True, {"distributed.cpus_per_worker": 4}).required_resources
+    assert gpu["CPU"] == 4 and gpu["GPU"] == 1
+    for params in ({"distributed.num_workers": 2}, {"distributed.num_workers": {"min": 1, "max": 2}},
+                   {"distributed.strategy": "fsdp"}):  # peers, elastic resizes, a process group: a Train run
+        assert not runs_in_process(trial_job(_ctx(spec), params)), params
 
 
 def test_trial_poll_period_must_be_positive() -> None:
