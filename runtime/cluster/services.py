@@ -13,6 +13,11 @@ from typing import Any
 from runtime.cluster.processes import http_ok, spawn, venv_bin, wait_until
 from runtime.cluster.state import ROOT, port
 
+# MLflow 3's server job runner (GenAI scorers, prompt optimisation, trace roll-ups: nothing training
+# tracking uses) is a job-runner process plus seven huey consumers, each a Python process importing
+# MLflow. Off unless MLFLOW_SERVER_ENABLE_JOB_EXECUTION says otherwise.
+MLFLOW_JOB_EXECUTION = "false"
+
 
 def mlflow_up(cluster_dir: Path) -> dict[str, Any]:
     store = cluster_dir / "mlflow"
@@ -24,7 +29,8 @@ def mlflow_up(cluster_dir: Path) -> dict[str, Any]:
         "--artifacts-destination", str(store / "artifacts"), "--workers", "1",
     ]
     log = cluster_dir / "logs" / "mlflow.log"
-    pid = spawn(cmd, log)
+    pid = spawn(cmd, log, env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get(
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION", MLFLOW_JOB_EXECUTION)})
     wait_until(lambda: http_ok(f"{url}/health"), "MLflow server", 180, log)
     return {"pid": pid, "url": url}
 

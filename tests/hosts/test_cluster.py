@@ -394,6 +394,7 @@ def test_check_mode_renders_mlflow_and_grafana_config_on_the_monitoring_host(ans
     assert (f"--app-name basic-auth --host {lab.subnet}.11 --port 5000 --workers 2 "
             "--backend-store-uri sqlite:////var/lib/mlflow/mlflow.db "
             "--artifacts-destination /var/lib/mlflow/artifacts --serve-artifacts") in out
+    assert "+Environment=MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in out  # no job runner processes
     assert "+admin_username = admin" in out
     assert "+      path: /var/lib/grafana/dashboards/cluster" in out  # the provider reads the copied files
     for dashboard in sorted((labmod.ROOT / "dashboards").glob("*.json")):
