@@ -269,12 +269,21 @@ class ShardedWriter:
             return None
 
     def close(self) -> None:
-        """Flush the save in flight and release the staging buffers."""
+        """Flush the save in flight, release the staging buffers and this writer's gloo group.
+
+        The group is destroyed here, while the interpreter is alive: a gloo group that outlives
+        ``destroy_process_group`` (this writer still held it) is torn down at interpreter exit,
+        where its worker threads can abort the process (seen once in CI: SIGABRT, "terminate
+        called without an active exception", after every check of the test had passed).
+        """
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
             self._stager.close()
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):  # already destroyed with the default group
+                    dist.destroy_process_group(self.group)
 
 
 def _dcp_error(exc: BaseException) -> CheckpointError:
