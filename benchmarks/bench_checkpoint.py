@@ -83,7 +83,7 @@ def drop_from_page_cache(folder: Path) -> None:
                 os.close(fd)
 
 
-def _sharded_worker(rank: int, world: int, port: int, work: str) -> None:
+def _sharded_worker(rank: int, world: int, work: str) -> None:
     """One rank: shard ResNet-50 with FSDP2, then interleave plain steps, steps with a save and blocking saves."""
     import json
 
@@ -96,75 +96,68 @@ def _sharded_worker(rank: int, world: int, port: int, work: str) -> None:
     from runtime.train.resume import Trainables, TrainerState, build_payload
     from runtime.train.setup import build_optimizer, lr_lambda
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # 2 ranks on 2 cores
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        cfg = load_job("resnet50", [], environ={})
-        torch.manual_seed(0)
-        model = build_model(cfg.model, cfg.data.num_classes, 3, cfg.data.image_size)
-        model = apply_fsdp(model, cfg.distributed.fsdp, None, torch.device("cpu"), world)
-        opt = build_optimizer(cfg, model.parameters())
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, 100))
-        x = torch.randn(2, 3, cfg.data.image_size, cfg.data.image_size)
-        y = torch.tensor([0, 1])
-        meta = {"config": cfg.model_dump(mode="json"), "world_size": world}
-        trainables = Trainables(model, opt, sched)
+    cfg = load_job("resnet50", [], environ={})
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.data.num_classes, 3, cfg.data.image_size)
+    model = apply_fsdp(model, cfg.distributed.fsdp, None, torch.device("cpu"), world)
+    opt = build_optimizer(cfg, model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, 100))
+    x = torch.randn(2, 3, cfg.data.image_size, cfg.data.image_size)
+    y = torch.tensor([0, 1])
+    meta = {"config": cfg.model_dump(mode="json"), "world_size": world}
+    trainables = Trainables(model, opt, sched)
 
-        def payload(step: int) -> dict[str, Any]:  # built at every save, as the trainer does
-            return build_payload(trainables, TrainerState(global_step=step), True, world, sharded=True)
+    def payload(step: int) -> dict[str, Any]:  # built at every save, as the trainer does
+        return build_payload(trainables, TrainerState(global_step=step), True, world, sharded=True)
 
-        def train_step(mgr: CheckpointManager, save_at: int | None) -> float:
-            """One training step as the trainer runs it: save (if due), forward, backward, settle, update."""
+    def train_step(mgr: CheckpointManager, save_at: int | None) -> float:
+        """One training step as the trainer runs it: save (if due), forward, backward, settle, update."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        if save_at is not None:
+            mgr.save_sharded(payload(save_at), save_at, meta)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        mgr.settle()  # the copy to CPU must be done before the update changes the shards
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    plain, with_save, held, blocking = [], [], [], []  # held: the stall
+    with CheckpointManager(os.path.join(work, "sharded"), keep=2) as mgr:
+        train_step(mgr, None)  # warm-up: the first step makes the momentum buffers
+        train_step(mgr, 0)  # and the first save the checkpoint group and staging buffers
+        mgr.wait()
+        step = 1
+        for _ in range(SHARDED_ROUNDS):
+            plain.append(train_step(mgr, None))
+            with_save.append(train_step(mgr, step))
+            held.append(mgr.metrics.stall_seconds)  # the save call plus settle's wait
+            mgr.wait()
             dist.barrier()
             t0 = time.perf_counter()
-            if save_at is not None:
-                mgr.save_sharded(payload(save_at), save_at, meta)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            mgr.settle()  # the copy to CPU must be done before the update changes the shards
-            opt.step()
-            opt.zero_grad()
-            return time.perf_counter() - t0
-
-        plain, with_save, held, blocking = [], [], [], []  # held: the stall
-        with CheckpointManager(os.path.join(work, "sharded"), keep=2) as mgr:
-            train_step(mgr, None)  # warm-up: the first step makes the momentum buffers
-            train_step(mgr, 0)  # and the first save the checkpoint group and staging buffers
-            mgr.wait()
-            step = 1
-            for _ in range(SHARDED_ROUNDS):
-                plain.append(train_step(mgr, None))
-                with_save.append(train_step(mgr, step))
-                held.append(mgr.metrics.stall_seconds)  # the save call plus settle's wait
-                mgr.wait()
-                dist.barrier()
-                t0 = time.perf_counter()
-                mgr.save_sharded(payload(step + 1), step + 1, meta)
-                mgr.wait()  # rank 0: until the manifest is committed
-                blocking.append(time.perf_counter() - t0)
-                step += 2
-            nbytes = mgr.metrics.bytes
-        per_rank: list[Any] = [None] * world
-        dist.all_gather_object(per_rank, (plain, with_save, held, blocking))
-        if rank == 0:
-            out = {name: [max(r[j][i] for r in per_rank) for i in range(SHARDED_ROUNDS)]
-                   for j, name in enumerate(("plain", "with_save", "held", "blocking"))}
-            Path(work, "sharded.json").write_text(json.dumps({**out, "bytes": nbytes}))
-    finally:
-        dist.destroy_process_group()
+            mgr.save_sharded(payload(step + 1), step + 1, meta)
+            mgr.wait()  # rank 0: until the manifest is committed
+            blocking.append(time.perf_counter() - t0)
+            step += 2
+        nbytes = mgr.metrics.bytes
+    per_rank: list[Any] = [None] * world
+    dist.all_gather_object(per_rank, (plain, with_save, held, blocking))
+    if rank == 0:
+        out = {name: [max(r[j][i] for r in per_rank) for i in range(SHARDED_ROUNDS)]
+               for j, name in enumerate(("plain", "with_save", "held", "blocking"))}
+        Path(work, "sharded.json").write_text(json.dumps({**out, "bytes": nbytes}))
 
 
 def sharded(results_dir: Path) -> dict[str, Any]:
     """The sharded async save's training stall vs a blocking sharded save of the same state."""
     import json
 
-    import torch.multiprocessing as mp
-
-    from tests.support import free_port
+    from tests.support.ranks import spawn_ranks
 
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-sharded-", dir=results_dir))
     try:
-        mp.spawn(_sharded_worker, args=(SHARDED_WORLD, free_port(), str(work)), nprocs=SHARDED_WORLD, join=True)
+        spawn_ranks(_sharded_worker, SHARDED_WORLD, str(work))
         got = json.loads((work / "sharded.json").read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import ray.train
-import ray.train.torch
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -117,10 +116,15 @@ class Trainer:
         if self.is_fsdp:  # FSDP2, applied here: Ray's prepare_model would use the FSDP1 wrapper
             model = apply_fsdp(self.raw_model.to(self.device), cfg.distributed.fsdp, self.amp_dtype, self.device,
                                self.world)
-        elif self.in_ray:
-            model = ray.train.torch.prepare_model(self.raw_model, parallel_strategy="ddp")
         else:
+            # What Ray's prepare_model(parallel_strategy="ddp") does, done here so that a trainer
+            # placed outside Ray (a caller's own process group) runs the same DDP.
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             model = self.raw_model.to(self.device)
+            if self.distributed:
+                model = nn.parallel.DistributedDataParallel(
+                    model, device_ids=[self.device] if self.device.type == "cuda" else None)
         self.is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         # DDP all-reduces and FSDP reduce-scatters gradients: every rank then sees the same grad norm.
         self.grads_synced = self.is_ddp or self.is_fsdp

@@ -374,18 +374,19 @@ DRIVER_SECRETS = {
 
 
 @pytest.mark.slow
-def test_s3_run_keeps_the_drivers_aws_credentials_out_of_the_job(
+def test_s3_run_trains_resumes_and_keeps_the_drivers_aws_credentials_out_of_the_job(
     cluster: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ray's Jobs API shows a job's runtime_env to whoever reads the dashboard: no secret may be
-    in it, and workers must still reach S3 with the node's own credentials."""
+    """Our checkpoints and Ray's own run state both on S3, a second run resuming from there; and
+    since Ray's Jobs API shows a job's runtime_env to whoever reads the dashboard, no secret may be
+    in it: workers reach S3 with the node's own credentials."""
     import ray
     from ray.util.state import list_jobs
 
     from runtime.train.driver import connect, train
     from tests.support import job
 
-    monkeypatch.chdir(tmp_path)  # an S3 run's local folder is ./runs/<name>
+    monkeypatch.chdir(tmp_path)  # an S3 run's local folder (preemption marker) is ./runs/<name>
     for key, value in DRIVER_SECRETS.items():
         monkeypatch.setenv(key, value)
     if ray.is_initialized():
@@ -393,14 +394,19 @@ def test_s3_run_keeps_the_drivers_aws_credentials_out_of_the_job(
     connect()
     proc, endpoint = start_moto_server(free_port(), buckets=["rt-env"])
     try:
-        cfg = job("digits_smoke", "s3://rt-env/runs", "model.name=mlp", "tracking.mlflow=false",
-                  "tracking.prometheus=false", "train.max_steps=4", "checkpoint.interval_steps=2",
-                  f"checkpoint.endpoint_url={endpoint}")
-        out = train(cfg, "no-secrets", show_progress=False)
-        assert out.metrics["step"] == 4 and not out.error, out.error
+        sets = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=1",
+                "checkpoint.interval_steps=2", f"checkpoint.endpoint_url={endpoint}"]
+        first = train(job("digits_smoke", "s3://rt-env/runs", *sets, "train.max_steps=4"), "s3run",
+                      show_progress=False)
+        assert first.checkpoint_uri == "s3://rt-env/runs/s3run/checkpoints" and first.metrics["step"] == 4
+        assert not first.error, first.error  # the workers wrote to S3 without the driver's keys
+        out = train(job("digits_smoke", "s3://rt-env/runs", *sets, "train.max_steps=6"), "s3run",
+                    show_progress=False)
+        assert out.history[0]["resumed_from_step"] == 4 and out.history[0]["step"] == 5, out.history[0]
+        assert out.metrics["step"] == 6 and not out.error, out.error
         with CheckpointManager(out.checkpoint_uri, endpoint_url=endpoint) as mgr:
             ref, _ = mgr.latest_valid()
-        assert ref is not None and ref.step == 4  # the workers wrote to S3 without the driver's keys
+        assert ref is not None and ref.step == 6
     finally:
         stop_moto_server(proc)
 

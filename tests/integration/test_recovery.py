@@ -1,4 +1,4 @@
-"""Recovery end to end on a real local Ray cluster: real signals, real tmpfs, real S3 server.
+"""Recovery end to end on a real local Ray cluster: real signals, real tmpfs. (S3: test_checkpoint_s3.py.)
 
 Every run is a small 2-worker MLP on digits so the file stays within a few minutes on 2 cores.
 ``log_every_steps=1`` makes the report history show every step, which is how steps redone
@@ -23,17 +23,11 @@ import torch
 
 from runtime.checkpoint import CheckpointManager, step_name
 from runtime.train.driver import TrainOutcome, connect, train
-from tests.support import ROOT, free_port, job, wait_for
+from tests.support import ROOT, job, wait_for
 from tests.support.cluster import WorkerGroupKiller, committed_steps
-from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
 from tests.support.trainer import train_in_process
 
 pytestmark = pytest.mark.slow
-
-# Ray fixes the workers' environment at the session's first ray.init (runtime_env), so the S3
-# test's credentials must be in the driver's environment before any test trains. moto accepts any.
-for _k, _v in CREDENTIALS.items():
-    os.environ.setdefault(_k, _v)
 
 MAX_STEPS = 200  # steps take ~20 ms here: long enough that every kill lands mid-run
 INTERVAL = 10
@@ -260,39 +254,3 @@ def test_disk_full_keeps_older_checkpoints_and_follows_on_failure(
         assert ref is not None and payload is not None and not warnings
         assert filled_at <= ref.step < FULL_DISK_STEPS and payload["trainer"]["global_step"] == ref.step
         assert not list(d.glob(".tmp-*")), "a partial save was left behind"
-
-
-def test_s3_storage_trains_and_resumes(cluster: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Our checkpoints and Ray's own run state both on S3 (moto_server on loopback)."""
-    monkeypatch.chdir(tmp_path)  # the local run folder (preemption marker) of an S3 run is ./runs/<name>
-    proc, endpoint = start_moto_server(free_port(), buckets=["rt-ckpt"])
-    try:
-        sets = [*BASE, "checkpoint.interval_steps=5", f"checkpoint.endpoint_url={endpoint}"]
-        first = train(job("digits_smoke", "s3://rt-ckpt/runs", *sets, "train.max_steps=10"), "s3run",
-                      show_progress=False)
-        assert first.checkpoint_uri == "s3://rt-ckpt/runs/s3run/checkpoints" and first.metrics["step"] == 10
-        out = train(job("digits_smoke", "s3://rt-ckpt/runs", *sets, "train.max_steps=15"), "s3run",
-                    show_progress=False)
-        assert out.history[0]["resumed_from_step"] == 10 and out.history[0]["step"] == 11, out.history[0]
-        assert out.metrics["step"] == 15 and not out.error
-        step, _ = final_model(out.checkpoint_uri, endpoint_url=endpoint)
-        assert step == 15
-    finally:
-        stop_moto_server(proc)
-
-
-def test_nonfinite_loss_is_skipped_and_counted_or_stops_the_run(cluster: dict, storage: str) -> None:
-    """optimizer.lr=1e30 blows the weights up after the first step: every later loss is non-finite."""
-    bad = [*BASE, "optimizer.lr=1e30", "train.max_steps=10", "checkpoint.interval_steps=100"]
-    connect()  # once, before two threads would both try ray.init
-    with ThreadPoolExecutor(2) as pool:  # two 2-worker runs fit the 4-CPU test cluster side by side
-        skip = pool.submit(train, job("digits_smoke", storage + "/skip", *bad, "train.nonfinite.policy=skip"),
-                           "nan-skip", show_progress=False)
-        stop = pool.submit(train, job("digits_smoke", storage + "/stop", *bad, "train.nonfinite.policy=stop",
-                                      "train.nonfinite.max_consecutive=3"), "nan-stop", show_progress=False)
-        skipped, stopped = skip.result(), stop.result()
-    assert skipped.metrics["step"] == 10 and not skipped.metrics.get("stop_reason")
-    assert skipped.metrics["train/nonfinite_steps"] >= 8, skipped.metrics
-    reason = stopped.metrics["stop_reason"]
-    assert "train.nonfinite.max_consecutive=3" in reason and "3 non-finite losses in a row" in reason, reason
-    assert stopped.metrics["step"] < 10

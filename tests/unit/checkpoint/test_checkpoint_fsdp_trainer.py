@@ -4,20 +4,18 @@ a corrupt shard skipped, and the 2-rank checkpoint read on 1 rank by DDP and FSD
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from runtime.checkpoint import CheckpointManager
 from runtime.config import JobConfig
 from runtime.train.parallel import full_tensor
 from runtime.train.trainer import Trainer
-from tests.support import free_port
+from tests.support.ranks import spawn_ranks
 from tests.support.trainer import train_in_process
 
 pytestmark = pytest.mark.slow
@@ -51,49 +49,39 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _worker(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, root: str) -> None:
     base = Path(root)
-    try:
-        whole, _ = train_in_process(_cfg(STEPS), base / "whole", rank, world)
-        expected = _full_params(whole)
-        # Interrupted after step 12 (checkpoints 5, 10 and the final 12), then one shard of the
-        # newest checkpoint damaged: the resume must skip it, redo 11-12 from step 10, end identical.
-        train_in_process(_cfg(12), base / "split", rank, world)
-        dist.barrier()
-        if rank == 0:
-            _flip_a_byte(base / "split" / "checkpoints" / "step_000000012" / "__1_0.distcp")
-        dist.barrier()
-        resumed, reports = train_in_process(_cfg(STEPS), base / "split", rank, world)
-        got = _full_params(resumed)
-        if rank == 0:
-            torch.save(expected, base / "expected.pt")
-        result = {"same": all(torch.equal(expected[k], got[k]) for k in expected) and expected.keys() == got.keys(),
-                  "resumed_from": [r["resumed_from_step"] for r in reports if "resumed_from_step" in r],
-                  "warnings": [w for r in reports for w in r.get("restore_warnings", [])],
-                  "final_step": reports[-1]["step"]}
-        (base / f"result_{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    whole, _ = train_in_process(_cfg(STEPS), base / "whole", rank, world)
+    expected = _full_params(whole)
+    # Interrupted after step 12 (checkpoints 5, 10 and the final 12), then one shard of the
+    # newest checkpoint damaged: the resume must skip it, redo 11-12 from step 10, end identical.
+    train_in_process(_cfg(12), base / "split", rank, world)
+    dist.barrier()
+    if rank == 0:
+        _flip_a_byte(base / "split" / "checkpoints" / "step_000000012" / "__1_0.distcp")
+    dist.barrier()
+    resumed, reports = train_in_process(_cfg(STEPS), base / "split", rank, world)
+    got = _full_params(resumed)
+    if rank == 0:
+        torch.save(expected, base / "expected.pt")
+    result = {"same": all(torch.equal(expected[k], got[k]) for k in expected) and expected.keys() == got.keys(),
+              "resumed_from": [r["resumed_from_step"] for r in reports if "resumed_from_step" in r],
+              "warnings": [w for r in reports for w in r.get("restore_warnings", [])],
+              "final_step": reports[-1]["step"]}
+    (base / f"result_{rank}.json").write_text(json.dumps(result))
 
 
-def _one_rank_fsdp(rank: int, port: int, root: str) -> None:
+def _one_rank_fsdp(rank: int, world: int, root: str) -> None:
     """A 1-rank FSDP trainer resuming from the 2-rank checkpoint: DCP reshards it."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        t, reports = train_in_process(_cfg(STEPS), Path(root) / "whole", 0, 1)
-        torch.save(_full_params(t), Path(root) / "one_rank_fsdp.pt")
-        resumed = [r["resumed_from_step"] for r in reports if "resumed_from_step" in r]
-        (Path(root) / "one_rank_fsdp.json").write_text(json.dumps(resumed))
-    finally:
-        dist.destroy_process_group()
+    t, reports = train_in_process(_cfg(STEPS), Path(root) / "whole", rank, world)
+    torch.save(_full_params(t), Path(root) / "one_rank_fsdp.pt")
+    resumed = [r["resumed_from_step"] for r in reports if "resumed_from_step" in r]
+    (Path(root) / "one_rank_fsdp.json").write_text(json.dumps(resumed))
 
 
 def test_fsdp_trainer_resumes_from_sharded_checkpoints_past_a_corrupt_shard_and_reshards_to_one_rank(
         tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(tmp_path))
     results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert result["same"], "the resumed run is not bit-identical to the uninterrupted one"
@@ -118,7 +106,7 @@ def test_fsdp_trainer_resumes_from_sharded_checkpoints_past_a_corrupt_shard_and_
     assert all(torch.equal(v, expected[k]) for k, v in ddp.raw_model.state_dict().items())
 
     # ... and into a 1-rank FSDP trainer (its own shards loaded by DCP).
-    mp.spawn(_one_rank_fsdp, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    spawn_ranks(_one_rank_fsdp, 1, str(tmp_path))
     assert json.loads((tmp_path / "one_rank_fsdp.json").read_text()) == [STEPS]
     one = torch.load(tmp_path / "one_rank_fsdp.pt", weights_only=True)
     assert all(torch.equal(one[k], expected[k]) for k in expected)

@@ -11,14 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from runtime.checkpoint import CheckpointError, CheckpointManager, step_name
 from tests.support import free_port
+from tests.support.ranks import spawn_ranks
 
 WORLD = 2
 
@@ -37,49 +36,44 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _worker(rank: int, root: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        model = _model(seed=0)
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        for _ in range(2):
-            model(torch.randn(4, 8)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        msd, osd = get_state_dict(model, opt)
-        assert any(isinstance(v, DTensor) for v in msd.values())  # really sharded
-        mgr = CheckpointManager(root, keep=2)
-        mgr.save_sharded({"model": msd, "optimizer": osd, "trainer": {"step": 2}}, step=2, meta={})
-        mgr.close()
-        saved = {k: _local(v).clone() for k, v in msd.items()}
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in msd.items()}  # a collective
-        if rank == 0:
-            torch.save(full, os.path.join(root, "full_model.pt"))
+def _worker(rank: int, world: int, root: str) -> None:
+    model = _model(seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    assert any(isinstance(v, DTensor) for v in msd.values())  # really sharded
+    mgr = CheckpointManager(root, keep=2)
+    mgr.save_sharded({"model": msd, "optimizer": osd, "trainer": {"step": 2}}, step=2, meta={})
+    mgr.close()
+    saved = {k: _local(v).clone() for k, v in msd.items()}
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in msd.items()}  # a collective
+    if rank == 0:
+        torch.save(full, os.path.join(root, "full_model.pt"))
 
-        fresh = _model(seed=123)
-        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
-        fresh(torch.randn(1, 8)).sum().backward()
-        fresh_opt.step()  # materialize optimizer state so dcp has tensors to load into
-        reader = CheckpointManager(root)
-        ref, warnings = reader.latest_valid()
-        assert ref is not None and ref.step == 2 and warnings == [], (ref, warnings)
-        fmsd, fosd = get_state_dict(fresh, fresh_opt)
-        target = {"model": fmsd, "optimizer": fosd, "trainer": {"step": 0}}
-        reader.load_sharded(ref, target)
-        set_state_dict(fresh, fresh_opt, model_state_dict=fmsd, optim_state_dict=fosd)
-        same = all(torch.equal(_local(v), saved[k]) for k, v in fresh.state_dict().items())
-        result = {"same": same, "trainer_step": target["trainer"]["step"]}
-        Path(root, f"result_{rank}.json").write_text(json.dumps(result))
-        reader.close()
-    finally:
-        dist.destroy_process_group()
+    fresh = _model(seed=123)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    fresh(torch.randn(1, 8)).sum().backward()
+    fresh_opt.step()  # materialize optimizer state so dcp has tensors to load into
+    reader = CheckpointManager(root)
+    ref, warnings = reader.latest_valid()
+    assert ref is not None and ref.step == 2 and warnings == [], (ref, warnings)
+    fmsd, fosd = get_state_dict(fresh, fresh_opt)
+    target = {"model": fmsd, "optimizer": fosd, "trainer": {"step": 0}}
+    reader.load_sharded(ref, target)
+    set_state_dict(fresh, fresh_opt, model_state_dict=fmsd, optim_state_dict=fosd)
+    same = all(torch.equal(_local(v), saved[k]) for k, v in fresh.state_dict().items())
+    result = {"same": same, "trainer_step": target["trainer"]["step"]}
+    Path(root, f"result_{rank}.json").write_text(json.dumps(result))
+    reader.close()
 
 
 @pytest.mark.slow
 def test_fsdp2_sharded_checkpoint_round_trip_on_two_gloo_ranks(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    mp.spawn(_worker, args=(str(root), free_port()), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD, str(root))
     for rank in range(WORLD):
         result = json.loads((root / f"result_{rank}.json").read_text())
         assert result == {"same": True, "trainer_step": 2}, (rank, result)
@@ -227,20 +221,15 @@ def test_a_damaged_shard_is_skipped_with_a_warning_naming_it_and_the_previous_ch
     mgr.close()
 
 
-def _s3_worker(rank: int, port: int, uri: str, endpoint: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        model = _model(seed=0)
-        msd = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))[0]
-        with CheckpointManager(uri, endpoint_url=endpoint, keep=1) as mgr:
-            for step in (1, 2):  # the second commit rotates the first away, as for DDP
-                mgr.save_sharded({"model": msd, "trainer": {"step": step}}, step=step, meta={})
-        full = {k: v.full_tensor() for k, v in msd.items() if isinstance(v, DTensor)}  # a collective
-        if rank == 0:
-            torch.save(full, out)
-    finally:
-        dist.destroy_process_group()
+def _s3_worker(rank: int, world: int, uri: str, endpoint: str, out: str) -> None:
+    model = _model(seed=0)
+    msd = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))[0]
+    with CheckpointManager(uri, endpoint_url=endpoint, keep=1) as mgr:
+        for step in (1, 2):  # the second commit rotates the first away, as for DDP
+            mgr.save_sharded({"model": msd, "trainer": {"step": step}}, step=step, meta={})
+    full = {k: v.full_tensor() for k, v in msd.items() if isinstance(v, DTensor)}  # a collective
+    if rank == 0:
+        torch.save(full, out)
 
 
 @pytest.mark.slow
@@ -253,7 +242,7 @@ def test_sharded_checkpoint_on_s3_commits_every_ranks_shards_and_rotates(tmp_pat
     proc, endpoint = start_moto_server(free_port(), buckets=["ckpt"])
     try:
         uri, out = "s3://ckpt/run", str(tmp_path / "full.pt")
-        mp.spawn(_s3_worker, args=(free_port(), uri, endpoint, out), nprocs=WORLD, join=True)
+        spawn_ranks(_s3_worker, WORLD, uri, endpoint, out)
         with CheckpointManager(uri, endpoint_url=endpoint) as mgr:
             assert [(r.step, status) for r, status in mgr.list()] == [(2, "valid")]
             ref, whole, warnings = mgr.load_latest()
