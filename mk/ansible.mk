@@ -35,12 +35,8 @@ ansible-lint: ops-setup ## Lint roles and playbooks (production profile) and che
 	$(OPS_BIN)/pytest -q -p no:cacheprovider $(ROOT)/tests/ansible
 
 .PHONY: test-hosts
-# At nice 10 (the hosts and everything in them inherit it): beside the Python suites (`make test`
-# runs both at once) the test hosts take the CPU those leave idle, not the time their Ray
-# clusters' start-ups and timeouts are measured against. Alone, nice changes nothing.
-HOSTS_NICE ?= 10
 test-hosts: ops-setup ops-host-packages ## Apply the playbooks to nspawn test hosts and verify them (slow).
-	nice -n $(HOSTS_NICE) $(OPS_BIN)/pytest -rs -v -p no:cacheprovider $(ROOT)/tests/hosts $(HOSTS_PYTEST_ARGS)
+	$(OPS_BIN)/pytest -rs -v -p no:cacheprovider $(ROOT)/tests/hosts $(HOSTS_PYTEST_ARGS)
 
 .PHONY: cluster-up-baremetal
 cluster-up-baremetal: ops-setup ## Bring up a cluster on your hosts: make cluster-up-baremetal INVENTORY=path/to/hosts.yml
