@@ -1,20 +1,24 @@
 """The real trainer run without Ray: for tests where Ray is not what is proven.
 
 ``train_in_process`` runs one rank in this process; under ``tests.support.ranks.spawn_ranks``
-each process calls it as its rank of a real gloo process group.
+each process calls it as its rank of a real gloo process group, as ``train_ranks`` does for a
+whole run (a reference run that a Ray run must match bit for bit, at a fraction of its start-up).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from runtime.config import JobConfig
-from runtime.train.run import RunInfo
+from runtime.train.run import RunInfo, TrainOutcome
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
+from tests.support import job
+from tests.support.ranks import spawn_ranks
 
 
 def train_in_process(cfg: JobConfig, folder: Path, rank: int = 0,
@@ -34,3 +38,29 @@ def train_in_process(cfg: JobConfig, folder: Path, rank: int = 0,
     finally:
         trainer.close()
     return trainer, reports
+
+
+REPORTS_FILE = "rank0_reports.json"
+
+
+def train_ranks(name: str, folder: Path, *overrides: str, world: int = 2) -> TrainOutcome:
+    """The shipped job ``name`` with ``overrides`` on ``world`` spawned gloo ranks, checkpoints in
+    ``folder``: rank 0's reports folded as the driver folds them (metrics, history)."""
+    spawn_ranks(_train_rank, world, name, str(folder), overrides)
+    history = json.loads((folder / REPORTS_FILE).read_text())
+    return TrainOutcome(run_name=folder.name, run_dir=str(folder), checkpoint_uri=str(folder / "checkpoints"),
+                        metrics=folded(history), history=history)
+
+
+def folded(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Reports folded in order, as the driver folds them into a run's metrics."""
+    out: dict[str, Any] = {}
+    for report in reports:
+        out.update(report)
+    return out
+
+
+def _train_rank(rank: int, world: int, name: str, folder: str, overrides: tuple[str, ...]) -> None:
+    reports = train_in_process(job(name, folder, *overrides), Path(folder), rank, world)[1]
+    if rank == 0:
+        (Path(folder) / REPORTS_FILE).write_text(json.dumps(reports))

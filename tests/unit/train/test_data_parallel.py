@@ -21,7 +21,7 @@ import torch.distributed as dist
 from runtime.checkpoint import CheckpointManager, step_name
 from tests.support import job
 from tests.support.ranks import spawn_ranks
-from tests.support.trainer import train_in_process
+from tests.support.trainer import folded, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -81,14 +81,6 @@ def final_model(folder: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return ref.step, payload["model"]
 
 
-def merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0's reports folded in order, as the driver folds them into a run's metrics."""
-    out: dict[str, Any] = {}
-    for r in reports:
-        out.update(r)
-    return out
-
-
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     far = {k: float((a[k] - b[k]).abs().max()) for k in a if not torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4)}
@@ -108,7 +100,7 @@ def test_gradient_accumulation_matches_one_big_batch(runs: tuple[Path, dict[str,
 def test_local_sgd_averages_models_so_ranks_agree_after_the_last_average(runs: tuple[Path, dict[str, Any]]) -> None:
     """Post-local-SGD: no all-reduce per step after start_step; periodic averaging re-syncs the ranks."""
     reports = runs[1]["local_sgd"]
-    digests = merged(reports)["rank_param_digests"]
+    digests = folded(reports)["rank_param_digests"]
     # torch's averager counts its own calls from 0: call 24 (our step 25) is (24 - 4) % 4 == 0, an average.
     assert len(digests) == 2 and digests[0] == digests[1]
     losses = [r["train/loss"] for r in reports if "train/loss" in r]
@@ -116,7 +108,7 @@ def test_local_sgd_averages_models_so_ranks_agree_after_the_last_average(runs: t
 
 
 def test_nonfinite_loss_is_skipped_and_counted_or_stops_the_run(runs: tuple[Path, dict[str, Any]]) -> None:
-    skipped, stopped = merged(runs[1]["nan_skip"]), merged(runs[1]["nan_stop"])
+    skipped, stopped = folded(runs[1]["nan_skip"]), folded(runs[1]["nan_stop"])
     assert skipped["step"] == 10 and not skipped.get("stop_reason")
     assert skipped["train/nonfinite_steps"] >= 8, skipped
     reason = stopped["stop_reason"]
@@ -126,7 +118,7 @@ def test_nonfinite_loss_is_skipped_and_counted_or_stops_the_run(runs: tuple[Path
 
 def test_fsdp_trains_the_same_model_as_ddp(runs: tuple[Path, dict[str, Any]]) -> None:
     root, reports = runs
-    fsdp = merged(reports["fsdp"])
+    fsdp = folded(reports["fsdp"])
     assert fsdp["step"] == 20
     digests = fsdp["rank_param_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]  # gathered full parameters agree on every rank
