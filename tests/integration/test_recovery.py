@@ -1,4 +1,5 @@
-"""Recovery end to end on a real local Ray cluster: real signals, real tmpfs. (S3: test_checkpoint_s3.py.)
+"""Recovery end to end on a real local Ray cluster: real signals, corrupt checkpoints. (S3:
+test_checkpoint_s3.py; a full disk: tests/unit/checkpoint/test_checkpoint_disk_full.py.)
 
 Every run is a small 2-worker MLP on digits so the file stays within a few minutes on 2 cores.
 ``log_every_steps=1`` makes the report history show every step, which is how steps redone
@@ -11,10 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointManager, step_name
-from runtime.train.driver import TrainOutcome, connect, train
+from runtime.train.driver import TrainOutcome, train
 from tests.support import ROOT, job, wait_for
 from tests.support.cluster import WorkerGroupKiller, committed_steps
 from tests.support.trainer import train_in_process, train_ranks
@@ -172,84 +170,3 @@ def test_resume_skips_corrupt_checkpoints_and_says_why(cluster: dict, storage: s
         assert w.startswith(step_name(step)) and why in w and w.endswith(f"using {step_name(5)}"), w
     assert out.metrics["step"] == 25
     assert final_model(str(d))[0] == 25  # the re-saved step_25 replaced the uncommitted folder
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
-    """Real tmpfs mounts of 4 MiB (unmounted afterwards); skips loudly where mount is not allowed."""
-    mounts: list[Path] = []
-
-    def make(name: str) -> Path:
-        mnt = tmp_path / name
-        mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
-        if r.returncode:
-            pytest.skip(f"NOT TESTED: disk-full recovery needs `mount -t tmpfs` (root): {r.stderr.strip()}")
-        mounts.append(mnt)
-        return mnt
-
-    yield make
-    for mnt in mounts:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def fill(path: Path, leave_bytes: int) -> None:
-    """Fill the filesystem holding ``path`` until ``leave_bytes`` remain (room for Ray's pointer files).
-
-    In chunks, looking again before each: the run keeps writing beside the filler (its report
-    history), so a size measured once can be more than is left by the time it is written.
-    """
-    with open(path / "filler", "wb") as f:
-        while (room := (st := os.statvfs(path)).f_bavail * st.f_frsize - leave_bytes) > 0:
-            f.write(b"\0" * min(room, 1 << 20))
-            f.flush()
-
-
-FULL_DISK_STEPS = 200  # the disk fills at step 10: plenty of saves still to fail
-
-
-def run_until_disk_full(disk: Path, policy: str) -> tuple[TrainOutcome, int]:
-    """Train with checkpoints on ``disk``; fill it once step 10 is committed. Returns (outcome, filled at)."""
-    storage, run = str(disk / "runs"), f"full-{policy}"
-    # A report every 20 steps: the report history (~0.5 KB a report) must not eat the room left.
-    cfg = job("digits_smoke", storage, *BASE, f"train.max_steps={FULL_DISK_STEPS}", "checkpoint.interval_steps=5",
-              "checkpoint.keep=2", f"checkpoint.on_failure={policy}", "train.log_every_steps=20")
-    filled: list[int] = []
-
-    def filler() -> None:
-        wait_for(lambda: 10 in committed_steps(ckpt_dir(storage, run)), "checkpoint 10")
-        fill(disk, leave_bytes=32 * 1024)  # a checkpoint is ~100 KB: the next save hits ENOSPC
-        filled.append(committed_steps(ckpt_dir(storage, run))[-1])
-
-    t = threading.Thread(target=filler, daemon=True)
-    t.start()
-    out = train(cfg, run, show_progress=False)
-    t.join(timeout=5)
-    assert filled, "the disk was never filled"
-    return out, filled[0]
-
-
-def test_disk_full_keeps_older_checkpoints_and_follows_on_failure(
-        cluster: dict, small_disk: Callable[[str], Path]) -> None:
-    disks = {policy: small_disk(policy) for policy in ("continue", "stop")}
-    connect()  # once, before two threads would both try ray.init
-    with ThreadPoolExecutor(2) as pool:  # two 2-worker runs fit the 4-CPU test cluster side by side
-        futures = {policy: pool.submit(run_until_disk_full, disk, policy) for policy, disk in disks.items()}
-        results = {policy: f.result() for policy, f in futures.items()}
-    went_on, stopped = results["continue"][0].metrics, results["stop"][0].metrics
-    assert went_on["step"] == FULL_DISK_STEPS and not went_on.get("stop_reason"), went_on
-    assert went_on["checkpoint_failures"] >= 1, went_on
-    assert stopped["step"] < FULL_DISK_STEPS and "disk full" in stopped["stop_reason"], stopped
-    assert "checkpoint.on_failure=stop" in stopped["stop_reason"], stopped
-    for policy, (_, filled_at) in results.items():
-        disk = disks[policy]
-        (disk / "filler").unlink()
-        d = ckpt_dir(str(disk / "runs"), f"full-{policy}")
-        with CheckpointManager(str(d)) as mgr:
-            listing = mgr.list()
-            ref, payload, warnings = mgr.load_latest()
-        assert listing and all(status == "valid" for _, status in listing), listing
-        assert ref is not None and payload is not None and not warnings
-        assert filled_at <= ref.step < FULL_DISK_STEPS and payload["trainer"]["global_step"] == ref.step
-        assert not list(d.glob(".tmp-*")), "a partial save was left behind"

@@ -119,8 +119,10 @@ class WorkerGroupKiller(threading.Thread):
         killed_group: set[int] = set()
         for sig in self.signals:
             while True:
+                pids: list[int] = []
+
                 def new_group() -> bool:
-                    pids = train_worker_pids(self.job_id)
+                    pids[:] = train_worker_pids(self.job_id)
                     return len(pids) == self.workers and not set(pids) & killed_group
 
                 if not self._wait(new_group, "a new worker group"):
@@ -129,10 +131,20 @@ class WorkerGroupKiller(threading.Thread):
                 if not self._wait(lambda: newest_commit_time(self.checkpoints) > started,
                                   "a checkpoint committed by the new worker group"):
                     return
-                time.sleep(0.1)  # a few steps past the checkpoint, so some work is really redone
-                pids = train_worker_pids(self.job_id)
-                if len(pids) == self.workers and not set(pids) & killed_group:
+                # A few steps past the checkpoint, so some work is really redone; not so many that the
+                # next interval's save is under way (its steps would be redone too). Whether the group
+                # still lives is asked of the kernel: Ray's state API takes longer than those steps.
+                time.sleep(0.05)
+                if all(_alive(pid) for pid in pids):
                     break  # still the group that committed: kill it (else it failed meanwhile; wait again)
             self.kills.append(Kill(time.time(), committed_steps(self.checkpoints)[-1], sig))
             killed_group = set(pids)
             os.kill(pids[-1], sig)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
