@@ -69,6 +69,8 @@ lint: setup ## Ruff over Python code, mypy over runtime/.
 	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes
 	$(VENV)/bin/mypy
 
+TEST_TARGETS += lint
+
 # How many suites `make test` runs at once. 2 (default): the Python suites beside the others
 # (test hosts, Terraform, linters) with make -j2, each suite's output printed whole when it ends.
 # 1: one after another, output streamed. Either way every suite runs (-k) and a failure fails the target.
