@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,24 @@ def test_cpu_only_options_are_refused_before_workers_start(cluster: dict, storag
                               ("model.sync_batchnorm=true", "SyncBatchNorm")):
         with pytest.raises(ConfigError, match=message):
             train(job("digits_smoke", storage, override), show_progress=False)
+
+
+def test_rank0_reports_reach_the_driver_in_step_order(cluster: dict, tmp_path: Path) -> None:
+    """Ray runs calls to an async actor (the driver's report queue is one) in no set order: the
+    reporter must deliver them one after another, or the driver's history and console jump about
+    (a CI run's resumed history had step 109 before 107)."""
+    from ray.util.queue import Queue
+
+    from runtime.train.driver import connect
+    from runtime.train.reporter import Reporter
+    from runtime.train.run import RunInfo
+
+    connect()
+    reports: Any = Queue(maxsize=10_000, actor_options={"num_cpus": 0})
+    run = RunInfo(run_name="order", job_id="order", checkpoint_uri=str(tmp_path / "c"), run_dir=str(tmp_path))
+    reporter = Reporter(0, 1, run, reports, False, None, None, lambda m, checkpoint=None: None)
+    n = 1000
+    for step in range(1, n + 1):
+        reporter.publish({"step": step}, final=step == n, to_ray=False, comm_seconds=0.0)
+    got = [reports.get(timeout=30)["step"] for _ in range(n)]
+    assert got == list(range(1, n + 1))
