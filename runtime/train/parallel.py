@@ -1,4 +1,5 @@
-"""FSDP2: shard the model block by block, then the root (torchtitan's ``apply_fsdp`` shape).
+"""How the model is spread over ranks: DDP (``apply_ddp``), or FSDP2 block by block, then the root
+(torchtitan's ``apply_fsdp`` shape).
 
 The model code knows nothing of it. Each block (a ResNet bottleneck, a ViT encoder layer,
 a small net's stage or layer) becomes one FSDP unit whose parameters are all-gathered just
@@ -54,3 +55,17 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def apply_ddp(model: nn.Module, device: torch.device, distributed: bool) -> nn.Module:
+    """The model on ``device``, in DDP when a process group of several ranks is up.
+
+    What Ray's ``prepare_model(parallel_strategy="ddp")`` does, done here so that a trainer placed
+    outside Ray (a caller's own process group) runs the same DDP.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = model.to(device)
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    return model

@@ -41,7 +41,7 @@ from runtime.train.device_input import (
     synthetic_loaders,
 )
 from runtime.train.models import build_model
-from runtime.train.parallel import apply_fsdp, full_tensor
+from runtime.train.parallel import apply_ddp, apply_fsdp, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
 from runtime.train.resume import Trainables, TrainerState, build_checkpointer, build_payload, restore_latest
 from runtime.train.run import PREEMPT_FILE, RunInfo
@@ -117,14 +117,7 @@ class Trainer:
             model = apply_fsdp(self.raw_model.to(self.device), cfg.distributed.fsdp, self.amp_dtype, self.device,
                                self.world)
         else:
-            # What Ray's prepare_model(parallel_strategy="ddp") does, done here so that a trainer
-            # placed outside Ray (a caller's own process group) runs the same DDP.
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            model = self.raw_model.to(self.device)
-            if self.distributed:
-                model = nn.parallel.DistributedDataParallel(
-                    model, device_ids=[self.device] if self.device.type == "cuda" else None)
+            model = apply_ddp(self.raw_model, self.device, self.distributed)
         self.is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         # DDP all-reduces and FSDP reduce-scatters gradients: every rank then sees the same grad norm.
         self.grads_synced = self.is_ddp or self.is_fsdp

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from runtime.cluster.processes import alive
 from tests.support import free_port
 
 # Every service runtime.cluster reads a port for (RT_<NAME>_PORT).
@@ -135,16 +136,8 @@ class WorkerGroupKiller(threading.Thread):
                 # next interval's save is under way (its steps would be redone too). Whether the group
                 # still lives is asked of the kernel: Ray's state API takes longer than those steps.
                 time.sleep(0.05)
-                if all(_alive(pid) for pid in pids):
+                if all(alive(pid) for pid in pids):
                     break  # still the group that committed: kill it (else it failed meanwhile; wait again)
             self.kills.append(Kill(time.time(), committed_steps(self.checkpoints)[-1], sig))
             killed_group = set(pids)
             os.kill(pids[-1], sig)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

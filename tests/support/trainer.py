@@ -60,7 +60,12 @@ def folded(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def train_job(name: str, folder: Path, rank: int, world: int, *overrides: str) -> list[dict[str, Any]]:
+    """The shipped job ``name`` with ``overrides`` as this rank, checkpoints in ``folder``; its reports."""
+    return train_in_process(job(name, str(folder), *overrides), folder, rank, world)[1]
+
+
 def _train_rank(rank: int, world: int, name: str, folder: str, overrides: tuple[str, ...]) -> None:
-    reports = train_in_process(job(name, folder, *overrides), Path(folder), rank, world)[1]
+    reports = train_job(name, Path(folder), rank, world, *overrides)
     if rank == 0:
         (Path(folder) / REPORTS_FILE).write_text(json.dumps(reports))

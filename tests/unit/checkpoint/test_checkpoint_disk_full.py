@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointError, CheckpointManager
-from tests.support import job, wait_for
+from tests.support import wait_for
 from tests.support.cluster import committed_steps
 from tests.support.ranks import spawn_ranks
-from tests.support.trainer import folded, train_in_process
+from tests.support.trainer import folded, train_job
 
 
 @pytest.fixture
@@ -132,11 +132,10 @@ def _train_until_disk_full(rank: int, world: int, disks: dict[str, str], out: st
     """Both policies, one after the other, on this rank; rank 0 writes each run's reports to ``out``."""
     for policy in POLICIES:
         folder = Path(disks[policy]) / "runs" / f"full-{policy}"
-        cfg = job("digits_smoke", str(folder.parent), "model.name=mlp", "tracking.mlflow=false",
-                  "tracking.prometheus=false", "train.deterministic=true", "schedule.warmup_steps=0",
-                  f"train.max_steps={FULL_DISK_STEPS}", "checkpoint.interval_steps=5", "checkpoint.keep=2",
-                  f"checkpoint.on_failure={policy}", "train.log_every_steps=20")
-        reports = train_in_process(cfg, folder, rank, world)[1]
+        reports = train_job("digits_smoke", folder, rank, world, "model.name=mlp", "tracking.mlflow=false",
+                            "tracking.prometheus=false", "train.deterministic=true", "schedule.warmup_steps=0",
+                            f"train.max_steps={FULL_DISK_STEPS}", "checkpoint.interval_steps=5",
+                            "checkpoint.keep=2", f"checkpoint.on_failure={policy}", "train.log_every_steps=20")
         if rank == 0:
             Path(out, f"{policy}.json").write_text(json.dumps(reports))
 

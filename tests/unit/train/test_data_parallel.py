@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.checkpoint import CheckpointManager, step_name
-from tests.support import job
 from tests.support.ranks import spawn_ranks
-from tests.support.trainer import folded, train_in_process
+from tests.support.trainer import folded, train_job
 
 pytestmark = pytest.mark.slow
 
@@ -37,32 +36,30 @@ NONFINITE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=fal
              "schedule.warmup_steps=0", "optimizer.lr=1e30", "train.max_steps=10", "checkpoint.interval_steps=100"]
 
 
-def _train(rank: int, world: int, folder: Path, *overrides: str) -> list[dict[str, Any]]:
-    """One run of the shipped digits job on this rank; its reports."""
-    return train_in_process(job("digits_smoke", str(folder), *overrides), folder, rank, world)[1]
-
-
 def _scenarios(rank: int, world: int, root: str) -> None:
     """Every scenario on this rank; rank 0 writes the reports the tests read (the models are in
     each run's checkpoints)."""
     base = Path(root)
     out: dict[str, list[dict[str, Any]]] = {}
-    out["accum"] = _train(rank, world, base / "accum", *ACCUMULATION, "data.batch_size=8", "train.grad_accum_steps=4")
-    out["big"] = _train(rank, world, base / "big", *ACCUMULATION, "data.batch_size=32", "train.grad_accum_steps=1")
-    out["init"] = _train(rank, world, base / "init", *ACCUMULATION, "data.batch_size=32", "optimizer.lr=1e-12")
-    out["local_sgd"] = _train(rank, world, base / "local_sgd", "train.update_mode=local_sgd",
-                              "train.local_sgd.start_step=4", "train.local_sgd.period=4", "train.max_steps=25",
-                              "tracking.mlflow=false", "tracking.prometheus=false")
-    out["nan_skip"] = _train(rank, world, base / "nan_skip", *NONFINITE, "train.nonfinite.policy=skip")
-    out["nan_stop"] = _train(rank, world, base / "nan_stop", *NONFINITE, "train.nonfinite.policy=stop",
-                             "train.nonfinite.max_consecutive=3")
+
+    def run(name: str, *overrides: str) -> list[dict[str, Any]]:
+        return train_job("digits_smoke", base / name, rank, world, *overrides)
+
+    out["accum"] = run("accum", *ACCUMULATION, "data.batch_size=8", "train.grad_accum_steps=4")
+    out["big"] = run("big", *ACCUMULATION, "data.batch_size=32", "train.grad_accum_steps=1")
+    out["init"] = run("init", *ACCUMULATION, "data.batch_size=32", "optimizer.lr=1e-12")
+    out["local_sgd"] = run("local_sgd", "train.update_mode=local_sgd", "train.local_sgd.start_step=4",
+                           "train.local_sgd.period=4", "train.max_steps=25", "tracking.mlflow=false",
+                           "tracking.prometheus=false")
+    out["nan_skip"] = run("nan_skip", *NONFINITE, "train.nonfinite.policy=skip")
+    out["nan_stop"] = run("nan_stop", *NONFINITE, "train.nonfinite.policy=stop", "train.nonfinite.max_consecutive=3")
     # keep=4: the DDP run's step 10 (an interval checkpoint of 2 ranks) is the switch's starting point.
-    out["ddp"] = _train(rank, world, base / "ddp", *SHARDING, "checkpoint.keep=4")
-    out["fsdp"] = _train(rank, world, base / "fsdp", *SHARDING, "distributed.strategy=fsdp")
+    out["ddp"] = run("ddp", *SHARDING, "checkpoint.keep=4")
+    out["fsdp"] = run("fsdp", *SHARDING, "distributed.strategy=fsdp")
     if rank == 0:
         shutil.copytree(base / "ddp" / "checkpoints" / step_name(10), base / "switch" / "checkpoints" / step_name(10))
     dist.barrier()
-    out["switch"] = _train(rank, world, base / "switch", *SHARDING, "distributed.strategy=fsdp")
+    out["switch"] = run("switch", *SHARDING, "distributed.strategy=fsdp")
     if rank == 0:
         (base / "reports.json").write_text(json.dumps(out))
 
