@@ -406,6 +406,10 @@ class TrackingConfig(Strict):
     mlflow: bool = True
     mlflow_uri: str | None = Field(None, description="MLflow server; None = the local cluster's or a local store.")
     experiment: str | None = Field(None, description="MLflow experiment; default = job name.")
+    required: bool = Field(
+        False, description="An unreachable MLflow server at start-up is an error (exit 3, nothing started) "
+                           "instead of a warning; the run then tracks best-effort as usual."
+    )
     prometheus: bool = True
     prometheus_linger_s: float = Field(
         0.0, ge=0, le=300, description="Keep worker exporters up this long after the run for a final scrape."
