@@ -35,7 +35,12 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None, device: torch.device,
                world: int) -> nn.Module:
-    """Shard ``model`` (already on ``device``) over all ranks; returns the same module, now FSDP."""
+    """Shard ``model`` (already on ``device``) over all ranks; returns the same module, now FSDP.
+
+    FSDP2 refuses non-contiguous parameters, so a ``channels_last`` model's weights go back to
+    the contiguous format first: the input stays channels_last, and cuDNN picks NHWC kernels
+    when either the input or the weight is in that format.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -44,9 +49,12 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     mesh = init_device_mesh(device.type, (world,))
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
+    model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
     for unit in shard_units(model):
         fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kw)
-    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    # The root is left at FSDP2's default: it stays gathered from forward into backward, since
+    # backward starts with the root's last layer (an explicit value would re-gather it there).
+    fully_shard(model, **kw)
     return model
 
 
@@ -64,6 +72,8 @@ def apply_ddp(model: nn.Module, device: torch.device, distributed: bool) -> nn.M
     outside Ray (a caller's own process group) runs the same DDP.
     """
     if device.type == "cuda":
+        if device.index is None:  # torch.cuda.set_device refuses an unindexed device (torch >= 2.13)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     model = model.to(device)
     if distributed:
