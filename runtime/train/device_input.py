@@ -1,16 +1,20 @@
-"""Batches on the device, one ahead of the step that uses them.
+"""Batches on the device, staged ahead of the step that uses them.
 
 ``host_batches`` walks a rank's loader epoch by epoch and tags every batch with its
 position, so the trainer's resume state counts the batches it *trained on*, not those
-already fetched ahead. ``DevicePrefetcher`` copies batch N+1 on a side CUDA stream while
-batch N computes (pinned host memory, ``non_blocking``, ``record_stream``); uint8 images
-cross the bus as uint8 and are normalised on the device. On CPU the same code runs with
-the copies as no-ops. ``SyntheticLoader`` makes synthetic data once on the device, as a
-bare benchmark does, so synthetic throughput measures the model and the runtime.
+already fetched ahead. ``DevicePrefetcher`` stages the next batches in a producer thread on
+its own CUDA stream while batch N computes (pinned host memory, ``non_blocking``, an event
+per batch, ``record_stream``); uint8 images cross the bus as uint8 and are normalised on the
+device. On CPU the same code runs, threads included, with the copies as no-ops.
+``SyntheticLoader`` makes synthetic data once on the device, as a bare benchmark does, so
+synthetic throughput measures the model and the runtime.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +24,8 @@ import torch
 
 from runtime.config import DataConfig
 from runtime.data import DataBundle, EpochLoader, Loaders
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,39 +75,127 @@ def make_stage(device: torch.device, bundle: DataBundle, memory_format: torch.me
     return stage
 
 
+@dataclass
+class _Ready:
+    """A staged batch; on CUDA ``event`` marks the end of its work on the producer's stream."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    pos: Position
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class _Failed:
+    """The producer's exception (or the source's StopIteration), re-raised on the training thread."""
+
+    error: BaseException
+
+
 class DevicePrefetcher:
-    """Iterator of (x, y, position) on the device, the next batch's copy in flight meanwhile."""
+    """Iterator of (x, y, position) on the device, staged up to ``DEPTH`` batches ahead by a producer thread.
+
+    The thread owns its CUDA stream and hands each batch over with an event the training
+    thread's stream waits on, so the training thread never blocks on the device. Why a
+    thread and not only a side stream: GPU decode (nvJPEG through torchvision) synchronises
+    its host thread twice per batch and Huffman-decodes progressive JPEGs on the host, and the
+    loader's own ``next`` (unpickling, pinning handoff) costs host time too; both now overlap
+    the step instead of delaying its launches. The plain copy path takes the same thread: its
+    host work is a few launches, the handoff (a queue put/get, an event) tens of microseconds,
+    and one code path is what the CPU tests exercise. On CPU there are no streams or events.
+    Call ``close`` when done (the trainer does): it stops and joins the thread.
+    """
+
+    DEPTH = 2  # staged batches waiting; with one in the producer's hands, at most 3 batches ahead
+    JOIN_S = 60.0  # close() waits this long for a producer stuck in the loader's next()
 
     def __init__(self, source: Iterator[tuple[Any, Position]], stage: Stage, device: torch.device) -> None:
         self.source, self.stage = source, stage
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.wait_s = 0.0  # host seconds spent waiting for the loader
-        self._next: tuple[torch.Tensor, torch.Tensor, Position] | None = None
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":  # the producer thread must select the same device: it is per thread
+            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            self.stream = torch.cuda.Stream(device)
+        self.device = device
+        self.wait_s = 0.0  # host seconds the training thread waited for a staged batch
+        self._queue: queue.Queue[_Ready | _Failed] = queue.Queue(maxsize=self.DEPTH)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._produce, name="device-prefetch", daemon=True)
+        self._thread.start()
 
-    def _fetch(self) -> tuple[torch.Tensor, torch.Tensor, Position]:
-        t0 = time.perf_counter()
-        batch, pos = next(self.source)
-        self.wait_s += time.perf_counter() - t0
-        if self.stream is None:
+    # ------------------------------------------------------------ producer thread
+
+    def _produce(self) -> None:
+        try:
+            if self.stream is None:
+                self._loop()
+            else:
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(self.stream):
+                    self._loop()
+        except BaseException as e:  # noqa: BLE001  (every failure reaches the training thread)
+            self._put(_Failed(e))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            batch, pos = next(self.source)
             x, y = self.stage(batch)
-        else:
-            with torch.cuda.stream(self.stream):
-                x, y = self.stage(batch)
-        return x, y, pos
+            event = None
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            if not self._put(_Ready(x, y, pos, event)):
+                return
+
+    def _put(self, item: _Ready | _Failed) -> bool:
+        """Block while the queue is full, but give up once close() asks: False then."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # ------------------------------------------------------------ training thread
 
     def __iter__(self) -> DevicePrefetcher:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor, Position]:
-        current = self._next if self._next is not None else self._fetch()
-        x, y, pos = current
-        if self.stream is not None:
-            main = torch.cuda.current_stream()
-            main.wait_stream(self.stream)  # the copy (and normalisation) of this batch is done
-            x.record_stream(main)  # memory made on the side stream is now used by the main one
-            y.record_stream(main)
-        self._next = self._fetch()  # start batch N+1 before batch N computes
-        return current
+        if self._error is not None:
+            raise self._error
+        if self._stop.is_set():
+            raise RuntimeError("data: the prefetcher is closed")
+        t0 = time.perf_counter()
+        item = self._queue.get()  # the producer always puts: a batch, or its failure (it never dies silently)
+        self.wait_s += time.perf_counter() - t0
+        if isinstance(item, _Failed):
+            self._error = item.error
+            self.close()
+            raise item.error
+        if item.event is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(item.event)  # device-side wait: the host goes on launching the step
+            item.x.record_stream(main)  # made on the producer's stream, used (and freed) on this one
+            item.y.record_stream(main)
+        return item.x, item.y, item.pos
+
+    def close(self) -> None:
+        """Stop the producer and join it; staged batches are dropped. Safe to call twice."""
+        self._stop.set()
+        deadline = time.monotonic() + self.JOIN_S
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:
+                while True:
+                    self._queue.get_nowait()  # unblock a put (the producer also polls the stop flag)
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
+        while not self._queue.empty():
+            self._queue.get_nowait()  # a batch put just before the stop: free its memory now
+        if self._thread.is_alive():
+            log.warning("data: the prefetch thread did not stop within %.0f s (stuck in the loader?)", self.JOIN_S)
 
 
 class SyntheticLoader:

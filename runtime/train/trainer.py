@@ -230,7 +230,7 @@ class Trainer:
         ckpt_every = self.cfg.checkpoint.interval_steps if self.checkpoints is not None else 0
         eval_steps = set(tc.eval_at_steps)
         commit_steps = set(self.cfg.checkpoint.at_steps) if self.checkpoints is not None else set()
-        batches = DevicePrefetcher(
+        batches = self.prefetcher = DevicePrefetcher(  # a producer thread: closed in close()
             host_batches(self.loaders.train, self.loaders.batches_per_epoch, self.state.epoch,
                          self.state.batch_in_epoch),
             self.train_stage, self.device)
@@ -480,6 +480,8 @@ class Trainer:
         return h.hexdigest()
 
     def close(self) -> None:
+        if getattr(self, "prefetcher", None) is not None:  # fit() ran: stop its producer thread
+            self.prefetcher.close()
         if self.checkpoints is not None:
             try:
                 self.checkpoints.wait()

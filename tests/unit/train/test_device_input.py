@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 import torch
 
 from runtime.config import DataConfig
 from runtime.data import DataBundle
-from runtime.train.device_input import DevicePrefetcher, SyntheticLoader, host_batches, make_stage, synthetic_loaders
+from runtime.train.device_input import (
+    DevicePrefetcher,
+    Position,
+    Stage,
+    SyntheticLoader,
+    host_batches,
+    make_stage,
+    synthetic_loaders,
+)
 
 CPU = torch.device("cpu")
 
 
 class ListLoader:
     """An EpochLoader over fixed batches: batch i of epoch e is (e, i)."""
+
+    skipped = 0
 
     def __init__(self, n: int) -> None:
         self.n, self.epoch, self.start = n, 0, 0
@@ -37,19 +54,122 @@ def test_an_epoch_stops_at_its_full_batches_even_if_the_loader_has_more() -> Non
         (0, 0, False), (0, 1, True), (1, 0, False)]
 
 
-def test_prefetcher_yields_every_batch_once_in_order_one_fetched_ahead() -> None:
-    bundle = DataBundle(None, None, 10, 1, 1)
-    stage = make_stage(CPU, bundle, torch.contiguous_format)
+def _numbered(n_per_epoch: int, epoch: int = 0, index: int = 0, fetched: list[int] | None = None,
+              fail_at: int | None = None, delay_s: float = 0.0) -> Iterator[tuple[Any, Position]]:
+    """(x, y) host batches from host_batches, y = the batch index; optionally slow, or failing at a count."""
+    for count, (b, p) in enumerate(host_batches(ListLoader(n_per_epoch), n_per_epoch, epoch, index)):
+        if fail_at is not None and count == fail_at:
+            raise ValueError(f"bad batch {count}")
+        if fetched is not None:
+            fetched.append(count)
+        time.sleep(delay_s)
+        yield (b[1].float().view(1, 1, 1, 1), b[1]), p
+
+
+def _prefetcher(source: Iterator[tuple[Any, Position]], stage: Stage | None = None) -> DevicePrefetcher:
+    return DevicePrefetcher(source, stage or make_stage(CPU, DataBundle(None, None, 10, 1, 1),
+                                                       torch.contiguous_format), CPU)
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "device-prefetch"]
+
+
+def test_prefetcher_yields_every_batch_once_in_order_a_bounded_number_ahead() -> None:
     fetched: list[int] = []
+    pre = _prefetcher(_numbered(4, fetched=fetched))
+    try:
+        got = [(int(y), p.epoch, p.index) for _, y, p in (next(pre) for _ in range(6))]
+        assert got == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3), (0, 1, 0), (1, 1, 1)]
+        time.sleep(0.2)  # let the producer run as far ahead as it may
+        # DEPTH staged in the queue plus one in the producer's hands, never more.
+        assert 6 < len(fetched) <= 6 + DevicePrefetcher.DEPTH + 1
+    finally:
+        pre.close()
 
-    def source():  # type: ignore[no-untyped-def]
-        for i, (b, p) in enumerate(host_batches(ListLoader(4), 4, 0, 0)):
-            fetched.append(i)
-            yield (b[1].float().view(1, 1, 1, 1), b[1]), p
 
-    pre = DevicePrefetcher(source(), stage, CPU)
-    first = [int(next(pre)[1]) for _ in range(3)]
-    assert first == [0, 1, 2] and fetched == [0, 1, 2, 3]  # the next batch is already in flight
+def test_a_slow_consumer_gets_the_same_batches_in_the_same_order() -> None:
+    pre = _prefetcher(_numbered(5))
+    try:
+        got = []
+        for _ in range(8):
+            x, y, p = next(pre)
+            time.sleep(0.02)  # the step is slower than the producer: the queue stays full
+            got.append((float(x.flatten()[0]), int(y), p.epoch, p.index, p.last))
+    finally:
+        pre.close()
+    assert got == [(float(i % 5), i % 5, i // 5, i % 5, i % 5 == 4) for i in range(8)]
+
+
+def test_resuming_from_the_last_consumed_position_continues_exactly_where_training_stopped() -> None:
+    pre = _prefetcher(_numbered(3, epoch=1, index=2))
+    consumed = [next(pre)[2] for _ in range(4)]  # the producer has fetched further: that must not count
+    pre.close()
+    last = consumed[-1]
+    epoch, index = (last.epoch + 1, 0) if last.last else (last.epoch, last.index + 1)  # as Trainer._consume
+    again = _prefetcher(_numbered(3, epoch=epoch, index=index))
+    try:
+        resumed = [next(again)[2] for _ in range(3)]
+    finally:
+        again.close()
+    straight = _prefetcher(_numbered(3, epoch=1, index=2))
+    try:
+        uninterrupted = [next(straight)[2] for _ in range(7)]
+    finally:
+        straight.close()
+    assert consumed + resumed == uninterrupted
+
+
+def test_a_loader_error_is_raised_on_the_training_thread_after_the_good_batches() -> None:
+    pre = _prefetcher(_numbered(10, fail_at=3))
+    assert [int(next(pre)[1]) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="bad batch 3") as caught:
+        next(pre)
+    assert any(f.name == "_numbered" for f in traceback.extract_tb(caught.value.__traceback__))  # producer's frames
+    with pytest.raises(ValueError, match="bad batch 3"):
+        next(pre)  # and on every later call, not a hang
+    assert not pre._thread.is_alive()
+
+
+def test_a_stage_error_is_raised_on_the_training_thread() -> None:
+    def stage(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("decode failed")
+
+    pre = _prefetcher(_numbered(4), stage)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        next(pre)
+    pre.close()
+
+
+def test_a_finite_source_ends_the_iteration() -> None:
+    source = iter([((torch.ones(1, 1, 1, 1), torch.tensor([i])), Position(0, i, i == 1)) for i in range(2)])
+    pre = _prefetcher(source)
+    assert [int(y) for _, y, _ in pre] == [0, 1]
+
+
+def test_close_stops_a_producer_blocked_on_a_full_queue_or_a_slow_loader() -> None:
+    before = len(_prefetch_threads())
+    blocked = _prefetcher(_numbered(4))
+    slow = _prefetcher(_numbered(4, delay_s=0.3))
+    next(blocked)
+    time.sleep(0.1)  # the queue is full: its producer waits to put
+    blocked.close()
+    slow.close()  # its producer is inside the loader's next(): joined once that returns
+    blocked.close()  # twice is harmless
+    assert not blocked._thread.is_alive() and not slow._thread.is_alive()
+    assert len(_prefetch_threads()) == before
+    with pytest.raises(RuntimeError, match="prefetcher is closed"):
+        next(blocked)
+
+
+def test_time_waiting_for_a_slow_loader_is_counted() -> None:
+    pre = _prefetcher(_numbered(4, delay_s=0.05))
+    try:
+        for _ in range(3):
+            next(pre)
+    finally:
+        pre.close()
+    assert pre.wait_s >= 0.05
 
 
 def test_uint8_images_are_normalised_on_the_device_with_the_bundles_mean_and_std() -> None:
