@@ -6,13 +6,16 @@
     python -m runtime checkpoints list|verify|prune <storage>
     python -m runtime data pack|inspect ...
     python -m runtime cluster up|down|status
-    python -m runtime report <run folder or name>
+    python -m runtime report <run folder or name> [--sync]
 
 Overrides: ``--set a.b=c`` (repeatable), ``--sets "a.b=c d.e='two words'"`` (shell-quoted, what
 ``make ... SET=...`` passes) and ``RT_A__B=c`` environment variables; ``--set`` wins over RT_*.
 
-Exit codes: 0 ok, 1 the run failed (tune: no trial reported the metric), 2 bad input (nothing
-was started), 3 no cluster to run on, 130 tune: the search was interrupted (resume with --resume).
+Exit codes: 0 ok (a run that trained to its end, even when MLflow missed some of it: the summary
+says what, and ``report <run> --sync`` uploads it), 1 the run failed (tune: no trial reported the
+metric), 2 bad input (nothing was started), 3 no cluster or required service to run on (no Ray
+cluster; MLflow unreachable with tracking.required, or for ``report --sync``), 130 tune: the search
+was interrupted (resume with --resume).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     r = sub.add_parser("report", help="print a run's summary table and regenerate its plots")
     r.add_argument("run", help="a run folder, or a run name under ./runs")
+    r.add_argument("--sync", action="store_true",
+                   help="first upload to MLflow what it missed of the run (idempotent; exit 3 while unreachable)")
     cl = sub.add_parser("cluster", help="the local embedded cluster")
     cl.add_argument("action", choices=["up", "down", "status"])
     cl.add_argument("--num-cpus", type=int, default=None)
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from runtime.observe.report import main as report_main
 
-        return report_main(args.run)
+        return report_main(args.run, sync=args.sync)
     try:
         cfg = _checked_job(args)
         if args.command == "validate":

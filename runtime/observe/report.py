@@ -1,91 +1,29 @@
-"""``python -m runtime report <run>``: a finished (or interrupted) run's summary table, and its plots again.
+"""``python -m runtime report <run> [--sync]``: a finished (or interrupted) run's summary table, and its plots again.
 
 Reads the run folder's ``history.jsonl`` (every report the driver received, appended as they
-arrived, runtime.train.driver.HISTORY_FILE), prints where each metric started, ended and was best,
+arrived, runtime.observe.history.HISTORY_FILE), prints where each metric started, ended and was best,
 the throughput median, restarts and wall time, and rewrites ``training_curves.png`` next to it.
-Works without a cluster, MLflow or the checkpoints.
+Works without a cluster, MLflow or the checkpoints. ``--sync`` first uploads to MLflow what it
+missed of the run (runtime.observe.tracking.sync).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import statistics
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from runtime.layout import LOCAL_RUNS
+from runtime.observe.history import CURVES_FILE, HISTORY_FILE, HistoryLog, ReportError, read_history
 
 # (key, label, which end is best); throughput and learning rate are described, not ranked.
 METRICS = (("train/loss", "train loss", min), ("train/accuracy", "train accuracy", max),
            ("val/loss", "val loss", min), ("val/accuracy", "val accuracy", max))
 EXIT_BAD_INPUT = 2
-HISTORY_FILE = "history.jsonl"  # every report the driver received, one JSON object a line (runtime.train.driver.train)
-CURVES_FILE = "training_curves.png"
+EXIT_NO_SERVICE = 3  # --sync: MLflow unreachable (the CLI's "no cluster/service")
 
-
-log = logging.getLogger("runtime.observe.report")
-
-
-class ReportError(ValueError):
-    """No run to report on; the message says what was looked for."""
-
-
-class HistoryLog:
-    """Appends each report to the run folder's history file as it arrives.
-
-    The file is a by-product: a full or failing disk (the run folder may share the checkpoints'
-    disk) costs the file, with one warning, never the run that checkpoint.on_write_error governs.
-    """
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / HISTORY_FILE
-        self._f: IO[str] | None = None
-        try:
-            self._f = self.path.open("a")
-        except OSError as e:
-            self._give_up(e)
-
-    def append(self, item: dict[str, Any]) -> None:
-        if self._f is None:
-            return
-        try:
-            self._f.write(json.dumps(item, default=str) + "\n")
-            self._f.flush()
-        except OSError as e:
-            self._give_up(e)
-
-    def _give_up(self, e: OSError) -> None:
-        log.warning("%s: %s; the run goes on without its report history", self.path, e.strerror or e)
-        self.close()
-
-    def close(self) -> None:
-        f, self._f = self._f, None
-        if f is not None:
-            try:
-                f.close()
-            except OSError:  # the flush of a full disk: already reported
-                pass
-
-
-def read_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The reports a run folder's history file holds, oldest first ([] without one).
-
-    A line cut short by a crash mid-write is skipped rather than failing the whole read.
-    """
-    f = run_dir / HISTORY_FILE
-    if not f.exists():
-        return []
-    out = []
-    for line in f.read_text().splitlines():
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
-    return out
+__all__ = ["CURVES_FILE", "HISTORY_FILE", "HistoryLog", "ReportError", "find_run", "main", "read_history", "report"]
 
 
 def find_run(run: str, runs_root: Path = LOCAL_RUNS) -> Path:
@@ -143,12 +81,22 @@ def report(run: str, runs_root: Path = LOCAL_RUNS) -> tuple[list[str], Path | No
     return summary_table(history, run_dir), png if plot_curves(history, png) else None
 
 
-def main(run: str) -> int:
+def main(run: str, sync: bool = False) -> int:
+    """The summary; with ``sync``, first upload what MLflow missed (exit 3 while it is unreachable)."""
+    from runtime.cluster import ClusterError
+
     try:
+        if sync:
+            from runtime.observe.tracking import sync as sync_run
+
+            print("\n".join(sync_run(find_run(run))) + "\n")
         lines, png = report(run)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NO_SERVICE
     print("\n".join(lines))
     print(f"\nplots        {png}" if png else "\nplots        none (no report carried a training loss)")
     return 0

@@ -1,28 +1,48 @@
-"""MLflow tracking for training runs.
+"""MLflow tracking for training runs: best-effort, bounded and recoverable.
 
-The driver creates the run (params = the flattened resolved config, tags) before
-the workers start and passes its id to them; rank 0 attaches to it for system
-metrics of its node. Metrics are the values rank 0 reports (already reduced
-across ranks: mean loss/accuracy, global throughput). Artifacts at the end:
-resolved config, a training-curve PNG and the final model. Without a server,
-tracking falls back to a local sqlite store and says where.
+The driver opens the MLflow run (params = the flattened resolved config, tags) before the
+workers start and passes its id to them; rank 0 attaches to it for system metrics of its node.
+Metrics are the values rank 0 reports (already reduced across ranks: mean loss/accuracy, global
+throughput). Artifacts at the end: resolved config, a training-curve PNG and the final model.
+Without a server, tracking falls back to a local sqlite store and says where.
+
+A tracking server is a convenience: a run's outcome never depends on it (issue 27).
+- Bounded: MLflow's own HTTP settings are lowered for the runtime's calls (MLFLOW_HTTP_DEFAULTS;
+  settings the user exported win). MLflow's defaults retry a call 7 times with exponential backoff
+  and 120 s timeouts: minutes per call against a dead server.
+- Off the report path: one sender thread per run makes every MLflow call; the driver only queues
+  a report (a bounded queue: a report that finds it full is counted and uploaded from the
+  history instead).
+- Visible: one console line when MLflow becomes unreachable and one when it is back; urllib3's
+  line per retry is dropped.
+- Recoverable: the run folder's mlflow.json (SyncState) says what MLflow holds; what it missed is
+  uploaded from history.jsonl when it is back, at the end of the run, or by
+  ``python -m runtime report <run> --sync`` (same MLflow run, no step twice).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import queue
 import socket
 import subprocess
 import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from runtime.cluster import ROOT, tracking_uri
+from runtime.cluster import ROOT, ClusterError, tracking_uri
+from runtime.cluster.processes import http_ok
 from runtime.config import JobConfig
-from runtime.layout import LOCAL_RUNS
+from runtime.layout import LOCAL_RUNS, storage_paths
+from runtime.observe.history import CURVES_FILE, HISTORY_FILE, ReportError, read_history
 from runtime.observe.versions import versions
 
 if TYPE_CHECKING:
@@ -31,6 +51,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("runtime.observe.tracking")
 
 NUMERIC_PREFIXES = ("train/", "val/", "time/")
+# MLflow's HTTP client settings for the runtime's calls (its defaults in brackets). A call against a
+# refused port fails in ~1-3 s; against a server that accepts and never answers in 3 x 5 s + backoff.
+MLFLOW_HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",  # seconds per attempt [120]
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",  # [7]
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # an int to MLflow [2]
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",  # [1.0]
+}
+STATE_FILE = "mlflow.json"  # SyncState, beside history.jsonl
+CONFIG_FILE = "resolved_config.yaml"  # the run's resolved config, logged as an artifact and read by --sync
+QUEUE_MAX = 1000  # reports waiting for the sender; beyond, they wait in history.jsonl
+PROBE_EVERY_S = 5.0  # while MLflow is unreachable: how often the sender asks it again
+CLOSE_WAIT_S = 120.0  # the end of a run waits at most this for the sender (artifacts, a last catch-up)
+BATCH_METRICS = 1000  # MLflow's log_batch limit
+
+
+class _NoRetryLines(logging.Filter):
+    """urllib3 logs a WARNING per retry of every request (49 lines on the console of the issue's run):
+    the tracker's two state lines say it instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Retrying")
+
+
+def bound_mlflow_http() -> None:
+    """MLflow calls from this process: short timeouts and few retries, unless the user set their own."""
+    for key, value in MLFLOW_HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    pool = logging.getLogger("urllib3.connectionpool")
+    if not any(isinstance(f, _NoRetryLines) for f in pool.filters):
+        pool.addFilter(_NoRetryLines())
 
 
 def local_store_uri() -> str:
@@ -48,87 +99,397 @@ def git_commit() -> str:
         return "unknown"
 
 
-class Tracker:
-    """One MLflow run per training run."""
+def run_tags(cfg: JobConfig, run_name: str, parent_run_id: str | None,
+             extra_tags: dict[str, str] | None) -> dict[str, str]:
+    v = versions()
+    tags = {
+        "mlflow.runName": run_name, "job_name": cfg.name, "git_commit": git_commit(),
+        "host": socket.gethostname(), "world_size": str(cfg.distributed.num_workers),
+        "torch_version": v["torch"], "ray_version": v["ray"], "config_hash": cfg.config_hash(),
+        **(extra_tags or {}),
+    }
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    return tags
 
-    def __init__(self, uri: str, experiment: str, run_name: str, cfg: JobConfig,
-                 parent_run_id: str | None = None, extra_tags: dict[str, str] | None = None) -> None:
-        import mlflow
+
+def report_metrics(item: dict[str, Any]) -> list[Any]:
+    """The MLflow metrics of one report: its numeric train/val/time values and the cost estimate."""
+    from mlflow.entities import Metric
+
+    step = int(item.get("step", 0))
+    ts = int(float(item.get("_time", 0)) * 1000)
+    metrics = [Metric(k, float(v), ts, step) for k, v in item.items()
+               if k.startswith(NUMERIC_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if "cost/estimated_dollars" in item:
+        metrics.append(Metric("cost/estimated_dollars", float(item["cost/estimated_dollars"]), ts, step))
+    return metrics
+
+
+@dataclass
+class SyncState:
+    """What the MLflow run holds of a run folder, saved as its mlflow.json after every change."""
+
+    uri: str
+    experiment: str
+    run_name: str
+    tags: dict[str, str]
+    run_id: str | None = None  # None until the MLflow run was created (MLflow was down at start-up)
+    uploaded: int = 0  # the first `uploaded` reports of history.jsonl are in MLflow
+    status: str | None = None  # the run's end state (FINISHED, FAILED, ...) once it ended
+    end_tags: dict[str, str] = field(default_factory=dict)
+    checkpoint_uri: str | None = None
+    closed: bool = False  # the end state, end tags and artifacts are in MLflow
+
+    @classmethod
+    def load(cls, run_dir: Path) -> SyncState | None:
+        try:
+            return cls(**json.loads((run_dir / STATE_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def save(self, run_dir: Path) -> None:
+        """Atomically (a temporary file renamed); a failing disk costs the record, not the run."""
+        tmp = run_dir / f".{STATE_FILE}.tmp"
+        try:
+            tmp.write_text(json.dumps(asdict(self), indent=1))
+            os.replace(tmp, run_dir / STATE_FILE)
+        except OSError as e:
+            log.warning("%s: not written: %s", run_dir / STATE_FILE, e.strerror or e)
+
+
+class MlflowUpload:
+    """Every MLflow call for one run; each is bounded (bound_mlflow_http) and raises when it fails."""
+
+    def __init__(self, state: SyncState, cfg: JobConfig) -> None:
         from mlflow.tracking import MlflowClient
 
-        self.uri = uri
-        self.client = MlflowClient(tracking_uri=uri)
-        mlflow.set_tracking_uri(uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
-        v = versions()
-        tags = {
-            "mlflow.runName": run_name, "job_name": cfg.name, "git_commit": git_commit(),
-            "host": socket.gethostname(), "world_size": str(cfg.distributed.num_workers),
-            "torch_version": v["torch"], "ray_version": v["ray"], "config_hash": cfg.config_hash(),
-            **(extra_tags or {}),
-        }
-        if parent_run_id:
-            tags["mlflow.parentRunId"] = parent_run_id
-        existing = self.client.search_runs([exp_id], f"tags.`mlflow.runName` = '{run_name}'", max_results=1)
-        if existing:  # a resumed run keeps its MLflow run
-            self.run_id = existing[0].info.run_id
-        else:
-            self.run_id = self.client.create_run(exp_id, tags=tags, run_name=run_name).info.run_id
-            from mlflow.entities import Param
+        self.state, self.cfg = state, cfg
+        self.client = MlflowClient(tracking_uri=state.uri)
 
-            params = [Param(k, str(val)[:6000]) for k, val in cfg.flat().items()]
-            for i in range(0, len(params), 100):
-                self.client.log_batch(self.run_id, params=params[i : i + 100])
-        self.cfg = cfg
+    def open(self) -> str:
+        """The MLflow run's id: created (tags, params) unless this run already has one."""
+        if self.state.run_id:
+            return self.state.run_id
+        from mlflow.entities import Param
+
+        exp = self.client.get_experiment_by_name(self.state.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.state.experiment)
+        name = self.state.run_name
+        existing = self.client.search_runs([exp_id], f"tags.`mlflow.runName` = '{name}'", max_results=1)
+        if existing:  # a resumed run keeps its MLflow run
+            self.state.run_id = str(existing[0].info.run_id)
+            return self.state.run_id
+        run_id = str(self.client.create_run(exp_id, tags=self.state.tags, run_name=name).info.run_id)
+        params = [Param(k, str(val)[:6000]) for k, val in self.cfg.flat().items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run_id, params=params[i : i + 100])
+        self.state.run_id = run_id
+        return run_id
+
+    def verify(self) -> None:
+        """Raise unless MLflow answers; a run it does not know (a new server) is created again."""
+        from mlflow.exceptions import RestException
+
+        if self.state.run_id:
+            try:
+                self.client.get_run(self.state.run_id)
+                return
+            except RestException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                self.state.run_id, self.state.uploaded = None, 0
+        self.open()
+
+    def metrics(self, items: list[dict[str, Any]]) -> None:
+        run_id = self.open()
+        batch: list[Any] = []
+        for item in items:
+            batch += report_metrics(item)
+            while len(batch) >= BATCH_METRICS:
+                self.client.log_batch(run_id, metrics=batch[:BATCH_METRICS])
+                batch = batch[BATCH_METRICS:]
+        if batch:
+            self.client.log_batch(run_id, metrics=batch)
+
+    def close(self, history: list[dict[str, Any]], plots: list[str]) -> None:
+        """Artifacts (resolved config, curves, final model), end tags, end state."""
+        run_id = self.open()
+        with tempfile.TemporaryDirectory() as d:
+            cfg_path = Path(d) / CONFIG_FILE
+            cfg_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+            self.client.log_artifact(run_id, str(cfg_path))
+            png = Path(plots[0]) if plots else Path(d) / CURVES_FILE
+            if plots or plot_curves(history, png):
+                self.client.log_artifact(run_id, str(png))
+            if self.state.checkpoint_uri:
+                model = export_final_model(self.state.checkpoint_uri, self.cfg, Path(d))
+                if model is not None:
+                    self.client.log_artifact(run_id, str(model), artifact_path="model")
+        for key, value in self.state.end_tags.items():
+            self.client.set_tag(run_id, key, value)
+        self.client.set_terminated(run_id, status=self.state.status or "FINISHED")
+        self.state.closed = True
+
+
+@dataclass
+class _End:
+    """The sender's last job: the run ended; upload what is missing and close the MLflow run."""
+
+    history: list[dict[str, Any]]
+    plots: list[str]
+
+
+class Tracker:
+    """One MLflow run per training run, fed by a sender thread so that MLflow never stalls a run.
+
+    ``keeps_history``: the caller appends every report to the run folder's history.jsonl before
+    logging it (the driver), so what MLflow missed is read back from there, now or by ``--sync``.
+    Otherwise (a Tune trial) the tracker keeps the reports of this call in memory.
+    """
+
+    def __init__(self, upload: MlflowUpload, run_dir: Path, *, keeps_history: bool, reachable: bool,
+                 notify: Callable[[str], None]) -> None:
+        self.upload, self.run_dir, self.keeps_history = upload, run_dir, keeps_history
+        self.client = upload.client
+        self.uri = upload.state.uri
+        self.cfg = upload.cfg  # Tune's parent run logs its best trial's config instead
+        self.reachable = reachable
+        self.notify = notify
+        self.dropped = 0  # reports that found the sender's queue full (uploaded from the history)
+        self._seen: list[dict[str, Any]] = []  # without a history file: this call's reports
+        self._base = len(read_history(run_dir)) if keeps_history else 0
+        self._logged = 0
+        self._last_probe = time.monotonic()
+        self._queue: queue.Queue[tuple[int, dict[str, Any]] | _End] = queue.Queue(maxsize=QUEUE_MAX)
+        self._sender = threading.Thread(target=self._send_loop, name="mlflow-sender", daemon=True)
+        self._sender.start()
+
+    @property
+    def run_id(self) -> str:
+        """The MLflow run's id; "" while it does not exist (MLflow was down at start-up)."""
+        return self.upload.state.run_id or ""
+
+    @property
+    def state(self) -> SyncState:
+        return self.upload.state
 
     @classmethod
     def for_job(cls, cfg: JobConfig, run_name: str, parent_run_id: str | None = None,
-                extra_tags: dict[str, str] | None = None) -> Tracker | None:
+                extra_tags: dict[str, str] | None = None, *, keeps_history: bool = False,
+                notify: Callable[[str], None] | None = None) -> Tracker | None:
+        """The run's tracker; None when tracking is off, or (without ``keeps_history``) when MLflow
+        cannot be reached at start-up. Raises ClusterError then when ``tracking.required``."""
         if not cfg.tracking.mlflow:
             return None
+        bound_mlflow_http()
+        say = notify or log.warning
         uri = cfg.tracking.mlflow_uri or tracking_uri()
         if not uri:
             uri = local_store_uri()
             log.warning("no MLflow server (run `make cluster-up`); tracking to the local store %s", uri)
+        run_dir = Path(storage_paths(cfg, run_name)[2])
+        state = SyncState.load(run_dir) if keeps_history else None
+        if state is None or state.uri != uri:
+            state = SyncState(uri=uri, experiment=cfg.tracking.experiment or cfg.name, run_name=run_name,
+                              tags=run_tags(cfg, run_name, parent_run_id, extra_tags))
+        state.status, state.closed = None, False  # a resumed run is running again
+        upload = MlflowUpload(state, cfg)
         try:
-            return cls(uri, cfg.tracking.experiment or cfg.name, run_name, cfg, parent_run_id, extra_tags)
-        except Exception as e:  # tracking must not block training; say so loudly
-            log.error("MLflow tracking disabled: cannot reach %s (%s)", uri, e)
-            return None
+            upload.verify()
+            reachable = True
+        except Exception as e:  # noqa: BLE001 (MLflow raises many kinds; none may stop the run)
+            log.debug("MLflow at %s: %s", uri, e)
+            if cfg.tracking.required:
+                raise ClusterError(f"MLflow at {uri} is unreachable and tracking.required is true: nothing "
+                                   "was started (start it with `make cluster-up`, or set tracking.required=false "
+                                   "to train and upload later)") from None
+            if not keeps_history:
+                say(f"MLflow at {uri} unreachable; this run is not tracked")
+                return None
+            reachable = False
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_file = run_dir / CONFIG_FILE
+        try:
+            config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        except OSError as e:
+            log.warning("%s: not written: %s", config_file, e.strerror or e)
+        if keeps_history:
+            state.save(run_dir)
+        tracker = cls(upload, run_dir, keeps_history=keeps_history, reachable=True, notify=say)
+        if not reachable:
+            tracker._went_away()
+        return tracker
 
     def log_step_metrics(self, item: dict[str, Any]) -> None:
-        from mlflow.entities import Metric
-
-        step = int(item.get("step", 0))
-        ts = int(float(item.get("_time", 0)) * 1000)
-        metrics = [Metric(k, float(v), ts, step) for k, v in item.items()
-                   if k.startswith(NUMERIC_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if "cost/estimated_dollars" in item:
-            metrics.append(Metric("cost/estimated_dollars", float(item["cost/estimated_dollars"]), ts, step))
-        if metrics:
-            try:
-                self.client.log_batch(self.run_id, metrics=metrics)
-            except Exception as e:
-                log.warning("MLflow log failed: %s", e)
+        """Queue one report for MLflow; never waits."""
+        index = self._base + self._logged
+        if not self.keeps_history:
+            self._seen.append(item)
+        self._logged += 1
+        try:
+            self._queue.put_nowait((index, item))
+        except queue.Full:
+            self.dropped += 1
 
     def finish(self, outcome: TrainOutcome, status: str) -> None:
-        with tempfile.TemporaryDirectory() as d:
-            cfg_path = Path(d) / "resolved_config.yaml"
-            cfg_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
-            self.client.log_artifact(self.run_id, str(cfg_path))
-            # The driver already wrote the run folder's copy (runtime.train.driver.train); a Tune trial has none.
-            png = Path(outcome.plots[0]) if outcome.plots else Path(d) / "training_curves.png"
-            if outcome.plots or plot_curves(outcome.history, png):
-                self.client.log_artifact(self.run_id, str(png))
-            model = export_final_model(outcome.checkpoint_uri, self.cfg, Path(d))
-            if model is not None:
-                self.client.log_artifact(self.run_id, str(model), artifact_path="model")
+        """Record the end state, then let the sender upload what is missing and close the MLflow run;
+        waits at most CLOSE_WAIT_S, raises nothing."""
+        st = self.state
+        st.status, st.checkpoint_uri = status, outcome.checkpoint_uri
         if outcome.metrics.get("stop_reason"):
-            self.client.set_tag(self.run_id, "stop_reason", str(outcome.metrics["stop_reason"]))
+            st.end_tags["stop_reason"] = str(outcome.metrics["stop_reason"])
         if outcome.preempted:
-            self.client.set_tag(self.run_id, "preempted", "true")
-        self.client.set_terminated(self.run_id, status=status)
+            st.end_tags["preempted"] = "true"
+        self._save()
+        try:
+            self._queue.put(_End(list(outcome.history), list(outcome.plots)), timeout=CLOSE_WAIT_S)
+        except queue.Full:
+            pass
+        self._sender.join(CLOSE_WAIT_S)
+        self._save()
+
+    def not_uploaded(self) -> str | None:
+        """After finish: what MLflow lacks of this run and how to upload it, or None."""
+        missing = max(0, self._base + self._logged - self.state.uploaded)
+        if self.state.closed and not missing:
+            return None
+        parts = [f"{missing} reports"] if missing else []
+        if not self.state.closed:
+            parts.append("the end state and artifacts")
+        what = " and ".join(parts)
+        if not self.keeps_history:
+            return f"not in MLflow ({self.uri} unreachable): {what}"
+        return (f"not in MLflow ({self.uri} unreachable): {what}; upload with "
+                f"`python -m runtime report {self.run_dir} --sync`")
+
+    def _save(self) -> None:
+        if self.keeps_history:
+            self.state.save(self.run_dir)
+
+    def _went_away(self) -> None:
+        if self.reachable:
+            self.reachable = False
+            where = self.run_dir / HISTORY_FILE if self.keeps_history else "memory"
+            self.notify(f"MLflow at {self.uri} unreachable; metrics kept in {where}, will upload later")
+
+    def _came_back(self) -> None:
+        if not self.reachable:
+            self.reachable = True
+            self.notify(f"MLflow at {self.uri} reachable again; uploading what it missed")
+
+    def _probe(self, force: bool = False) -> bool:
+        """Whether to try MLflow again: at most every PROBE_EVERY_S; an HTTP server must answer /health."""
+        now = time.monotonic()
+        if not force and now - self._last_probe < PROBE_EVERY_S:
+            return False
+        self._last_probe = now
+        return not self.uri.startswith("http") or http_ok(f"{self.uri.rstrip('/')}/health", timeout=2)
+
+    def _send_loop(self) -> None:
+        while True:
+            try:
+                first = self._queue.get(timeout=None if self.reachable else PROBE_EVERY_S)
+                batch = [first]
+            except queue.Empty:
+                batch = []
+            while len(batch) < QUEUE_MAX:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            live = [m for m in batch if not isinstance(m, _End)]
+            end = next((m for m in batch if isinstance(m, _End)), None)
+            if self.reachable or self._probe(force=end is not None):
+                self._upload(live, newest=None if live else self._base + self._logged)
+            if end is not None:
+                if self.reachable:
+                    self._close(end)
+                return
+
+    def _pending(self, live: list[tuple[int, dict[str, Any]]], newest: int | None) -> list[tuple[int, dict[str, Any]]]:
+        """(index, report) for every report MLflow lacks, oldest first: the ones in hand, the rest
+        (missed while unreachable, or past a full queue) read back from the history."""
+        start = self.state.uploaded
+        have = {i: item for i, item in live if i >= start}
+        end = newest if newest is not None else max(have, default=start - 1) + 1
+        if any(i not in have for i in range(start, end)):
+            source = read_history(self.run_dir) if self.keeps_history else list(self._seen)
+            have = {**{i: item for i, item in enumerate(source) if start <= i < end}, **have}
+        return sorted(have.items())
+
+    def _upload(self, live: list[tuple[int, dict[str, Any]]], newest: int | None) -> None:
+        pending = self._pending(live, newest)
+        try:
+            self.upload.open()  # MLflow was down at start-up: the run is created now
+            for i in range(0, len(pending), 100):
+                chunk = pending[i : i + 100]
+                self.upload.metrics([item for _, item in chunk])
+                self.state.uploaded = chunk[-1][0] + 1
+                self._save()
+        except Exception as e:  # noqa: BLE001 (connection refused, timeouts, a 5xx: all mean "not now")
+            log.debug("MLflow at %s: %s", self.uri, e)
+            self._save()
+            self._went_away()
+            return
+        self._came_back()
+
+    def _close(self, end: _End) -> None:
+        source = read_history(self.run_dir) if self.keeps_history else end.history
+        try:
+            self.upload.close(source, end.plots)
+        except Exception as e:  # noqa: BLE001
+            log.debug("MLflow at %s: %s", self.uri, e)
+            self._went_away()
+        self._save()
+
+
+def sync(run_dir: Path) -> list[str]:
+    """``report <run> --sync``: upload what MLflow lacks of a run folder; the lines to print.
+
+    Idempotent: the run folder's mlflow.json names the MLflow run and how many reports it holds.
+    Raises ClusterError when MLflow cannot be reached, ReportError when the run was not tracked.
+    """
+
+    state = SyncState.load(run_dir)
+    if state is None:
+        raise ReportError(f"{run_dir / STATE_FILE}: none (the run was not tracked in MLflow: tracking.mlflow=false, "
+                          "or it was started before issue 27)")
+    cfg = JobConfig.model_validate(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+    bound_mlflow_http()
+    upload = MlflowUpload(state, cfg)
+    history = read_history(run_dir)
+    before, created = state.uploaded, state.run_id is None
+    try:
+        upload.open()
+        state.save(run_dir)
+        for i in range(before, len(history), 100):
+            upload.metrics(history[i : i + 100])
+            state.uploaded = min(len(history), i + 100)
+            state.save(run_dir)
+        closing = state.status is not None and not state.closed
+        if closing:
+            curves = run_dir / CURVES_FILE
+            upload.close(history, [str(curves)] if curves.exists() else [])
+            state.save(run_dir)
+    except ClusterError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        state.save(run_dir)
+        raise ClusterError(f"MLflow at {state.uri} unreachable: {_first_line(e)}; {state.uploaded} of "
+                           f"{len(history)} reports uploaded so far") from None
+    lines = [f"MLflow run   {state.run_id} at {state.uri}" + (" (created now)" if created else "")]
+    lines.append(f"reports      {len(history) - before} uploaded now, {len(history)} in MLflow")
+    if closing:
+        lines.append(f"end state    {state.status}, artifacts uploaded")
+    elif state.status is None:
+        lines.append("end state    none yet (the run has not ended)")
+    return lines
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
 
 
 CURVE_PANELS = (("train/loss", "loss"), ("train/accuracy", "accuracy"), ("train/learning_rate", "learning rate"),
@@ -169,7 +530,8 @@ def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
         acc = [(v[0], v[2]) for v in val if isinstance(v[2], (int, float))]
         axes[1].plot([a[0] for a in acc], [a[1] for a in acc], "o-", label="val")
     for ax in axes[:2]:
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -211,6 +573,7 @@ def attach_system_metrics(run_id: str | None, uri: str | None) -> Any:
     try:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+        bound_mlflow_http()  # a dead server must not hold rank 0 at the end of the run
         os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "2")
         os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
         import mlflow

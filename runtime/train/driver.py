@@ -28,8 +28,8 @@ from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracki
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
 from runtime.layout import storage_filesystem, storage_paths
+from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
-from runtime.observe.report import CURVES_FILE, HistoryLog, read_history
 from runtime.train.elastic import RESIZE_EVENT, record_resize, resize_line
 from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
 from runtime.train.trainer import run_rank, train_loop_per_worker
@@ -68,7 +68,9 @@ def _reload_ray_auth() -> None:
 # runtime_env to anyone who can read the dashboard or the Jobs API, so it carries settings
 # only, never secrets: workers find AWS credentials the way the node does (instance role,
 # the raylet's own environment, ~/.aws or AWS_SHARED_CREDENTIALS_FILE); see docs/security.md.
-WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL",
+WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_TIMEOUT",
+              "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+              "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "AWS_ENDPOINT_URL",
               "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
               "PYTHONPATH")
 
@@ -325,10 +327,11 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
         validate_run_name(run_name)  # before the cluster, MLflow or storage are touched
     connect(address, verbose=verbose)
     run_name = run_name or default_run_name(cfg)
-    tracker = Tracker.for_job(cfg, run_name)
-    fitting = StreamingFit(cfg, run_name, mlflow_run_id=tracker.run_id if tracker else None)
-    run = fitting.run
     progress = Progress(total=None, enabled=show_progress)
+    # Best-effort: MLflow down (at start or mid-run) costs one console line, never the run (issue 27).
+    tracker = Tracker.for_job(cfg, run_name, keeps_history=True, notify=progress.event)
+    fitting = StreamingFit(cfg, run_name, mlflow_run_id=(tracker.run_id or None) if tracker else None)
+    run = fitting.run
 
     def on_resize(event: dict[str, Any], step: Any, count: int) -> None:
         progress.event(resize_line(event, step))  # one console line, like failures and recoveries
@@ -373,7 +376,8 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     outcome.preempted = bool(outcome.metrics.get("preempted"))
     if tracker:
         tracker.finish(outcome, status="FAILED" if outcome.error else "FINISHED")
-        outcome.mlflow_run_id, outcome.mlflow_uri = tracker.run_id, tracker.uri
+        outcome.mlflow_run_id, outcome.mlflow_uri = tracker.run_id or None, tracker.uri
+        outcome.tracking_gap = tracker.not_uploaded()
     return outcome
 
 
@@ -405,8 +409,10 @@ def outcome_summary(outcome: TrainOutcome) -> str:
     lines.append(f"  checkpoints:  {outcome.checkpoint_uri}")
     for plot in outcome.plots:
         lines.append(f"  curves:       {plot}")
-    if outcome.mlflow_uri:
+    if outcome.mlflow_run_id:
         lines.append(f"  MLflow:       {outcome.mlflow_uri} (run {outcome.mlflow_run_id})")
+    if outcome.tracking_gap:
+        lines.append(f"  MLflow:       {outcome.tracking_gap}")
     return "\n".join(lines)
 
 

@@ -37,6 +37,7 @@ class TrainOutcome:
     history: list[dict[str, Any]] = field(default_factory=list)
     mlflow_run_id: str | None = None
     mlflow_uri: str | None = None
+    tracking_gap: str | None = None  # what MLflow lacks of the run and how to upload it (None: nothing)
     preempted: bool = False
     error: str | None = None
     restarts: int = 0  # worker-group failures Ray Train recovered from during this call
