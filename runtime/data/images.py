@@ -168,12 +168,18 @@ class HostBatch:
 
 
 def collate_crops(samples: Sequence[tuple[np.ndarray, int] | Skip], size: int) -> HostBatch:
-    """HWC uint8 crops -> one uint8 NCHW tensor (one copy per image); Skip markers are dropped."""
+    """HWC uint8 crops -> one uint8 batch, NCHW by shape and channels_last in memory; Skips are dropped.
+
+    Each crop is one straight copy into an NHWC buffer (no per-image transpose), and the batch
+    is that buffer's NCHW view: pinning and ``.to(device)`` keep its strides, so a channels_last
+    model gets its input with no conversion on the device (a contiguous_format one pays one copy there).
+    """
     good = [s for s in samples if not isinstance(s, Skip)]
-    x = torch.empty((len(good), 3, size, size), dtype=torch.uint8)
-    xv = x.numpy()  # a view: writing through numpy avoids wrapping Pillow's read-only arrays in tensors
+    nhwc = torch.empty((len(good), size, size, 3), dtype=torch.uint8)
+    xv = nhwc.numpy()  # a view: writing through numpy avoids wrapping Pillow's read-only arrays in tensors
     for i, (arr, _) in enumerate(good):
-        xv[i] = arr.transpose(2, 0, 1)
+        xv[i] = arr
+    x = nhwc.permute(0, 3, 1, 2)
     y = torch.tensor([label for _, label in good], dtype=torch.int64)
     return HostBatch(x, y, [s for s in samples if isinstance(s, Skip)])
 

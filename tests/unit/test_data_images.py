@@ -19,6 +19,7 @@ from runtime.data import IMAGENET_MEAN, IMAGENET_STD, build_loaders
 from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded
 from runtime.data.images import (
     Recipe,
+    Skip,
     center_crop_box,
     collate_crops,
     crop_image,
@@ -127,6 +128,17 @@ def test_imagefolder_bundle_has_imagenet_mean_std_sorted_classes_and_uint8_batch
     assert sorted(torch.cat([y for _, y in val]).tolist()) == [0, 0, 1, 1, 2, 2]
 
 
+def test_collated_crops_are_nchw_by_shape_and_channels_last_in_memory() -> None:
+    crops = [np.asarray(photo(8, 8, seed=i)) for i in range(3)]
+    batch = collate_crops([(crops[0], 0), Skip("bad.jpg", "truncated"), (crops[1], 1), (crops[2], 2)], 8)
+    x = batch.x
+    assert x.shape == (3, 3, 8, 8) and x.dtype == torch.uint8 and len(batch.skipped) == 1
+    assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    assert all(torch.equal(x[i], torch.from_numpy(c).permute(2, 0, 1)) for i, c in enumerate(crops))
+    moved = x.to(torch.device("cpu"), non_blocking=True)
+    assert moved.stride() == x.stride()  # .to() preserves the layout (pin_memory is checked in tests/gpu)
+
+
 def test_random_crops_repeat_per_seed_and_epoch_in_worker_processes_and_change_across_epochs(
         tmp_path: Path) -> None:
     root = make_tree(tmp_path / "d")
@@ -139,6 +151,8 @@ def test_random_crops_repeat_per_seed_and_epoch_in_worker_processes_and_change_a
 
     in_main, in_workers = epoch(0, 1), epoch(2, 1)
     assert all(torch.equal(a, b) for a, b in zip(in_main, in_workers, strict=True))
+    # Shared memory from the worker processes keeps the batch's channels_last strides.
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x in in_workers)
     assert not all(torch.equal(a, b) for a, b in zip(in_main, epoch(0, 2), strict=True))
 
 

@@ -181,6 +181,20 @@ def test_uint8_images_are_normalised_on_the_device_with_the_bundles_mean_and_std
     assert torch.allclose(out[0, :, 0, 0], torch.tensor([1.0, 3.0, 1.0]))
 
 
+def test_channels_last_host_batches_reach_the_model_in_the_asked_memory_format() -> None:
+    bundle = DataBundle(None, None, 10, 3, 4, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+    nhwc = torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8)
+    x = nhwc.permute(0, 3, 1, 2)  # what collate_crops hands over: NCHW shape, channels_last memory
+    want = (x.float() / 255 - 0.5) / 0.25
+    last, _ = make_stage(CPU, bundle, torch.channels_last)((x, torch.tensor([0, 1])))
+    normalised = (x.float() - 127.5) / 63.75  # the stage's own arithmetic keeps the input's layout...
+    assert normalised.is_contiguous(memory_format=torch.channels_last)
+    assert normalised.contiguous(memory_format=torch.channels_last) is normalised  # ...so this is a no-op
+    assert last.is_contiguous(memory_format=torch.channels_last) and torch.allclose(last, want, atol=1e-5)
+    plain, _ = make_stage(CPU, bundle, torch.contiguous_format)((x, torch.tensor([0, 1])))
+    assert plain.is_contiguous() and torch.allclose(plain, want, atol=1e-5)
+
+
 def test_float_batches_pass_through_unchanged() -> None:
     stage = make_stage(CPU, DataBundle(None, None, 10, 3, 2), torch.contiguous_format)
     x = torch.randn(2, 3, 2, 2)
