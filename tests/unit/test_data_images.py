@@ -16,7 +16,7 @@ from PIL import Image
 
 from runtime.config import DataConfig
 from runtime.data import IMAGENET_MEAN, IMAGENET_STD, build_loaders
-from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded
+from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded, resize_crops
 from runtime.data.images import (
     Recipe,
     Skip,
@@ -255,10 +255,49 @@ def test_device_decode_stage_matches_the_cpu_path_for_train_and_val_crops() -> N
         rng = [sample_rng(0, 2, i) for i in range(len(files))]
         batch = collate_encoded([encode_sample(f, recipe, r, i, f"f{i}") for i, (f, r) in
                                  enumerate(zip(files, rng, strict=True))], recipe.size)
-        assert isinstance(batch.x, EncodedImages) and len(batch.skipped) == 1 and 6 in batch.x.decoded
+        assert isinstance(batch.x, EncodedImages) and len(batch.skipped) == 1 and batch.x.decoded_at == [6]
         x, y = DeviceDecodeStage(_pillow_decode)((batch.x, batch.y), torch.device("cpu"))
         ref = collate_crops([(crop_image(f, recipe, sample_rng(0, 2, i)), i) for i, f in enumerate(files[:7])],
                             recipe.size)
         assert x.dtype == torch.uint8 and x.shape == ref.x.shape and torch.equal(y, ref.y)
         diff = (x.float() - ref.x.float()).abs().mean(dim=(1, 2, 3))
         assert diff.max() < 6.0, (recipe, diff)
+
+
+def test_a_gpu_decode_batch_crosses_from_the_worker_as_one_buffer_with_offsets() -> None:
+    recipe = Recipe(16, True)
+    files = [jpeg_bytes(photo(40 + 8 * i, 30, i)) for i in range(3)]
+    png = io.BytesIO()
+    photo(20, 20, 7).save(png, "PNG")
+    samples = [encode_sample(f, recipe, sample_rng(0, 0, i), i, f"f{i}") for i, f in enumerate(files)]
+    samples.insert(1, encode_sample(png.getvalue(), recipe, sample_rng(0, 0, 9), 9, "p"))  # cropped on the CPU
+    enc = collate_encoded(samples, recipe.size).x
+    assert isinstance(enc, EncodedImages) and len(enc) == 4 and enc.decoded_at == [1]
+    assert enc.data.dim() == 1 and enc.data.dtype == torch.uint8 and len(enc.data) == sum(map(len, files))
+    assert [enc.jpeg(i).numpy().tobytes() for i in (0, 2, 3)] == files and len(enc.jpeg(1)) == 0
+    assert enc.jpeg(2).data_ptr() == enc.data.data_ptr() + len(files[0])  # a view, not a copy
+    assert enc.decoded.shape == (1, 3, 16, 16) and enc.decoded.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(enc.decoded[0], torch.from_numpy(np.array(samples[1].crop)).permute(2, 0, 1))
+    empty = collate_encoded([], 16).x
+    assert len(empty) == 0 and len(empty.data) == 0 and empty.decoded.shape == (0, 3, 16, 16)
+
+
+def test_batched_crop_resize_flip_matches_pillow_per_image_for_any_sizes_and_groupings() -> None:
+    size = 24
+    images = [np.asarray(photo(w, h, seed=w)) for w, h in ((64, 48), (50, 90), (33, 20), (120, 100), (24, 24))]
+    boxes = [(5, 7, 40, 30), (0, 0, 50, 90), (20, 10, 13, 10), (60, 40, 60, 60), (0, 0, 24, 24)]  # edges, upscaling
+    flips = [False, True, False, True, False]
+
+    def pillow(img: np.ndarray, box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
+        x, y, w, h = box
+        out = Image.fromarray(img).resize((size, size), Image.Resampling.BILINEAR, box=(x, y, x + w, y + h))
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else out
+        return torch.from_numpy(np.asarray(out)).permute(2, 0, 1)
+
+    want = torch.stack([pillow(*a) for a in zip(images, boxes, flips, strict=True)])
+    chw = [torch.from_numpy(img).permute(2, 0, 1) for img in images]
+    one_group = resize_crops(chw, boxes, flips, size)
+    diff = (one_group.float() - want.float()).abs()
+    assert one_group.shape == (5, 3, size, size) and one_group.dtype == torch.uint8
+    assert diff.mean() < 0.3 and diff.max() <= 2, (diff.mean(), diff.max())  # Pillow rounds between its passes
+    assert torch.equal(resize_crops(chw, boxes, flips, size, canvas_bytes=1), one_group)  # one image per group
