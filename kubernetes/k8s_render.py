@@ -347,7 +347,7 @@ def problems(objs: list[dict[str, Any]], v: RunValues) -> list[str]:
                            for c in containers(pod) for m in c.get("volumeMounts", []))]
             if not shm:
                 out.append(f"RayJob {where}: no memory-backed /dev/shm for NCCL")
-    return out + pod_problems(objs) + monitor_problems(objs) + operator_problems(objs)
+    return out + pod_problems(objs) + monitor_problems(objs) + operator_problems(objs) + isolation_problems(objs)
 
 
 def pod_problems(objs: list[dict[str, Any]]) -> list[str]:
@@ -437,6 +437,59 @@ def _templates(obj: dict[str, Any]) -> list[dict[str, Any]]:
     if obj.get("kind") in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
         return [spec["template"]]
     return []
+
+
+def _admits_anyone(rule: dict[str, Any]) -> bool:
+    """An ingress rule with no peers, or a peer that is a whole namespace set with no pod selector."""
+    peers = rule.get("from")
+    return not peers or any("ipBlock" in p or ("podSelector" not in p) for p in peers)
+
+
+def isolation_problems(objs: list[dict[str, Any]]) -> list[str]:
+    """Every pod is isolated: selected by an Ingress NetworkPolicy, no rule open to every pod, no
+    service-account token except the Ray head's (its autoscaler needs the API), MLflow behind its
+    basic-auth app with the password from a Secret and a read-only root filesystem."""
+    out = []
+    policies = [p for p in find(objs, "NetworkPolicy") if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    for p in policies:
+        for i, rule in enumerate(p["spec"].get("ingress", [])):
+            if _admits_anyone(rule):
+                out.append(f"NetworkPolicy {p['metadata']['name']} ingress[{i}]: admits every pod or address; "
+                           "name the pods (podSelector) it admits")
+            elif any(peer.get("namespaceSelector") is not None for peer in rule["from"]) and not rule.get("ports"):
+                out.append(f"NetworkPolicy {p['metadata']['name']} ingress[{i}]: pods of other namespaces "
+                           "are admitted to every port; list the ports")
+    for obj in objs:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        for (where, pod), template in zip(pod_specs(obj), _submitter_first(obj), strict=True):
+            labels = template.get("metadata", {}).get("labels", {})
+            if not any(_selects(p["spec"]["podSelector"], labels) for p in policies):
+                out.append(f"{kind} {name} {where}: no NetworkPolicy selects its pods (labels {labels}): any pod "
+                           "in the cluster could reach them; kubernetes/base/networkpolicy.yaml must be rendered")
+            if where != "headGroupSpec" and pod.get("automountServiceAccountToken") is not False:
+                out.append(f"{kind} {name} {where}: set automountServiceAccountToken: false (only the Ray head's "
+                           "autoscaler talks to the Kubernetes API)")
+    for d in find(objs, "Deployment"):
+        if d["metadata"]["name"] != "rt-mlflow":
+            continue
+        for c in containers(d["spec"]["template"]["spec"]):
+            cmd = c.get("command", []) + c.get("args", [])
+            if "--app-name" not in cmd or cmd[cmd.index("--app-name") + 1:][:1] != ["basic-auth"]:
+                out.append("Deployment rt-mlflow: the server must run MLflow's basic-auth app (--app-name basic-auth)")
+            env = {e["name"]: e for e in c.get("env", [])}
+            if "secretKeyRef" not in env.get("MLFLOW_AUTH_ADMIN_PASSWORD", {}).get("valueFrom", {}):
+                out.append("Deployment rt-mlflow: MLFLOW_AUTH_ADMIN_PASSWORD must come from a Secret (secretKeyRef)")
+            if not c.get("securityContext", {}).get("readOnlyRootFilesystem"):
+                out.append("Deployment rt-mlflow: set readOnlyRootFilesystem: true (its data lives on volumes)")
+    return out
+
+
+def _submitter_first(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """Pod templates in the order pod_specs() yields them (the RayJob's submitter first)."""
+    spec = obj.get("spec", {})
+    sub = [spec["submitterPodTemplate"]] if obj.get("kind") in ("RayJob", "RayCluster") and \
+        "submitterPodTemplate" in spec else []
+    return sub + _templates(obj)
 
 
 # The operator's own admission rules (KubeRay v1.7.0, controllers/ray/utils/validation.go)
