@@ -102,6 +102,15 @@ bench: setup cluster-ready ## Benchmarks (BENCH="runtime_overhead checkpoint ...
 	@mkdir -p benchmarks/results
 	$(PY) -m benchmarks.run $(BENCH)
 
+# The Python gpu-check runs with: the project's venv here, or the host's CUDA Python on a lent
+# machine (shared/device/gpu-env.sh BUNDLE make gpu-check GPU_PY=python3).
+GPU_PY ?= $(PY)
+
+.PHONY: gpu-check
+gpu-check: ## On a GPU host: tests/gpu, then the GPU benchmarks -> benchmarks/results/gpu/<device>.json and .md; fails without CUDA.
+	@test -x "$$(command -v $(GPU_PY))" || { echo "gpu-check: $(GPU_PY) not found: run make setup, or pass GPU_PY=python3 on a GPU host"; exit 1; }
+	$(GPU_PY) -m benchmarks.gpu_check
+
 ##@ Cluster
 
 # Prerequisite of the targets that need a cluster: the local one unless RAY_ADDRESS names one.

@@ -1,23 +1,37 @@
-"""``make bench BENCH=gpu``: the runtime against a bare PyTorch loop on one GPU, eager and compiled.
+"""``make bench BENCH=gpu`` (part of ``make gpu-check``): the runtime against a bare PyTorch loop on one GPU.
 
-Four variants, same model, batch, precision and memory format (ResNet-50, 224x224, batch 256,
-bf16 autocast, channels_last, synthetic data made once on the device):
-bare eager, bare ``torch.compile``, the runtime through Ray with 1 GPU worker (eager), and the
-same with ``model.compile=true``. Rounds are interleaved (A B C D A B C D) so drift hits all;
-throughputs are medians of steady-state windows (warm-up and compilation left out); the JSON
-carries the device, torch/CUDA versions, the four figures, the ratios runtime/bare and the
-peak GPU memory of each. Goals: runtime/bare >= 0.97 eager and compiled; memory within 5%.
+Parts (``BENCH_GPU_PARTS``, comma-separated; all by default), each interleaving its variants
+round by round (A B A B ...) so drift hits all, each throughput the median of steady-state
+windows (warm-up and compilation left out), each with the peak GPU memory of its process:
 
-Without a CUDA device it writes a JSON that says it skipped, and why. ``BENCH_GPU_*`` variables
-shrink the run (model, image size, batch, steps, rounds) for a quick look.
+- ``synthetic``: ResNet-50 224x224, batch 256, bf16 autocast, channels_last, data made once on
+  the device: bare eager, bare ``torch.compile``, the runtime through Ray with 1 GPU worker
+  (eager), and the same with ``model.compile=true``. Goal: runtime/bare >= 0.97 both ways,
+  runtime peak memory within 5% of bare.
+- ``fsdp``: the runtime's ResNet-50 under FSDP2 against DDP on the same GPU. Goal: >= 0.95.
+- ``jpeg``: ResNet-50 end to end on generated photo-like JPEGs (as ``BENCH=data`` makes them)
+  with nvJPEG decode on the device and with Pillow decode in loader workers. Goal: GPU
+  decode >= 3,000 images/s.
+- ``gpt``: ``gpt_small`` scaled to a GPU (12 layers, width 768, 1,024 tokens of context),
+  eager and compiled: tokens/s and model FLOPs utilisation.
+
+Both sides are timed the same way: the device is synced before the clock is read at the edges
+of every window (the runtime's boundary does the same). A ratio above ``SUSPECT_RATIO`` is
+flagged in the JSON as a measurement error to explain, not a result.
+
+Results merge into ``benchmarks/results/gpu/<device>.json`` (so parts run in separate calls
+add up) and a Markdown table beside it. Without CUDA it writes a JSON that says it skipped.
+``BENCH_GPU_*`` variables shrink the run (model, image size, batch, steps, rounds).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,28 +43,52 @@ BATCH = int(os.environ.get("BENCH_GPU_BATCH", "256"))
 STEPS = int(os.environ.get("BENCH_GPU_STEPS", "60"))  # measured steps a variant runs after warm-up
 WARMUP = int(os.environ.get("BENCH_GPU_WARMUP", "15"))
 ROUNDS = int(os.environ.get("BENCH_GPU_ROUNDS", "2"))
+JPEGS = int(os.environ.get("BENCH_GPU_JPEGS", "2048"))
+PARTS = ("synthetic", "fsdp", "jpeg", "gpt")
 CLASSES = 1000
 LOG_EVERY = 10
+SUSPECT_RATIO = 1.02  # the runtime does the bare loop's work plus its own: above this, timing is wrong
+GPT = {"layers": 12, "dim": 768, "heads": 12, "seq_len": 1024, "vocab_size": 256}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device) -> None:
+    """Give back what a bare loop cached, so the Ray worker that runs next has the GPU to itself."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bare(compiled: bool, device: torch.device) -> dict[str, float]:
+    """The bare loop, then its cached memory and compiled graphs given back (its locals are gone by then)."""
+    result = bare_loop(compiled, device)
+    _release(device)
+    return result
 
 
 def bare_loop(compiled: bool, device: torch.device) -> dict[str, float]:
-    """The baseline a user would write: data made once on the device, autocast, SGD."""
+    """The baseline a user would write: data made once on the device, autocast, fused SGD."""
     from runtime.config import ModelConfig
     from runtime.train.models import build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(name=MODEL, channels_last=True), CLASSES, 3, IMAGE).to(device)
-    model = model.to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-5)
+    cuda = device.type == "cuda"
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-5,
+                          fused=True)
     x = torch.randn(BATCH, 3, IMAGE, IMAGE, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(CLASSES, (BATCH,), device=device)
     step_model = torch.compile(model) if compiled else model
-    amp = device.type == "cuda"
-    if amp:
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
     def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = torch.nn.functional.cross_entropy(step_model(x).float(), y)
         loss.backward()
         opt.step()
@@ -63,87 +101,213 @@ def bare_loop(compiled: bool, device: torch.device) -> dict[str, float]:
     warm = time.perf_counter() - t0
     windows = []
     for _ in range(max(1, STEPS // LOG_EVERY)):
+        _sync(device)
         t = time.perf_counter()
         for _ in range(LOG_EVERY):
             step()
         _sync(device)
         windows.append(BATCH * LOG_EVERY / (time.perf_counter() - t))
-    peak = torch.cuda.max_memory_allocated(device) if amp else 0
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     return {"images_per_s": statistics.median(windows), "warmup_s": warm, "peak_memory_bytes": float(peak)}
 
 
-def runtime_loop(compiled: bool, storage: str, use_gpu: bool) -> dict[str, float]:
-    """The same training through runtime.train.driver.train, 1 worker; throughput from its own reports."""
+def runtime_run(job: str, sets: list[str], storage: str, use_gpu: bool, batch: int = BATCH,
+                rate: str = "train/throughput") -> dict[str, float]:
+    """One run through runtime.train.driver.train, 1 worker; figures from its own reports."""
     from runtime.config import load_job
     from runtime.train.driver import train
 
     steps = WARMUP + STEPS
-    cfg = load_job("resnet50", [
-        f"model.name={MODEL}", "model.channels_last=true", f"model.compile={str(compiled).lower()}",
-        f"data.image_size={IMAGE}", f"data.num_classes={CLASSES}", f"data.batch_size={BATCH}",
-        f"data.num_samples={BATCH * (steps + 1)}", "data.val_samples=0",
-        f"precision.dtype={'bf16' if use_gpu else 'fp32'}", "distributed.num_workers=1",
-        f"distributed.use_gpu={str(use_gpu).lower()}", f"train.max_steps={steps}",
-        f"train.log_every_steps={LOG_EVERY}", "train.clip_grad_norm=null", "schedule.warmup_steps=0",
-        "optimizer.weight_decay=0.00005", f"checkpoint.storage={storage}", "checkpoint.enabled=false",
-        "tracking.mlflow=false",
+    cfg = load_job(job, [
+        f"data.batch_size={batch}", f"precision.dtype={'bf16' if use_gpu else 'fp32'}",
+        "distributed.num_workers=1", f"distributed.use_gpu={str(use_gpu).lower()}", f"train.max_steps={steps}",
+        f"train.log_every_steps={LOG_EVERY}", "train.clip_grad_norm=null", "train.epochs=null",
+        "schedule.warmup_steps=0", f"checkpoint.storage={storage}", "checkpoint.enabled=false",
+        "tracking.mlflow=false", *sets,
     ], environ={})
     out = train(cfg, show_progress=False)
-    windows = [h for h in out.history if "train/throughput" in h and h["step"] > WARMUP]
+    # Windows that start after warm-up: the first step (compilation, autotuning) is timed apart anyway.
+    windows = [h for h in out.history if rate in h and h["step"] > WARMUP + LOG_EVERY]
+    if not windows:
+        raise RuntimeError(f"{job} {sets}: no report carried {rate} after step {WARMUP + LOG_EVERY}")
     first = next((h["time/first_step_s"] for h in out.history if "time/first_step_s" in h), 0.0)
-    peak = max((h.get("gpu/peak_memory_bytes", 0.0) for h in out.history), default=0.0)
-    return {"images_per_s": statistics.median(h["train/throughput"] for h in windows), "first_step_s": first,
-            "peak_memory_bytes": float(peak)}
+    result = {"rate": statistics.median(h[rate] for h in windows), "first_step_s": first,
+              "peak_memory_bytes": max((h.get("gpu/peak_memory_bytes", 0.0) for h in out.history), default=0.0),
+              "skipped_samples": max((h.get("data/skipped_samples", 0) for h in out.history), default=0)}
+    if any("train/mfu" in h for h in windows):
+        result["mfu"] = statistics.median(h["train/mfu"] for h in windows if "train/mfu" in h)
+    return result
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _image_sets(compiled: bool) -> list[str]:
+    return [f"model.name={MODEL}", "model.channels_last=true", f"model.compile={str(compiled).lower()}",
+            f"data.image_size={IMAGE}", f"data.num_classes={CLASSES}", "data.source=synthetic",
+            f"data.num_samples={BATCH * (WARMUP + STEPS + 1)}", "data.val_samples=0",
+            "optimizer.weight_decay=0.00005"]
+
+
+def _interleave(variants: dict[str, Callable[[], dict[str, float]]]) -> dict[str, list[dict[str, float]]]:
+    rounds: dict[str, list[dict[str, float]]] = {n: [] for n in variants}
+    for _ in range(ROUNDS):
+        for name, fn in variants.items():
+            rounds[name].append(fn())
+    return rounds
+
+
+def _median(rounds: list[dict[str, float]], key: str) -> float:
+    return float(statistics.median(r[key] for r in rounds))
+
+
+def part_synthetic(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
+    rounds = _interleave({
+        "bare_eager": lambda: bare(False, device),
+        "bare_compiled": lambda: bare(True, device),
+        "runtime_eager": lambda: runtime_run("resnet50", _image_sets(False), storage, use_gpu),
+        "runtime_compiled": lambda: runtime_run("resnet50", _image_sets(True), storage, use_gpu),
+    })
+    rate = {n: _median(r, "images_per_s" if n.startswith("bare") else "rate") for n, r in rounds.items()}
+    mem = {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()}
+    out: dict[str, Any] = {
+        "description": f"{MODEL} {IMAGE}x{IMAGE}, batch {BATCH}, bf16 autocast, channels_last, fused SGD, "
+                       "synthetic data on the device; runtime = 1 GPU worker through Ray",
+        "images_per_s_median": {n: round(v, 1) for n, v in rate.items()},
+        "ratio": {"runtime_over_bare_eager": round(rate["runtime_eager"] / rate["bare_eager"], 4),
+                  "runtime_over_bare_compiled": round(rate["runtime_compiled"] / rate["bare_compiled"], 4),
+                  "bare_compiled_over_bare_eager": round(rate["bare_compiled"] / rate["bare_eager"], 4)},
+        "peak_memory_bytes": mem, "rounds": rounds,
+        "goal": "runtime/bare >= 0.97 eager and compiled (>= 5,200 img/s compiled on an H100); "
+                "runtime peak memory within 5% of bare",
+    }
+    if use_gpu:
+        out["memory_ratio"] = {"runtime_over_bare_eager": round(mem["runtime_eager"] / mem["bare_eager"], 4),
+                               "runtime_over_bare_compiled": round(mem["runtime_compiled"] / mem["bare_compiled"], 4)}
+    return out
+
+
+def part_fsdp(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
+    rounds = _interleave({
+        s: (lambda s=s: runtime_run("resnet50", [*_image_sets(False), f"distributed.strategy={s}"], storage, use_gpu))
+        for s in ("ddp", "fsdp")
+    })
+    rate = {n: _median(r, "rate") for n, r in rounds.items()}
+    return {"description": f"the runtime's {MODEL} (eager, as in `synthetic`) under FSDP2 vs DDP, 1 GPU worker",
+            "images_per_s_median": {n: round(v, 1) for n, v in rate.items()},
+            "ratio": {"fsdp_over_ddp": round(rate["fsdp"] / rate["ddp"], 4)},
+            "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
+            "rounds": rounds, "goal": "fsdp/ddp >= 0.95"}
+
+
+def part_jpeg(device: torch.device, storage: str, use_gpu: bool, results_dir: Path) -> dict[str, Any]:
+    from benchmarks.bench_data import generate
+
+    root = results_dir / "data_cache" / f"gpu-{JPEGS}"
+    facts = generate(root, n=JPEGS)
+    workers = max(1, min(12, (os.cpu_count() or 2) - 2))
+
+    def variant(decode: str) -> dict[str, float]:
+        sets = [f"model.name={MODEL}", "model.channels_last=true", "model.compile=false", "data.source=imagefolder",
+                f"data.path={root}", f"data.image_size={IMAGE}", f"data.decode={decode}",
+                f"data.loader_workers={workers}", "optimizer.weight_decay=0.00005"]
+        return runtime_run("resnet50", sets, storage, use_gpu)
+
+    variants = {"gpu_decode": lambda: variant("gpu")} if use_gpu else {}
+    rounds = _interleave({**variants, "cpu_decode": lambda: variant("cpu")})
+    rate = {n: _median(r, "rate") for n, r in rounds.items()}
+    return {"description": f"{MODEL} {IMAGE}x{IMAGE} end to end on {JPEGS} generated JPEGs (ImageFolder, "
+                           f"{facts.get('mean_kb')} KB mean), {workers} loader workers, eager, 1 GPU worker",
+            "images_per_s_median": {n: round(v, 1) for n, v in rate.items()},
+            "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
+            "rounds": rounds, "data": facts, "goal": "gpu decode >= 3,000 images/s on an H100"}
+
+
+def part_gpt(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
+    size = GPT if use_gpu else {"layers": 2, "dim": 64, "heads": 2, "seq_len": 32, "vocab_size": 256}
+
+    def variant(compiled: bool) -> dict[str, float]:
+        sets = [f"model.transformer.{k}={v}" for k, v in size.items()]
+        sets += [f"model.compile={str(compiled).lower()}", "distributed.strategy=ddp", "data.source=tokens",
+                 "optimizer.weight_decay=0.1"]
+        return runtime_run("gpt_small", sets, storage, use_gpu, batch=16, rate="train/tokens_per_s")
+
+    rounds = _interleave({"eager": lambda: variant(False), "compiled": lambda: variant(True)} if use_gpu
+                         else {"eager": lambda: variant(False)})  # CPU compile: minutes for a plumbing check
+    return {"description": "gpt_small scaled up (" + ", ".join(f"{k} {v}" for k, v in size.items())
+                           + "), batch 16, bf16, AdamW, 1 GPU worker",
+            "tokens_per_s_median": {n: round(_median(r, "rate"), 1) for n, r in rounds.items()},
+            "mfu_median": {n: round(_median(r, "mfu"), 4) if all("mfu" in x for x in r) else None
+                           for n, r in rounds.items()},
+            "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
+            "rounds": rounds}
+
+
+def suspect_ratios(result: dict[str, Any]) -> list[str]:
+    """Ratios of the runtime (or FSDP) over its baseline above SUSPECT_RATIO: measurement errors to explain."""
+    out = []
+    for part, body in result.items():
+        for name, value in (body.get("ratio", {}) if isinstance(body, dict) else {}).items():
+            if name.startswith(("runtime_over", "fsdp_over")) and value > SUSPECT_RATIO:
+                out.append(f"{part}.{name}={value} is above {SUSPECT_RATIO}: the runtime cannot beat the loop it "
+                           "wraps; find the timing error before quoting it")
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table docs/performance.md shows: one row per variant."""
+    gb = 1 << 30
+    lines = [f"GPU benchmarks on {result['device']} (torch {result['torch']}, CUDA {result['cuda']}), "
+             f"median of {ROUNDS} interleaved rounds.", "",
+             "| part | variant | rate | peak memory | ratio |", "|---|---|---|---|---|"]
+    for part in PARTS:
+        body = result.get(part)
+        if not isinstance(body, dict):
+            continue
+        rates = body.get("images_per_s_median") or body.get("tokens_per_s_median") or {}
+        unit = "tokens/s" if "tokens_per_s_median" in body else "img/s"
+        ratios = ", ".join(f"{k} {v}" for k, v in body.get("ratio", {}).items())
+        for i, (name, value) in enumerate(rates.items()):
+            mem = body.get("peak_memory_bytes", {}).get(name, 0.0) / gb
+            mfu = (body.get("mfu_median") or {}).get(name)
+            extra = f" (MFU {mfu:.1%})" if mfu else ""
+            ratio = ratios if i == 0 else ""
+            lines.append(f"| {part} | {name} | {value:,.0f} {unit}{extra} | {mem:.1f} GB | {ratio} |")
+    for warning in result.get("suspect", []):
+        lines.append(f"\n**Suspect:** {warning}")
+    return "\n".join(lines) + "\n"
 
 
 def run(results_dir: Path) -> dict[str, Any]:
     forced = os.environ.get("BENCH_GPU_DEVICE")  # "cpu": exercise the plumbing on a machine without a GPU
     if not torch.cuda.is_available() and forced != "cpu":
-        msg = "skipped: no CUDA device here; run `make bench BENCH=gpu` on a GPU node"
+        msg = "skipped: no CUDA device here; run `make gpu-check` on a GPU node"
         print(msg)
         return {"skipped": msg}
     from runtime.train.driver import connect
 
-    device = torch.device(forced or "cuda")
+    parts = [p for p in os.environ.get("BENCH_GPU_PARTS", ",".join(PARTS)).split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"BENCH_GPU_PARTS: unknown part(s) {unknown}; expected some of {list(PARTS)}")
+    device = torch.device(forced) if forced else torch.device("cuda", 0)
     use_gpu = device.type == "cuda"
     connect()
     storage = str(results_dir / "bench-runs")
-    names = ("bare_eager", "bare_compiled", "runtime_eager", "runtime_compiled")
-    rounds: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    for _ in range(ROUNDS):  # interleaved: drift hits every variant
-        rounds["bare_eager"].append(bare_loop(False, device))
-        rounds["bare_compiled"].append(bare_loop(True, device))
-        rounds["runtime_eager"].append(runtime_loop(False, storage, use_gpu))
-        rounds["runtime_compiled"].append(runtime_loop(True, storage, use_gpu))
-    med = {n: statistics.median(r["images_per_s"] for r in rounds[n]) for n in names}
-    mem = {n: max(r["peak_memory_bytes"] for r in rounds[n]) for n in names}
-    result: dict[str, Any] = {
-        "description": f"{MODEL} {IMAGE}x{IMAGE}, batch {BATCH}, bf16 autocast, channels_last, synthetic data on "
-                       "the device; runtime = 1 GPU worker through Ray",
-        "device": torch.cuda.get_device_name(device) if use_gpu else "cpu (plumbing check, not a GPU figure)",
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "images_per_s_median": {n: round(v, 1) for n, v in med.items()},
-        "rounds": rounds,
-        "ratio_runtime_over_bare": {
-            "eager": round(med["runtime_eager"] / med["bare_eager"], 4),
-            "compiled": round(med["runtime_compiled"] / med["bare_compiled"], 4),
-            "bare_compiled_over_bare_eager": round(med["bare_compiled"] / med["bare_eager"], 4),
-        },
-        "peak_memory_bytes": mem,
-        "goal": "runtime/bare >= 0.97 (eager and compiled); runtime peak memory within 5% of bare",
-    }
+    name = torch.cuda.get_device_name(device) if use_gpu else "cpu (plumbing check, not a GPU figure)"
+    gpu_dir = results_dir / "gpu"
+    path = gpu_dir / f"{name.replace(' ', '_')}.json"
+    result: dict[str, Any] = json.loads(path.read_text()) if use_gpu and path.is_file() else {}
+    result.update({"device": name, "torch": torch.__version__, "cuda": torch.version.cuda})
+    for part in parts:
+        t0 = time.perf_counter()
+        if part == "jpeg":
+            result[part] = part_jpeg(device, storage, use_gpu, results_dir)
+        else:
+            result[part] = {"synthetic": part_synthetic, "fsdp": part_fsdp, "gpt": part_gpt}[part](
+                device, storage, use_gpu)
+        result[part]["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(f"{part}: {json.dumps({k: v for k, v in result[part].items() if k != 'rounds'})}", flush=True)
+    result["suspect"] = suspect_ratios(result)
     if use_gpu:
-        result["memory_ratio_runtime_over_bare"] = {
-            "eager": round(mem["runtime_eager"] / mem["bare_eager"], 4),
-            "compiled": round(mem["runtime_compiled"] / mem["bare_compiled"], 4),
-        }
-        gpu_dir = results_dir / "gpu"
         gpu_dir.mkdir(parents=True, exist_ok=True)
-        name = torch.cuda.get_device_name(device).replace(" ", "_")
-        (gpu_dir / f"gpu_{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+        path.write_text(json.dumps(result, indent=2, sort_keys=True))
+        path.with_suffix(".md").write_text(markdown(result))
     return result

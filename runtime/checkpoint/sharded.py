@@ -181,6 +181,10 @@ class ShardedWriter:
         if self.rank != 0:
             # A shared folder for LocalStorage; a private spool that gets uploaded for S3.
             folder = box[0] if shared else tempfile.mkdtemp(prefix=f"ckpt-{name}-r{self.rank}-")
+        if torch.cuda.is_available():
+            # DCP's stager copies on a stream of its own, which does not wait for this one: the
+            # step that wrote these parameters must be done before the copy reads them.
+            torch.cuda.current_stream().synchronize()
         try:
             response = dcp.async_save(state, checkpoint_id=folder, process_group=self.group,
                                       async_stager=self._stager)

@@ -9,7 +9,7 @@ head). Works on CPU with gloo (tests) and on GPU with NCCL.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,25 +21,29 @@ BLOCK_CONTAINERS = ("layer1", "layer2", "layer3", "layer4", "encoder.layers", "f
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks to shard one at a time (children of the known containers that hold parameters)."""
-    units: list[nn.Module] = []
+def shard_units(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """The blocks to shard one at a time, as (container, name, block): children of the known
+    containers that hold parameters."""
+    units: list[tuple[nn.Module, str, nn.Module]] = []
     for path in BLOCK_CONTAINERS:
         try:
             container = model.get_submodule(path)
         except AttributeError:
             continue
-        units += [c for c in container.children() if any(True for _ in c.parameters())]
+        units += [(container, name, c) for name, c in container.named_children() if any(True for _ in c.parameters())]
     return units
 
 
 def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None, device: torch.device,
-               world: int) -> nn.Module:
+               world: int, compile_mode: str | None = None) -> nn.Module:
     """Shard ``model`` (already on ``device``) over all ranks; returns the same module, now FSDP.
 
     FSDP2 refuses non-contiguous parameters, so a ``channels_last`` model's weights go back to
     the contiguous format first: the input stays channels_last, and cuDNN picks NHWC kernels
-    when either the input or the weight is in that format.
+    when either the input or the weight is in that format. With ``compile_mode`` each block is
+    compiled before it is sharded (torchtitan's order): FSDP's gathers run between compiled
+    blocks, where compiling the sharded whole would break its graph at every unit.
+    Parameter names gain ``_orig_mod.``; torch's state-dict helpers, which checkpoints use, drop it.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -50,7 +54,10 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     mesh = init_device_mesh(device.type, (world,))
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
     model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
-    for unit in shard_units(model):
+    for container, name, unit in shard_units(model):
+        if compile_mode is not None:
+            unit = cast(nn.Module, torch.compile(unit, mode=compile_mode))
+            container.register_module(name, unit)
         fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kw)
     # The root is left at FSDP2's default: it stays gathered from forward into backward, since
     # backward starts with the root's last layer (an explicit value would re-gather it there).

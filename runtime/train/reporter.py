@@ -8,6 +8,7 @@ would stall fast loops. Everything else streams to the driver's queue actor.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -125,15 +126,23 @@ class Reporter:
 
     def _export_cost(self) -> None:
         try:
-            from runtime.observe.cost import estimate_cost, load_price_table
+            from runtime.observe.cost import estimate_cost
 
-            table = load_price_table(PRICES)
+            table = _price_table()
             secs = time.time() - self.run.started_at
             for pricing in ("on_demand", "spot"):
                 dollars = estimate_cost(self.run.instance_type, pricing, self.world, secs, table)
                 self.gauges.cost.labels(**self.gauges.labels, pricing=pricing).set(dollars)
         except Exception as e:  # cost is advisory: never fail training over a price table
             log.debug("cost estimate unavailable: %s", e)
+
+
+@functools.cache
+def _price_table() -> dict[str, dict[str, float]]:
+    """Parsed once per process: the cost gauge is refreshed at every report, on the boundary's clock."""
+    from runtime.observe.cost import load_price_table
+
+    return load_price_table(PRICES)
 
 
 def build_gauges(cfg: Any, run: RunInfo, rank: int, world: int) -> Any:

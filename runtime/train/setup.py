@@ -112,7 +112,7 @@ def build_optimizer(cfg: JobConfig, params: Iterable[nn.Parameter]) -> torch.opt
     opt: torch.optim.Optimizer
     if o.name == "sgd":
         # torch has no DTensor rule for fused SGD: under FSDP, SGD runs foreach and the
-        # non-finite skip reads its flag on the host (fused Adam/AdamW have one).
+        # non-finite skip restores a copy on the device (fused Adam/AdamW take found_inf).
         opt = torch.optim.SGD(ps, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov,
                               fused=fused and not _sharded(ps))
     elif o.name == "adam":
@@ -142,8 +142,10 @@ def step_unless(opt: torch.optim.Optimizer, bad: torch.Tensor) -> None:
     """``opt.step()`` unless ``bad`` (a 0-dim float tensor, 1.0 = skip), decided on the device.
 
     Fused optimizers read ``found_inf`` the way GradScaler passes it: params, moments and
-    step counts stay untouched on a skipped step, and the host never waits. Other
-    optimizers fall back to reading the flag (one host sync).
+    step counts stay untouched on a skipped step, and the host never waits. Others (SGD on
+    FSDP's DTensors, which has no fused kernel) step, then put back on the device what a
+    skipped step changed: a copy of the parameters and their state is held across the step
+    (a transient of one sharded copy) and restored with ``torch.where``, still with no host sync.
     """
     if getattr(opt, "_step_supports_amp_scaling", False) and opt.defaults.get("fused"):
         holder = cast(Any, opt)
@@ -152,8 +154,27 @@ def step_unless(opt: torch.optim.Optimizer, bad: torch.Tensor) -> None:
             opt.step()
         finally:
             del holder.found_inf
-    elif not bool(bad):
+        return
+    with torch.no_grad():
+        held = _step_tensors(opt)
+        before = torch._foreach_mul(held, 1.0)  # one foreach copy; NaN/inf survive a multiply by 1
         opt.step()
+        skip = bad > 0
+        for now, old in zip(held, before, strict=True):
+            now.copy_(torch.where(skip, old, now))
+
+
+def _step_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The floating tensors a step writes (parameters and their state), local shards of DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    out: list[torch.Tensor] = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.append(p)
+            out += [v for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.is_floating_point()]
+    local = [cast(DTensor, t.detach()).to_local() if isinstance(t, DTensor) else t.detach() for t in out]
+    return local  # views of the live storage, not copies
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -167,19 +188,43 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 class CommTimer:
-    """Wraps a DDP communication hook, timing each all-reduce until its future completes."""
+    """Wraps a DDP communication hook, timing each all-reduce until its future completes.
+
+    On CPU (gloo) the future completes when the data has been reduced: host time is the
+    answer. An NCCL future completes when the all-reduce is *queued*, so on CUDA each one is
+    timed with a pair of CUDA events instead, read at a boundary (when the device is synced).
+    """
 
     def __init__(self, inner: Any, inner_state: Any) -> None:
-        self.inner, self.inner_state, self.seconds = inner, inner_state, 0.0
+        self.inner, self.inner_state = inner, inner_state
+        self._host_s = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._device_s = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """All-reduce time so far. Call at a boundary: CUDA events are read only once their work is done."""
+        self._device_s += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+        self._events.clear()
+        return self._host_s + self._device_s
 
     def hook(self) -> Any:
         # DDP checks the hook's annotations, so the returned function carries none (strings fail).
         def timed_hook(_state, bucket):  # type: ignore[no-untyped-def]
+            cuda = bucket.buffer().is_cuda
             t0 = time.perf_counter()
+            start = torch.cuda.Event(enable_timing=True) if cuda else None
+            if start is not None:
+                start.record()
             fut = self.inner(self.inner_state, bucket)
 
             def done(f):  # type: ignore[no-untyped-def]
-                self.seconds += time.perf_counter() - t0
+                if start is None:
+                    self._host_s += time.perf_counter() - t0
+                else:  # runs on the future's stream, after the all-reduce in stream order
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    self._events.append((start, end))
                 return f.value()
 
             return fut.then(done)

@@ -10,6 +10,7 @@ commit), and one device-to-host read brings them back. That is the only sync poi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +35,12 @@ class Boundary:
 class StepStats:
     """Sums since the last report (device tensors) plus host-side counts and times."""
 
-    def __init__(self, device: torch.device, nonfinite_total: int = 0, nonfinite_in_row: int = 0) -> None:
+    def __init__(self, device: torch.device, nonfinite_total: int = 0, nonfinite_in_row: int = 0,
+                 sync: Callable[[], None] | None = None) -> None:
         self.device = device
+        # The host runs up to a step ahead of the device: a clock read at a boundary waits for the
+        # queued work first, or that backlog would fall outside every window (throughput too high).
+        self.sync = sync or device_sync(device)
         self.nonfinite_total = torch.tensor(float(nonfinite_total), device=device)
         self.in_row = torch.tensor(float(nonfinite_in_row), device=device)
         self.crossed_at = torch.zeros((), device=device)
@@ -65,16 +70,26 @@ class StepStats:
         self.n += n
         self.items += items
 
-    def first_step_done(self, device: torch.device) -> None:
+    def first_step_done(self) -> None:
         """Time the process's first step on its own (one sync): throughput starts after it."""
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        self.sync()
         self.first_step_s = time.perf_counter() - self.t0
         self.t0 = time.perf_counter()
         self.timed_from_n, self.timed_from_step = self.n, self.steps
 
-    def exclude(self, seconds: float) -> None:
-        self.excluded_s += seconds
+    def timed_out(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (evaluation, a checkpoint) with its time kept out of training throughput.
+
+        Synced on both sides: the training steps queued before it count as training, and the
+        device work it queues counts as its own.
+        """
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.sync()
+            self.excluded_s += time.perf_counter() - t0
 
     def exchange(self, flags: tuple[bool, bool, bool], distributed: bool, world: int, want_metrics: bool) -> Boundary:
         """All ranks at the same step: reduce the window and rank 0's flags; one read to the host.
@@ -82,6 +97,7 @@ class StepStats:
         ``flags`` are (preempt, stop, commit) as this rank sees them; only rank 0's count,
         so the caller passes zeros elsewhere. Resets the window when ``want_metrics``.
         """
+        self.sync()  # the window ends when the device has done its steps, not when the host queued them
         elapsed = time.perf_counter() - self.t0 - self.excluded_s
         timed_n = self.n - self.timed_from_n
         host = torch.tensor([float(timed_n), elapsed, *map(float, flags)], device=self.device)
@@ -110,3 +126,10 @@ class StepStats:
                 out.metrics["time/first_step_s"], self.first_step_s = self.first_step_s, None
             self._reset_window()
         return out
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """Wait for the work queued on ``device``'s current stream (nothing to wait for on CPU)."""
+    if device.type != "cuda":
+        return lambda: None
+    return lambda: torch.cuda.current_stream(device).synchronize()

@@ -49,6 +49,7 @@ from runtime.train.setup import (
     CommTimer,
     Placement,
     build_optimizer,
+    compile_enabled,
     for_world,
     lr_lambda,
     maybe_compile,
@@ -113,9 +114,10 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.raw_model = build_model(cfg.model, bundle.num_classes, bundle.in_channels, bundle.image_size)
         self.is_fsdp = cfg.distributed.strategy == "fsdp"
+        self.compiled = compile_enabled(cfg.model, self.device)
         if self.is_fsdp:  # FSDP2, applied here: Ray's prepare_model would use the FSDP1 wrapper
             model = apply_fsdp(self.raw_model.to(self.device), cfg.distributed.fsdp, self.amp_dtype, self.device,
-                               self.world)
+                               self.world, compile_mode=cfg.model.compile_mode if self.compiled else None)
         else:
             model = apply_ddp(self.raw_model, self.device, self.distributed)
         self.is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -125,7 +127,9 @@ class Trainer:
         self.averager: Any = None
         if self.is_ddp:
             self.comm, self.averager = register_comm_hook(model, cfg)
-        self.model = maybe_compile(model, cfg.model, self.device)
+        # FSDP compiled its blocks one by one above; DDP is compiled whole (DDPOptimizer splits
+        # the graph at bucket boundaries so all-reduce still overlaps backward).
+        self.model = model if self.is_fsdp else maybe_compile(model, cfg.model, self.device)
         torch.manual_seed(tc.seed + self.rank)
         optimizer = build_optimizer(cfg, self.model.parameters())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, self.total_steps))
@@ -247,7 +251,7 @@ class Trainer:
                     torch.cuda.set_sync_debug_mode("default")
             step = self.state.global_step
             if step == first_step:
-                self.stats.first_step_done(self.device)
+                self.stats.first_step_done()
             evaluate = self.pending_eval or step in eval_steps
             log_step = step % tc.log_every_steps == 0
             commit_now = step in commit_steps  # committed before the exchange: this report carries it
@@ -339,8 +343,11 @@ class Trainer:
         opt = self.t.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
-        clip = tc.clip_grad_norm if tc.clip_grad_norm is not None else float("inf")
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        if tc.clip_grad_norm is not None:
+            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_grad_norm))
+        else:  # the norm alone (the skip decision and the metric need it), no scaling pass over the grads
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grad_norm = full_tensor(torch.nn.utils.get_total_norm(grads))
         # The skip decision must be the same on every rank. After DDP's all-reduce (FSDP's
         # reduce-scatter) the grad norm is identical everywhere, and a non-finite loss makes it
         # non-finite too; local SGD steps each rank on its own gradients, so a local decision
@@ -381,23 +388,26 @@ class Trainer:
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
         """Run evaluation or a checkpoint, keeping its time out of training throughput."""
-        t0 = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self.stats.exclude(time.perf_counter() - t0)
+        return self.stats.timed_out(fn)
 
     def evaluate(self) -> dict[str, Any]:
         if self.loaders.val is None:
             return {}
         self.model.eval()
         totals = torch.zeros(3, device=self.device)
+        full = self.cfg.data.batch_size
         with torch.no_grad():
             for batch in self.loaders.val:
                 x, y = self.val_stage(batch)
+                n = y.shape[0]
+                if self.compiled and n < full:
+                    # A short last batch would recompile the model (30-60 s) and turn on dynamic
+                    # shapes: pad it to the compiled shape and leave the padding out of the sums.
+                    x = torch.cat([x, x[:1].expand(full - n, *x.shape[1:])])
+                    x = x.contiguous(memory_format=self.memory_format) if x.dim() == 4 else x
                 with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                     enabled=self.amp_dtype is not None):
-                    out = self.model(x)
+                    out = self.model(x)[:n]
                 totals[0] += self.loss_fn(out.float().flatten(0, -2), y.flatten()) * y.numel()
                 totals[1] += (out.argmax(-1) == y).sum()
                 totals[2] += y.numel()

@@ -47,3 +47,46 @@ def test_a_skipped_first_sgd_step_leaves_no_uninitialised_momentum() -> None:
     p.grad = torch.ones(3)
     step_unless(opt, torch.tensor(0.0))
     assert torch.allclose(p.detach(), torch.full((3,), 0.9))
+
+
+def test_an_unfused_sgd_skip_restores_params_and_momentum_on_the_device() -> None:
+    """FSDP's DTensors get foreach SGD (no fused kernel): the skip is a device-side restore."""
+
+    def run(device_skip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=True)
+        opt.state[p]["momentum_buffer"] = torch.zeros(4)
+        for g in GRADS:
+            p.grad = torch.full((4,), g)
+            bad = not bool(torch.isfinite(p.grad).all())
+            if device_skip:
+                step_unless(opt, torch.tensor(float(bad)))
+            elif not bad:
+                opt.step()
+        return p.detach().clone(), opt.state[p]["momentum_buffer"].clone()
+
+    (p_dev, m_dev), (p_host, m_host) = run(True), run(False)
+    assert torch.isfinite(p_dev).all() and torch.isfinite(m_dev).all()
+    assert torch.equal(p_dev, p_host) and torch.equal(m_dev, m_host)
+
+
+def test_the_unfused_skip_restores_a_dtensor_shard_in_place() -> None:
+    from tests.support.ranks import spawn_ranks
+
+    spawn_ranks(_dtensor_skip_rank, 2)
+
+
+def _dtensor_skip_rank(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Shard(0)]))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, foreach=True)
+    opt.state[p]["momentum_buffer"] = distribute_tensor(torch.zeros(4), mesh, [Shard(0)])
+    p.grad = distribute_tensor(torch.full((4,), float("nan")), mesh, [Shard(0)])
+    step_unless(opt, torch.tensor(1.0))
+    assert torch.equal(p.full_tensor(), torch.ones(4)), p.full_tensor()
+    p.grad = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+    step_unless(opt, torch.tensor(0.0))
+    assert torch.allclose(p.full_tensor(), torch.full((4,), 0.9))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from runtime.train.stats import StepStats
@@ -52,9 +54,42 @@ def test_two_nonfinite_in_a_row_below_the_limit_do_not_ask_to_stop() -> None:
 def test_the_first_step_is_timed_apart_and_left_out_of_throughput() -> None:
     s = StepStats(CPU)
     _step(s, 1.0, False, 1)
-    s.first_step_done(CPU)
+    s.first_step_done()
     _step(s, 1.0, False, 2)
-    s.exclude(0.0)
+    s.timed_out(lambda: None)
     m = s.exchange((False,) * 3, False, 1, True).metrics
     assert m["time/first_step_s"] >= 0 and m["time/step_s"] >= 0
     assert "time/first_step_s" not in (_step(s, 1.0, False, 3) or s.exchange((False,) * 3, False, 1, True).metrics)
+
+
+class LaggingDevice:
+    """A device whose queued work takes ``lag`` seconds to drain: what a sync waits for."""
+
+    def __init__(self, lag: float) -> None:
+        self.lag, self.calls = lag, 0
+
+    def sync(self) -> None:
+        self.calls += 1
+        time.sleep(self.lag)
+
+
+def test_a_window_ends_when_the_device_has_drained_its_queue_not_when_the_host_queued_the_steps() -> None:
+    dev = LaggingDevice(0.2)
+    s = StepStats(CPU, sync=dev.sync)
+    for step in range(1, 5):
+        _step(s, 1.0, False, step)  # the host queues 4 steps at once; the device needs 0.2 s more
+    m = s.exchange((False,) * 3, False, 1, True).metrics
+    assert m["time/step_s"] >= 0.2 / 4, m  # the backlog is inside the window, so throughput is not overstated
+    assert m["train/throughput"] <= 16 / 0.2
+
+
+def test_time_kept_out_of_throughput_leaves_the_training_backlog_in_and_its_own_device_work_out() -> None:
+    dev = LaggingDevice(0.0)
+    s = StepStats(CPU, sync=dev.sync)
+    _step(s, 1.0, False, 1)
+    dev.lag = 0.15  # draining the training steps queued before the evaluation takes 0.15 s
+    s.timed_out(lambda: setattr(dev, "lag", 0.0))
+    assert dev.calls == 2  # before and after
+    assert s.excluded_s < 0.15  # the training backlog was drained before the clock started
+    m = s.exchange((False,) * 3, False, 1, True).metrics
+    assert m["time/step_s"] >= 0.15
