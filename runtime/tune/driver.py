@@ -23,6 +23,7 @@ from runtime.layout import TRIAL_TRAINABLE, search_paths, storage_filesystem, tr
 from runtime.tune.config import SCHEDULERS, parse_tune
 from runtime.tune.report import SearchOutcome, collect_trials, finish_parent, pick_best, write_report
 from runtime.tune.schedulers import param_space, scheduler, search_alg
+from runtime.tune.state import sealed_filesystem, verify_sealed
 from runtime.tune.trial import WALL_FILE, SearchContext, run_trial, trial_base, trial_placement
 
 log = logging.getLogger("runtime.tune")
@@ -123,7 +124,9 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     tc = spec.tune
     name = run_name or f"{cfg.name}-tune"
     storage, search_dir = search_paths(cfg, name)
-    fs = storage_filesystem(cfg)
+    # Tune reads and writes its search state through this filesystem: state files are sealed with
+    # the driver's key and checked on every read (runtime.tune.state), as the storage is worker-writable.
+    fs = sealed_filesystem(storage, search_dir, storage_filesystem(cfg))
     connect(address)
     if resume and not rt.Tuner.can_restore(search_dir, storage_filesystem=fs):
         raise ConfigError(f"nothing to resume: no search state in {search_dir} (run without --resume first)")
@@ -147,6 +150,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     t0 = time.time()
     if resume:
+        verify_sealed(fs)  # every state file, before Tune unpickles any (a planted one is named and refused)
         tuner = rt.Tuner.restore(search_dir, trainable=trainable, resume_unfinished=True, resume_errored=True,
                                  storage_filesystem=fs)
     else:
