@@ -256,11 +256,14 @@ class SyntheticPool:
             templates = torch.randn(count, 3, image_size, image_size, generator=g, device=device)
             rows = ((self.labels >= first) & (self.labels < first + count)).nonzero().squeeze(1)  # set-up: syncs
             self.images[rows] += templates[self.labels[rows] - first]
+        # Kept NHWC: a gathered batch viewed as NCHW is then channels_last as it is, with no
+        # conversion copy per step (a contiguous-format model gets one copy in make_stage).
+        self.images = self.images.permute(0, 2, 3, 1).contiguous()
 
     def stage(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         ids, _ = batch
         slot = ids.to(self.images.device, non_blocking=True) % self.size
-        return self.images[slot], self.labels[slot]
+        return self.images[slot].permute(0, 3, 1, 2), self.labels[slot]
 
 
 def synthetic_loaders(cfg: DataConfig, world: int, rank: int, device: torch.device) -> tuple[Loaders, Stage, Stage]:
