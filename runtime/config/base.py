@@ -258,7 +258,8 @@ def format_errors(err: ValidationError, source: str, origins: Origins | None = N
             shown = "" if isinstance(got, dict) else f" (got {short(got)})"
         named = [tuple(n.split(".")) for n in re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+", msg)]
         origin = next((o for o in (_origin_of(n, origins) for n in named if n[: len(path)] == path) if o), "") \
-            or _origin_of(path, origins)  # a section's check names the field it is about: blame that
+            or _origin_of(path, origins) \
+            or next((o for k, o in origins.items() if k[: len(path)] == path), "")  # set below it (RT_FOO__BAR)
         where = "" if named and named[0][: len(path)] == path else f"{loc}: "
         lines.append(f"  {where}{msg}{shown}" + (f"  [from {origin}]" if origin and origin != source else ""))
     head = f"{source}: invalid job configuration ({len(lines)} error{'s' if len(lines) != 1 else ''})"

@@ -19,6 +19,7 @@ from runtime.errors import ConfigError
 JOBS_DIR = Path(__file__).resolve().parents[2] / "jobs"
 ENV_PREFIX = "RT_"
 MAX_JOB_BYTES = 1 << 20  # a job file is a page of settings; a megabyte is a mistake (or an attack)
+MAX_YAML_DEPTH = 64  # nesting levels: the deepest job (tune.space) needs 5; PyYAML recurses per level
 MAX_YAML_NODES = 100_000  # values after expanding aliases: stops "billion laughs" before it is built
 
 # RT_* variables the runtime reads as settings of its own (not config overrides); every other
@@ -93,6 +94,24 @@ def _walk_nodes(node: yaml.Node, path: tuple[str, ...], where: str, origins: Ori
     return count
 
 
+def _check_depth(text: str, where: str) -> None:
+    """Refuse nesting deeper than MAX_YAML_DEPTH before PyYAML's recursive composer meets it
+    (a RecursionError otherwise); the event parser is iterative. Syntax errors are left to compose."""
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    line = event.start_mark.line + 1 if event.start_mark else 0
+                    raise ConfigError(f"{where}:{line}: nested more than {MAX_YAML_DEPTH} "
+                                      "levels deep; a job file is a page of settings")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError:
+        return
+
+
 def read_job_file(path: Path) -> tuple[dict[str, Any], Origins]:
     """A job file's mapping and the file:line each key came from; every problem is a ConfigError.
 
@@ -112,6 +131,7 @@ def read_job_file(path: Path) -> tuple[dict[str, Any], Origins]:
         line = data[: e.start].count(b"\n") + 1
         raise ConfigError(f"{where}:{line}: not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
                           "(save the file as UTF-8)") from None
+    _check_depth(text, where)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -144,6 +164,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"bad override {short(item)}: expected dotted.key=value, e.g. optimizer.lr=0.05")
     if len(raw) > 4096:
         raise ConfigError(f"bad override {short(item)}: the value is {len(raw):,} characters (at most 4,096)")
+    _check_depth(raw, f"bad override {short(item)}: value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:

@@ -219,6 +219,15 @@ class OptimizerConfig(Strict):
     nesterov: bool = False
     betas: tuple[float, float] = (0.9, 0.999)
 
+    @model_validator(mode="after")
+    def _domain(self) -> OptimizerConfig:
+        """What torch refuses only inside the workers, after Ray started them."""
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas must each be in [0, 1) (Adam's moment decay rates), got {self.betas}")
+        if self.nesterov and self.name == "sgd" and self.momentum == 0:  # (Adam ignores nesterov)
+            raise ValueError("optimizer.nesterov=true needs optimizer.momentum > 0 with optimizer.name=sgd")
+        return self
+
 
 class ScheduleConfig(Strict):
     name: Literal["constant", "cosine", "step"] = "cosine"
@@ -453,6 +462,20 @@ class JobConfig(Strict):
         if self.data.source == "text" and self.model.transformer.vocab_size < 256:
             raise ValueError("data.source=text makes byte tokens: model.transformer.vocab_size must be >= 256, "
                              f"got {self.model.transformer.vocab_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _reachable(self) -> JobConfig:
+        """Settings that cannot work together: refused naming both fields, before Ray starts."""
+        if self.distributed.strategy == "fsdp" and self.train.update_mode != "sync":
+            raise ValueError(f"train.update_mode={self.train.update_mode} is a DDP communication hook: "
+                             "distributed.strategy=fsdp implements only train.update_mode=sync")
+        last = self.train.max_steps
+        for field, steps in (("checkpoint.at_steps", self.checkpoint.at_steps),
+                             ("train.eval_at_steps", self.train.eval_at_steps)):
+            late = sorted(s for s in steps if last is not None and s > last)
+            if late:
+                raise ValueError(f"{field} names step(s) {late} that train.max_steps={last} never reaches")
         return self
 
     @model_validator(mode="after")
