@@ -253,7 +253,6 @@ class Tracker:
         self.upload, self.run_dir, self.keeps_history = upload, run_dir, keeps_history
         self.client = upload.client
         self.uri = upload.state.uri
-        self.cfg = upload.cfg  # Tune's parent run logs its best trial's config instead
         self.reachable = reachable
         self.notify = notify
         self.dropped = 0  # reports that found the sender's queue full (uploaded from the history)
@@ -273,6 +272,15 @@ class Tracker:
     @property
     def state(self) -> SyncState:
         return self.upload.state
+
+    @property
+    def cfg(self) -> JobConfig:
+        """The config logged as an artifact at the end (Tune's parent run logs its best trial's)."""
+        return self.upload.cfg
+
+    @cfg.setter
+    def cfg(self, cfg: JobConfig) -> None:
+        self.upload.cfg = cfg
 
     @classmethod
     def for_job(cls, cfg: JobConfig, run_name: str, parent_run_id: str | None = None,
