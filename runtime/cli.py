@@ -29,6 +29,7 @@ from typing import Any
 
 from runtime.errors import ConfigError
 
+EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_CLUSTER = 3
 EXIT_INTERRUPTED = 130
@@ -198,9 +199,18 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_CLUSTER
+    except ConfigError:
+        raise
+    except Exception as e:  # the run failed; its failures were printed one line each as they happened
+        if args.verbose:
+            raise
+        lines = str(e).strip().splitlines()
+        print(f"error: the run failed: {lines[0] if lines else type(e).__name__} "
+              "(--verbose shows the traceback; the workers' logs are in Ray's session folder)", file=sys.stderr)
+        return EXIT_RUN_FAILED
     print(outcome_summary(outcome))
     if outcome.error or outcome.metrics.get("stop_reason") not in (None, "preempted"):
-        return 1
+        return EXIT_RUN_FAILED
     return 0
 
 
