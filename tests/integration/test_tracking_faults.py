@@ -21,7 +21,7 @@ import pytest
 
 from runtime.cli import main as cli_main
 from runtime.observe.history import HistoryLog, read_history
-from runtime.observe.tracking import STATE_FILE, SyncState, Tracker, sync
+from runtime.observe.tracking import QUEUE_MAX, STATE_FILE, SyncState, Tracker, sync
 from runtime.train.run import TrainOutcome
 from tests.support import ROOT, job, wait_for
 from tests.support.mlflow import MlflowServer
@@ -95,6 +95,37 @@ def test_tracker_goes_offline_comes_back_and_sync_uploads_each_step_once(tmp_pat
         server.kill()
     assert "10 uploaded now, 30 in MLflow" in "\n".join(first), first
     assert "0 uploaded now, 30 in MLflow" in "\n".join(again), again
+
+
+def test_reports_never_wait_for_a_hung_server_and_those_past_the_full_queue_reach_it_from_the_history(
+        tmp_path: Path) -> None:
+    """A paused server takes the sender's call and answers nothing: the driver goes on queueing, a
+    full queue drops (and counts) reports, and MLflow still ends with each step once."""
+    server = MlflowServer(tmp_path / "mlflow").start()
+    cfg = job("digits_smoke", str(tmp_path / "runs"), f"tracking.mlflow_uri={server.url}")
+    lines: list[str] = []
+    tracker = Tracker.for_job(cfg, "hung", keeps_history=True, notify=lines.append)
+    assert tracker is not None
+    history = HistoryLog(tracker.run_dir)
+    # One batch the sender holds plus a full queue is 2 x QUEUE_MAX at most: the rest must be dropped.
+    steps = 2 * QUEUE_MAX + 500
+    try:
+        server.pause()
+        for step in range(1, steps + 1):  # would block forever here if a report waited for MLflow
+            item = {"step": step, "train/loss": 1.0 / step, "_time": time.time()}
+            history.append(item)
+            tracker.log_step_metrics(item)
+        assert tracker.dropped >= 500
+        server.pause(False)
+        tracker.finish(TrainOutcome("hung", str(tracker.run_dir), "", {"step": steps}), status="FINISHED")
+        assert tracker.not_uploaded() is None, lines
+        assert mlflow_steps(server.url, tracker.run_id, "train/loss") == history_steps(
+            read_history(tracker.run_dir), "train/loss")
+    finally:
+        history.close()
+        server.kill()
+    # Unreachable (a call timed out while paused) and back, or neither: never a line per report.
+    assert len(lines) in (0, 2), lines
 
 
 def _train(run: str, storage: Path, url: str, *sets: str) -> subprocess.Popen[str]:

@@ -34,6 +34,11 @@ class MlflowServer:
         wait_until(lambda: http_ok(f"{self.url}/health"), "test MLflow server", 180, log)
         return self
 
+    def pause(self, paused: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) the server's group: it accepts connections and answers none, a hung server."""
+        assert self.pid is not None
+        os.killpg(self.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL the server's whole process group; returns once the port refuses connections."""
         if self.pid is None:
