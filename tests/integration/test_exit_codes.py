@@ -32,7 +32,7 @@ def test_run_past_its_failure_budget_exits_1_with_one_line_and_no_traceback(clus
                             stderr=subprocess.STDOUT, text=True)
     try:
         ckpts = storage / run / "checkpoints"
-        wait_for(lambda: proc.poll() is not None or (committed_steps(ckpts) and len(train_worker_pids()) == 2),
+        wait_for(lambda: proc.poll() is not None or (bool(committed_steps(ckpts)) and len(train_worker_pids()) == 2),
                  "the first checkpoint of a 2-worker group")
         assert proc.poll() is None, "the run ended before a worker could be killed"
         os.kill(train_worker_pids()[-1], signal.SIGKILL)
