@@ -140,6 +140,7 @@ class SyncState:
     end_tags: dict[str, str] = field(default_factory=dict)
     checkpoint_uri: str | None = None
     closed: bool = False  # the end state, end tags and artifacts are in MLflow
+    events: list[dict[str, Any]] = field(default_factory=list)  # run events (Tracker.log_event) not yet sent
 
     @classmethod
     def load(cls, run_dir: Path) -> SyncState | None:
@@ -212,6 +213,18 @@ class MlflowUpload:
         if batch:
             self.client.log_batch(run_id, metrics=batch)
 
+    def events(self) -> None:
+        """Send the run events the state holds, oldest first, each dropped from it once sent."""
+        from mlflow.entities import Metric, RunTag
+
+        run_id = self.open()
+        while self.state.events:
+            e = self.state.events[0]
+            self.client.log_batch(run_id, metrics=[Metric(k, float(v), int(e["ts_ms"]), int(e["step"]))
+                                                   for k, v in e["metrics"].items()],
+                                  tags=[RunTag(k, str(v)) for k, v in e["tags"].items()])
+            self.state.events.pop(0)
+
     def close(self, history: list[dict[str, Any]], plots: list[str]) -> None:
         """Artifacts (resolved config, curves, final model), end tags, end state."""
         run_id = self.open()
@@ -240,6 +253,16 @@ class _End:
     plots: list[str]
 
 
+@dataclass
+class _Event:
+    """A run event for the sender: metrics at a step and tags (an elastic resize)."""
+
+    metrics: dict[str, float]
+    step: int
+    ts_ms: int
+    tags: dict[str, str]
+
+
 class Tracker:
     """One MLflow run per training run, fed by a sender thread so that MLflow never stalls a run.
 
@@ -260,7 +283,7 @@ class Tracker:
         self._base = len(read_history(run_dir)) if keeps_history else 0
         self._logged = 0
         self._last_probe = time.monotonic()
-        self._queue: queue.Queue[tuple[int, dict[str, Any]] | _End] = queue.Queue(maxsize=QUEUE_MAX)
+        self._queue: queue.Queue[tuple[int, dict[str, Any]] | _Event | _End] = queue.Queue(maxsize=QUEUE_MAX)
         self._sender = threading.Thread(target=self._send_loop, name="mlflow-sender", daemon=True)
         self._sender.start()
 
@@ -340,6 +363,14 @@ class Tracker:
         except queue.Full:
             self.dropped += 1
 
+    def log_event(self, metrics: dict[str, float], step: int, tags: dict[str, str], at: float) -> None:
+        """Queue a run event (metrics at ``step``, tags) for MLflow; never waits. Kept in mlflow.json
+        until sent, so ``--sync`` sends what the run could not."""
+        try:
+            self._queue.put_nowait(_Event(metrics, step, int(at * 1000), tags))
+        except queue.Full:
+            self.dropped += 1
+
     def finish(self, outcome: TrainOutcome, status: str) -> None:
         """Record the end state, then let the sender upload what is missing and close the MLflow run;
         waits at most CLOSE_WAIT_S, raises nothing."""
@@ -360,12 +391,15 @@ class Tracker:
     def not_uploaded(self) -> str | None:
         """After finish: what MLflow lacks of this run and how to upload it, or None."""
         missing = max(0, self._base + self._logged - self.state.uploaded)
-        if self.state.closed and not missing:
+        if self.state.closed and not missing and not self.state.events:
             return None
         parts = [f"{missing} reports"] if missing else []
+        if self.state.events:
+            n = len(self.state.events)
+            parts.append(f"{n} run event{'' if n == 1 else 's'}")
         if not self.state.closed:
             parts.append("the end state and artifacts")
-        what = " and ".join(parts)
+        what = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
         if not self.keeps_history:
             return f"not in MLflow ({self.uri} unreachable): {what}"
         return (f"not in MLflow ({self.uri} unreachable): {what}; upload with "
@@ -406,8 +440,12 @@ class Tracker:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            live = [m for m in batch if not isinstance(m, _End)]
+            live = [m for m in batch if isinstance(m, tuple)]
             end = next((m for m in batch if isinstance(m, _End)), None)
+            events = [asdict(m) for m in batch if isinstance(m, _Event)]
+            if events:
+                self.state.events.extend(events)
+                self._save()
             if self.reachable or self._probe(force=end is not None):
                 self._upload(live, newest=None if live else self._base + self._logged)
             if end is not None:
@@ -434,6 +472,9 @@ class Tracker:
                 chunk = pending[i : i + 100]
                 self.upload.metrics([item for _, item in chunk])
                 self.state.uploaded = chunk[-1][0] + 1
+                self._save()
+            if self.state.events:
+                self.upload.events()
                 self._save()
         except Exception as e:  # noqa: BLE001 (connection refused, timeouts, a 5xx: all mean "not now")
             log.debug("MLflow at %s: %s", self.uri, e)
@@ -475,6 +516,8 @@ def sync(run_dir: Path) -> list[str]:
             upload.metrics(history[i : i + 100])
             state.uploaded = min(len(history), i + 100)
             state.save(run_dir)
+        upload.events()
+        state.save(run_dir)
         closing = state.status is not None and not state.closed
         if closing:
             curves = run_dir / CURVES_FILE

@@ -226,13 +226,10 @@ def resize_line(event: dict[str, Any], step: Any) -> str:
 
 
 def record_resize(tracker: Any, event: dict[str, Any], step: Any, count: int) -> None:
-    """MLflow: the worker count as a metric at the step it changed, the latest resize as tags."""
+    """MLflow: the worker count as a metric at the step it changed, the latest resize as tags
+    (queued: runtime.observe.tracking.Tracker.log_event never waits for MLflow)."""
     if tracker is None:
         return
-    try:
-        ts = int(float(event.get("_time", time.time())) * 1000)
-        tracker.client.log_metric(tracker.run_id, "elastic/workers", float(event["to"]), ts, int(step or 0))
-        tracker.client.set_tag(tracker.run_id, "elastic.resizes", str(count))
-        tracker.client.set_tag(tracker.run_id, "elastic.last_resize", resize_line(event, step))
-    except Exception as e:  # tracking must never stop training
-        log.warning("MLflow: could not record the resize: %s", e)
+    tracker.log_event({"elastic/workers": float(event["to"])}, int(step or 0),
+                      {"elastic.resizes": str(count), "elastic.last_resize": resize_line(event, step)},
+                      float(event.get("_time", time.time())))

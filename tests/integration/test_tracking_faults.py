@@ -72,12 +72,14 @@ def test_tracker_goes_offline_comes_back_and_sync_uploads_each_step_once(tmp_pat
         assert len(lines) == 2 and BACK in lines[1], lines
         server.kill()
         report(range(21, 31))
+        tracker.log_event({"elastic/workers": 1.0}, 25, {"elastic.resizes": "1"}, time.time())  # a resize
         tracker.finish(TrainOutcome("offline", str(tracker.run_dir), "", {"step": 30}), status="FINISHED")
     finally:
         history.close()
     assert len(lines) == 3 and UNREACHABLE in lines[0] and UNREACHABLE in lines[2], lines
     gap = tracker.not_uploaded()
-    assert gap is not None and "10 reports and the end state and artifacts" in gap and "--sync" in gap, gap
+    assert gap is not None and "10 reports, 1 run event and the end state and artifacts" in gap, gap
+    assert "--sync" in gap, gap
     state = SyncState.load(tracker.run_dir)
     assert state is not None and state.uploaded == 20 and state.status == "FINISHED" and not state.closed
 
@@ -88,7 +90,8 @@ def test_tracker_goes_offline_comes_back_and_sync_uploads_each_step_once(tmp_pat
         from mlflow.tracking import MlflowClient
 
         run = MlflowClient(tracking_uri=server.url).get_run(tracker.run_id)
-        assert run.info.status == "FINISHED"
+        assert run.info.status == "FINISHED" and run.data.tags["elastic.resizes"] == "1"
+        assert mlflow_steps(server.url, tracker.run_id, "elastic/workers") == [(25, 1.0)]
         assert mlflow_steps(server.url, tracker.run_id, "train/loss") == history_steps(
             read_history(tracker.run_dir), "train/loss")
     finally:
