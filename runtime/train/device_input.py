@@ -98,30 +98,45 @@ class DevicePrefetcher:
     The thread owns its CUDA stream and hands each batch over with an event the training
     thread's stream waits on, so the training thread never blocks on the device. Why a
     thread and not only a side stream: GPU decode (nvJPEG through torchvision) synchronises
-    its host thread twice per batch and Huffman-decodes progressive JPEGs on the host, and the
-    loader's own ``next`` (unpickling, pinning handoff) costs host time too; both now overlap
-    the step instead of delaying its launches. The plain copy path takes the same thread: its
-    host work is a few launches, the handoff (a queue put/get, an event) tens of microseconds,
-    and one code path is what the CPU tests exercise. On CPU there are no streams or events.
-    Call ``close`` when done (the trainer does): it stops and joins the thread.
+    its host thread twice per batch and Huffman-decodes progressive JPEGs on the host; that
+    now overlaps the step instead of delaying its launches.
+
+    The host batches themselves are taken from the source on the training thread and handed
+    to the producer: starting a loader's iterator forks its worker processes, and a fork from
+    a thread other than the one CUDA was set up on has aborted those workers
+    (``cudaErrorInitializationError``, seen on an H100). Taking a batch from a DataLoader is a
+    queue read; the expensive parts run in its workers and the producer.
+
+    ``threaded=False`` (data made on the device: synthetic images, token windows) stages
+    inline on the training stream: a gather has nothing to overlap, and a thread would only
+    hold extra batches in memory. On CPU the same code runs, threads included, with the
+    copies as no-ops. Call ``close`` when done (the trainer does): it stops and joins the thread.
     """
 
     DEPTH = 2  # staged batches waiting; with one in the producer's hands, at most 3 batches ahead
-    JOIN_S = 60.0  # close() waits this long for a producer stuck in the loader's next()
+    JOIN_S = 60.0  # close() waits this long for a producer stuck in a stage
 
-    def __init__(self, source: Iterator[tuple[Any, Position]], stage: Stage, device: torch.device) -> None:
+    def __init__(self, source: Iterator[tuple[Any, Position]], stage: Stage, device: torch.device,
+                 threaded: bool = True) -> None:
         self.source, self.stage = source, stage
         self.stream: torch.cuda.Stream | None = None
         if device.type == "cuda":  # the producer thread must select the same device: it is per thread
             device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-            self.stream = torch.cuda.Stream(device)
+            if threaded:
+                self.stream = torch.cuda.Stream(device)
         self.device = device
-        self.wait_s = 0.0  # host seconds the training thread waited for a staged batch
+        self.wait_s = 0.0  # host seconds the training thread waited for the loader or a staged batch
+        self._todo: queue.Queue[tuple[Any, Position] | _Failed] = queue.Queue()  # host batches for the producer
         self._queue: queue.Queue[_Ready | _Failed] = queue.Queue(maxsize=self.DEPTH)
         self._stop = threading.Event()
+        self._fed_all = False  # the source ended or failed: nothing more to hand over
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._produce, name="device-prefetch", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._produce, name="device-prefetch", daemon=True)
+            self._thread.start()
+            for _ in range(self.DEPTH + 1):
+                self._feed()
 
     # ------------------------------------------------------------ producer thread
 
@@ -138,7 +153,14 @@ class DevicePrefetcher:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            batch, pos = next(self.source)
+            try:
+                item = self._todo.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(item, _Failed):  # the source's error (or its end), in its place in the order
+                self._put(item)
+                return
+            batch, pos = item
             x, y = self.stage(batch)
             event = None
             if self.stream is not None:
@@ -159,6 +181,18 @@ class DevicePrefetcher:
 
     # ------------------------------------------------------------ training thread
 
+    def _feed(self) -> None:
+        """Take the next host batch from the source (here, on the training thread) for the producer."""
+        if self._fed_all:
+            return
+        t0 = time.perf_counter()
+        try:
+            item: tuple[Any, Position] | _Failed = next(self.source)
+        except BaseException as e:  # noqa: BLE001  (StopIteration included: raised after the batches before it)
+            item, self._fed_all = _Failed(e), True
+        self.wait_s += time.perf_counter() - t0
+        self._todo.put(item)
+
     def __iter__(self) -> DevicePrefetcher:
         return self
 
@@ -167,8 +201,11 @@ class DevicePrefetcher:
             raise self._error
         if self._stop.is_set():
             raise RuntimeError("data: the prefetcher is closed")
+        if self._thread is None:
+            return self._inline()
+        self._feed()  # keep the producer DEPTH + 1 batches ahead
         t0 = time.perf_counter()
-        item = self._queue.get()  # the producer always puts: a batch, or its failure (it never dies silently)
+        item = self._queue.get()  # the producer always puts: a batch, or a failure (it never dies silently)
         self.wait_s += time.perf_counter() - t0
         if isinstance(item, _Failed):
             self._error = item.error
@@ -181,9 +218,18 @@ class DevicePrefetcher:
             item.y.record_stream(main)
         return item.x, item.y, item.pos
 
+    def _inline(self) -> tuple[torch.Tensor, torch.Tensor, Position]:
+        t0 = time.perf_counter()
+        batch, pos = next(self.source)
+        self.wait_s += time.perf_counter() - t0
+        x, y = self.stage(batch)
+        return x, y, pos
+
     def close(self) -> None:
         """Stop the producer and join it; staged batches are dropped. Safe to call twice."""
         self._stop.set()
+        if self._thread is None:
+            return
         deadline = time.monotonic() + self.JOIN_S
         while self._thread.is_alive() and time.monotonic() < deadline:
             try:
@@ -195,7 +241,7 @@ class DevicePrefetcher:
         while not self._queue.empty():
             self._queue.get_nowait()  # a batch put just before the stop: free its memory now
         if self._thread.is_alive():
-            log.warning("data: the prefetch thread did not stop within %.0f s (stuck in the loader?)", self.JOIN_S)
+            log.warning("data: the prefetch thread did not stop within %.0f s (stuck in a stage?)", self.JOIN_S)
 
 
 class SyntheticLoader:

@@ -63,6 +63,8 @@ from runtime.train.stats import Boundary, StepStats
 from runtime.train.tokens import language_model_rates, token_loaders
 
 log = logging.getLogger("runtime.train")
+# Sources whose samples are made on the device once: staging is a gather, with nothing to overlap.
+DEVICE_RESIDENT = ("synthetic", "tokens", "text")
 
 
 class Trainer:
@@ -237,7 +239,7 @@ class Trainer:
         batches = self.prefetcher = DevicePrefetcher(  # a producer thread: closed in close()
             host_batches(self.loaders.train, self.loaders.batches_per_epoch, self.state.epoch,
                          self.state.batch_in_epoch),
-            self.train_stage, self.device)
+            self.train_stage, self.device, threaded=self.cfg.data.source not in DEVICE_RESIDENT)
         first_step = self.state.global_step + 1
         sync_debug = tc.sync_debug and self.device.type == "cuda"
         while not self.done():
