@@ -305,9 +305,9 @@ def run(results_dir: Path) -> dict[str, Any]:
                 device, storage, use_gpu)
         result[part]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"{part}: {json.dumps({k: v for k, v in result[part].items() if k != 'rounds'})}", flush=True)
-    result["suspect"] = suspect_ratios(result)
-    if use_gpu:
-        gpu_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, sort_keys=True))
-        path.with_suffix(".md").write_text(markdown(result))
+        result["suspect"] = suspect_ratios(result)
+        if use_gpu:  # after every part: a run cut short keeps what it measured
+            gpu_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2, sort_keys=True))
+            path.with_suffix(".md").write_text(markdown(result))
     return result
