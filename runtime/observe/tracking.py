@@ -271,12 +271,12 @@ class Tracker:
     Otherwise (a Tune trial) the tracker keeps the reports of this call in memory.
     """
 
-    def __init__(self, upload: MlflowUpload, run_dir: Path, *, keeps_history: bool, reachable: bool,
+    def __init__(self, upload: MlflowUpload, run_dir: Path, *, keeps_history: bool,
                  notify: Callable[[str], None]) -> None:
         self.upload, self.run_dir, self.keeps_history = upload, run_dir, keeps_history
         self.client = upload.client
         self.uri = upload.state.uri
-        self.reachable = reachable
+        self.reachable = True  # as far as this tracker knows; False between the two console lines
         self.notify = notify
         self.dropped = 0  # reports that found the sender's queue full (uploaded from the history)
         self._seen: list[dict[str, Any]] = []  # without a history file: this call's reports
@@ -339,15 +339,15 @@ class Tracker:
                 say(f"MLflow at {uri} unreachable; this run is not tracked")
                 return None
             reachable = False
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config_file = run_dir / CONFIG_FILE
-        try:
-            config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        except OSError as e:
-            log.warning("%s: not written: %s", config_file, e.strerror or e)
-        if keeps_history:
+        if keeps_history:  # what `report --sync` needs to create, fill and close the MLflow run later
+            run_dir.mkdir(parents=True, exist_ok=True)
+            config_file = run_dir / CONFIG_FILE
+            try:
+                config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            except OSError as e:
+                log.warning("%s: not written: %s", config_file, e.strerror or e)
             state.save(run_dir)
-        tracker = cls(upload, run_dir, keeps_history=keeps_history, reachable=True, notify=say)
+        tracker = cls(upload, run_dir, keeps_history=keeps_history, notify=say)
         if not reachable:
             tracker._went_away()
         return tracker
@@ -447,7 +447,10 @@ class Tracker:
                 self.state.events.extend(events)
                 self._save()
             if self.reachable or self._probe(force=end is not None):
-                self._upload(live, newest=None if live else self._base + self._logged)
+                # Up to the newest report logged when nothing is in hand or at the end (the last
+                # reports may have found the queue full); else up to the newest in hand.
+                everything = end is not None or not live
+                self._upload(live, newest=self._base + self._logged if everything else None)
             if end is not None:
                 if self.reachable:
                     self._close(end)
