@@ -3,6 +3,7 @@ the loader settings read from ``data:`` (worker processes, where images are deco
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ class Batches:
         self.skipped = 0
 
     def __iter__(self) -> Iterator[Any]:
-        for b in self.loader:
+        for b in start_workers(self.loader):
             if isinstance(b, HostBatch):
                 for s in b.skipped:
                     log.warning("data: skipped %s (%s)", s.name, s.reason)
@@ -31,6 +32,25 @@ class Batches:
                 yield b.x, b.y
             else:
                 yield b
+
+
+def start_workers(loader: Any) -> Iterator[Any]:
+    """``iter(loader)``, which forks the loader's worker processes, with the garbage collector frozen.
+
+    A forked worker inherits the parent's heap. Should its collector free a reference cycle that
+    holds a CUDA tensor, the tensor's destructor calls CUDA in a process where CUDA cannot run and
+    the worker aborts (seen on an H100: ``cudaErrorInitializationError`` from ``~TensorImpl`` in a
+    DataLoader worker, a cycle left by an earlier run in the same process). Collecting first
+    frees such cycles in the parent, where that is safe; what is frozen the child never collects.
+    """
+    if not getattr(loader, "num_workers", 0):
+        return iter(loader)
+    gc.collect()
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        gc.unfreeze()
 
 
 def loader_workers(cfg: DataConfig, on_gpu: bool) -> int:
