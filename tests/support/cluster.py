@@ -76,6 +76,18 @@ def newest_commit_time(checkpoints: Path) -> float:
     return max(times, default=0.0)
 
 
+def oldest_allowed_resume(last: int, committed: int, interval: int) -> int:
+    """The oldest step a worker group killed after reporting step ``last`` may resume from: the
+    guarantee of docs/checkpoints.md ("What a kill costs, in steps"), exactly.
+
+    ``committed`` was the newest committed checkpoint at the kill. Saves are serial, so when the
+    newest save started (step ``s = last // interval * interval``, handed to the writer before step
+    ``s`` was reported) the one before it (``s - interval``) had committed; the save of ``s`` may
+    have been in flight and lost with the process. So ``last - resumed <= last % interval + interval``.
+    """
+    return max(committed, last // interval * interval - interval)
+
+
 class Kill(NamedTuple):
     """One signal sent to a worker: when, the newest step committed then, which signal."""
 
