@@ -21,9 +21,7 @@ from runtime.data import DataBundle, build_loaders
 from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded, gpu_decode_available
 from runtime.data.images import Recipe, collate_crops, crop_image, encode_sample, sample_rng
 from runtime.train.device_input import DevicePrefetcher, Position, make_stage
-from runtime.train.run import RunInfo
-from runtime.train.setup import Placement
-from runtime.train.trainer import Trainer
+from tests.support.trainer import train_in_process
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -101,14 +99,7 @@ def test_gpu_decode_trains_through_the_trainer_with_no_skipped_samples(tmp_path:
         "checkpoint": {"enabled": False},
         "tracking": {"mlflow": False, "prometheus": False},
     }
-    reports: list[dict[str, Any]] = []
-    run = RunInfo(run_name="gpu", job_id="gpu", checkpoint_uri=str(tmp_path / "c"), run_dir=str(tmp_path))
-    trainer = Trainer(JobConfig(name="gpu", **doc), run, placement=Placement(0, 1, torch.device("cuda", 0)),
-                      report_fn=lambda m, checkpoint=None: reports.append(m))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    trainer, reports = train_in_process(JobConfig(name="gpu", **doc), tmp_path, device=torch.device("cuda", 0))
     assert trainer.state.global_step == 8 and reports[-1]["final"]
     assert reports[-1]["data/skipped_samples"] == 0
     assert trainer.prefetcher is not None and not trainer.prefetcher._thread.is_alive()  # closed, joined

@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import JobConfig
-from runtime.train.run import RunInfo
-from runtime.train.setup import Placement
-from runtime.train.trainer import Trainer
 from tests.support import free_port
+from tests.support.trainer import train_in_process
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -39,7 +37,7 @@ def one_rank_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _fit(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Trainer, list[dict[str, Any]]]:
+def _fit(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
     doc: dict[str, Any] = {
         "model": {"name": "resnet18", "channels_last": True, "compile": False},
         "data": {"source": "synthetic", "image_size": 64, "num_classes": 10, "num_samples": 2048,
@@ -50,15 +48,7 @@ def _fit(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Trainer, list[dict
     }
     for k, v in sections.items():
         doc[k] = {**doc.get(k, {}), **v}
-    reports: list[dict[str, Any]] = []
-    run = RunInfo(run_name="gpu", job_id="gpu", checkpoint_uri=str(tmp_path / "c"), run_dir=str(tmp_path))
-    trainer = Trainer(JobConfig(name="gpu", **doc), run, placement=Placement(0, 1, torch.device("cuda", 0)),
-                      report_fn=lambda m, checkpoint=None: reports.append(m))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer, reports
+    return train_in_process(JobConfig(name="gpu", **doc), tmp_path, device=torch.device("cuda", 0))
 
 
 def test_steady_state_steps_make_no_host_sync_with_synthetic_data(tmp_path: Path) -> None:

@@ -21,16 +21,17 @@ from tests.support import job
 from tests.support.ranks import spawn_ranks
 
 
-def train_in_process(cfg: JobConfig, folder: Path, rank: int = 0,
-                     world: int = 1) -> tuple[Trainer, list[dict[str, Any]]]:
+def train_in_process(cfg: JobConfig, folder: Path, rank: int = 0, world: int = 1,
+                     device: torch.device | None = None) -> tuple[Trainer, list[dict[str, Any]]]:
     """The real trainer without Ray: restore from ``folder``'s checkpoints, fit, close.
 
     With ``world`` > 1 the caller has initialised the process group (``spawn_ranks`` does).
+    ``device``: the CPU unless given (tests/gpu pass ``cuda:0``).
     Returns the trainer and every report it made, in order.
     """
     reports: list[dict[str, Any]] = []
     run = RunInfo(run_name="r", job_id="j", checkpoint_uri=str(folder / "checkpoints"), run_dir=str(folder))
-    trainer = Trainer(cfg, run, placement=Placement(rank, world, torch.device("cpu")),
+    trainer = Trainer(cfg, run, placement=Placement(rank, world, device or torch.device("cpu")),
                       report_fn=lambda m, checkpoint=None: reports.append(m))
     try:
         trainer.restore()
