@@ -32,6 +32,12 @@ def resolve_precision(dtype: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
 
+def autocast(device: torch.device, amp_dtype: torch.dtype | None) -> torch.autocast:
+    """Mixed precision as ``resolve_precision`` chose it (off when it chose fp32): one place for
+    the training step and evaluation, so they compute alike."""
+    return torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+
+
 def lr_lambda(cfg: JobConfig, total_steps: int) -> Any:
     """Multiplier on optimizer.lr: linear warmup, then constant, cosine or step decay."""
     s = cfg.schedule

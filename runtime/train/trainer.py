@@ -1,10 +1,12 @@
 """The trainer core (runs inside each Ray Train worker).
 
-``Trainer.__init__`` composes the parts (device, data, model, optimizer, checkpointer,
-reporter); ``fit`` reads top to bottom: ``while not done: step; at a boundary: evaluate,
-exchange, checkpoint, report``; cleanup in ``close``. The same code runs on CPU (gloo)
-and GPU (NCCL). Every rank computes; rank 0 writes DDP checkpoints (with FSDP every rank
-writes its own shards and rank 0 commits) and publishes.
+``Trainer.__init__`` composes the parts (device, data, model, optimizer) and the components
+that own a cadence: ``Checkpointer`` (when to save), ``Evaluator`` (when to evaluate),
+``StopPolicy`` (when to end) and ``MetricsAssembler`` (when to report, and what). ``fit`` reads
+top to bottom: ``while not done: step; ask each component; at a boundary: evaluate, exchange,
+checkpoint, report``; cleanup in ``close``. The same code runs on CPU (gloo) and GPU (NCCL).
+Every rank computes; rank 0 writes DDP checkpoints (with FSDP every rank writes its own shards
+and rank 0 commits) and publishes.
 
 Where the host waits for the device (see docs/performance.md): never inside a steady-state
 step. Statistics stay on the device; the non-finite skip is decided on the device (fused
@@ -18,9 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import ray.train
@@ -28,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.checkpoint import CheckpointError
 from runtime.config import JobConfig
 from runtime.data import build_loaders
 from runtime.errors import ConfigError
+from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import (
     DevicePrefetcher,
     Position,
@@ -40,14 +41,17 @@ from runtime.train.device_input import (
     make_stage,
     synthetic_loaders,
 )
+from runtime.train.evaluator import Evaluator
+from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.models import build_model
 from runtime.train.parallel import apply_ddp, apply_fsdp, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
 from runtime.train.resume import Trainables, TrainerState, build_checkpointer, build_payload, restore_latest
-from runtime.train.run import PREEMPT_FILE, RunInfo
+from runtime.train.run import RunInfo
 from runtime.train.setup import (
     CommTimer,
     Placement,
+    autocast,
     build_optimizer,
     compile_enabled,
     for_world,
@@ -60,7 +64,8 @@ from runtime.train.setup import (
     step_unless,
 )
 from runtime.train.stats import Boundary, StepStats
-from runtime.train.tokens import language_model_rates, token_loaders
+from runtime.train.stop_policy import StopPolicy, total_steps
+from runtime.train.tokens import token_loaders
 
 log = logging.getLogger("runtime.train")
 # Sources whose samples are made on the device once: staging is a gather, with nothing to overlap.
@@ -107,10 +112,7 @@ class Trainer:
         bundle = self.loaders.bundle
         self.train_stage = make_stage(self.device, bundle, self.memory_format, train_stage)
         self.val_stage = make_stage(self.device, bundle, self.memory_format, val_stage)
-        steps_per_epoch = max(1, self.loaders.batches_per_epoch // tc.grad_accum_steps)
-        self.total_steps = tc.max_steps or steps_per_epoch * (tc.epochs or 1)
-        if tc.max_steps and tc.epochs:
-            self.total_steps = min(tc.max_steps, steps_per_epoch * tc.epochs)
+        self.total_steps = total_steps(tc, self.loaders.batches_per_epoch)
 
         # Model: identical init on every rank (DDP also broadcasts rank 0's weights).
         torch.manual_seed(tc.seed)
@@ -135,7 +137,7 @@ class Trainer:
         torch.manual_seed(tc.seed + self.rank)
         optimizer = build_optimizer(cfg, self.model.parameters())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, self.total_steps))
-        self.t = Trainables(self.raw_model, optimizer, scheduler, self.scaler)
+        self.trainables = Trainables(self.raw_model, optimizer, scheduler, self.scaler)
         self.loss_fn = nn.CrossEntropyLoss()
 
         self.state = TrainerState(world=self.world)
@@ -144,12 +146,26 @@ class Trainer:
         self.reporter = Reporter(self.rank, self.world, run, progress, lockstep, self.gauges, self.checkpoints,
                                  report_fn or ray.train.report, report_all=not self.in_ray)
         self.stats = StepStats(self.device)
-        self.restore_info: dict[str, Any] = {}  # added to the next report, then cleared
+        # The components: each decides its own cadence; fit asks them after every step.
+        self.stop = StopPolicy(tc, self.total_steps, run.run_dir)
+        self.checkpointer = Checkpointer(
+            self.checkpoints, cfg, run, rank=self.rank, world=self.world, distributed=self.distributed,
+            sharded=self.is_fsdp, device=self.device, classes=bundle.classes, gauges=self.gauges,
+            payload=lambda: build_payload(self.trainables, self.state, self.distributed, self.world,
+                                          sharded=self.is_fsdp),
+            on_failure=self.stop.request)
+        self.evaluator = Evaluator(
+            self.model, self.loaders.val, self.val_stage, device=self.device, amp_dtype=self.amp_dtype,
+            batch_size=cfg.data.batch_size, pad_to_batch=self.compiled, memory_format=self.memory_format,
+            distributed=self.distributed, at_steps=tc.eval_at_steps, every_epochs=tc.eval_every_epochs)
+        comm = self.comm
+        self.metrics = MetricsAssembler(
+            cfg, self.device, self.world, self.total_steps,
+            learning_rate=lambda: scheduler.get_last_lr()[0],
+            comm_seconds=lambda: comm.seconds if comm else 0.0,
+            # Files the loader could not read, plus images the GPU decoder could not (data.decode=gpu).
+            skipped_samples=lambda: self.loaders.train.skipped + getattr(self.loaders.device_stage, "failed", 0))
         self.recovered = False
-        self.stop_reason: str | None = None  # why this rank wants to stop (rank 0's reason is reported)
-        self.stopping = False  # all ranks agreed to stop (set only at an exchange, so at the same step)
-        self.save_failed = False
-        self.pending_eval = False
         self._nonfinite_exported = 0
         self._recovery_noted = False
 
@@ -167,8 +183,8 @@ class Trainer:
             with ray_ckpt.as_directory() as d:
                 pointed = read_pointer(d)
             pointer_step = pointed.step if pointed else None
-        state, self.restore_info = restore_latest(self.checkpoints, self.t, self.cfg, self.rank, self.world,
-                                                  pointer_step, sharded=self.is_fsdp)
+        state, self.metrics.once = restore_latest(self.checkpoints, self.trainables, self.cfg, self.rank,
+                                                  self.world, pointer_step, sharded=self.is_fsdp)
         if state is None:
             return
         self.state = state
@@ -186,116 +202,65 @@ class Trainer:
             return
         b = self.cfg.data.batch_size
         state.batch_in_epoch, repeated = reshard_position(state.batch_in_epoch, b, old, self.world)
-        self.restore_info.update({"resized_from": old, "resize_repeated_samples": repeated})
+        self.metrics.once.update({"resized_from": old, "resize_repeated_samples": repeated})
         if self.rank == 0:
             log.warning("resumed on %d workers (checkpoint written by %d): epoch %d continues at batch %d per "
                         "rank, %d sample(s) repeated; accumulation %d", self.world, old, state.epoch,
                         state.batch_in_epoch, repeated, self.cfg.train.grad_accum_steps)
 
-    def checkpoint(self, blocking: bool = False) -> None:
-        """Every rank calls this (the payload gathers every rank's RNG). DDP: rank 0 writes the
-        full state. FSDP: every rank writes its own shards, rank 0 commits once all are done."""
-        if self.checkpoints is None:
-            return
-        payload = build_payload(self.t, self.state, self.distributed, self.world, sharded=self.is_fsdp)
-        if self.rank != 0 and not self.is_fsdp:
-            return
-        meta = {"config": self.cfg.model_dump(mode="json"), "config_hash": self.cfg.config_hash(),
-                "world_size": self.world, "job_id": self.run.job_id}
-        if self.loaders.bundle.classes:  # label i is classes[i]: what a user of the model needs
-            meta["classes"] = list(self.loaders.bundle.classes)
-        try:
-            if self.is_fsdp:
-                self.checkpoints.save_sharded(payload, self.state.global_step, meta)
-                if blocking:
-                    self.checkpoints.wait()
-            else:
-                self.checkpoints.save(payload, self.state.global_step, meta, blocking=blocking)
-        except CheckpointError as e:  # raised only with checkpoint.on_failure=stop
-            self._stop_on_save_failure(e)
-        if self.gauges and self.rank == 0:
-            self.gauges.update_storage(self.run.checkpoint_uri)
-
-    def _stop_on_save_failure(self, e: Exception) -> None:
-        """Rank 0: a failed save with on_failure=stop ends training cleanly (no Ray retry loop)."""
-        self.save_failed = True
-        self.stop_reason = f"stopped: {e} (checkpoint.on_failure=stop)"
-
-    def _flush(self) -> Any:
-        """Rank 0: wait for the save in flight; the newest committed checkpoint of this run."""
-        try:
-            return self.checkpoints.wait()
-        except CheckpointError as e:
-            self._stop_on_save_failure(e)
-            return self.checkpoints.last_committed()
-
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> None:
-        tc = self.cfg.train
-        ckpt_every = self.cfg.checkpoint.interval_steps if self.checkpoints is not None else 0
-        eval_steps = set(tc.eval_at_steps)
-        commit_steps = set(self.cfg.checkpoint.at_steps) if self.checkpoints is not None else set()
-        batches = self.prefetcher = DevicePrefetcher(  # a producer thread: closed in close()
-            host_batches(self.loaders.train, self.loaders.batches_per_epoch, self.state.epoch,
-                         self.state.batch_in_epoch),
-            self.train_stage, self.device, threaded=self.cfg.data.source not in DEVICE_RESIDENT)
+        """Train until the stop policy says done; every step asks the components whether it is a boundary."""
+        batches = self.prefetcher = self._batches()  # a producer thread: closed in close()
         first_step = self.state.global_step + 1
-        sync_debug = tc.sync_debug and self.device.type == "cuda"
-        while not self.done():
-            steady = sync_debug and self.state.global_step >= first_step
-            if steady:  # any .item(), blocking copy or stream sync inside the step now raises
-                torch.cuda.set_sync_debug_mode("error")
-            try:
+        while not self.stop.done(self.state):
+            with sync_checked(self.cfg.train.sync_debug and self.device.type == "cuda"
+                              and self.state.global_step >= first_step):
                 self.train_step(batches)
-            finally:
-                if steady:
-                    torch.cuda.set_sync_debug_mode("default")
             step = self.state.global_step
             if step == first_step:
                 self.stats.first_step_done()
-            evaluate = self.pending_eval or step in eval_steps
-            log_step = step % tc.log_every_steps == 0
-            commit_now = step in commit_steps  # committed before the exchange: this report carries it
-            ckpt_step = not commit_now and bool(ckpt_every) and step % ckpt_every == 0
-            if not (evaluate or log_step or ckpt_step or commit_now):
+            evaluate, log_step = self.evaluator.due(step), self.metrics.should_log(step)
+            commit, save = self.checkpointer.commit_due(step), self.checkpointer.interval_due(step)
+            if not (evaluate or log_step or save or commit):
                 continue  # a steady-state step: nothing waits for the device
-            extra: dict[str, Any] = self._timed(self.evaluate) if evaluate else {}
-            self.pending_eval = False
-            if commit_now:
-                self._timed(lambda: self.checkpoint(blocking=True))
-            b = self.exchange(want_metrics=log_step or evaluate or commit_now)
+            extra: dict[str, Any] = self._timed(self.evaluator.run) if evaluate else {}
+            if commit:  # committed before the exchange: this report carries it
+                self._timed(self.checkpointer.save, step, True)
+            b = self.exchange(want_metrics=log_step or evaluate or commit)
             if b.preempt:
-                if not commit_now:
-                    self.checkpoint(blocking=True)
-                final = self.exchange(want_metrics=True)
-                self.report(final, {**extra, "preempted": True}, final=True)
-                self.stop_reason = "preempted"
-                return
-            if ckpt_step:
-                self._timed(self.checkpoint)
-            if b.metrics:
-                # A commit waits for the next report: it stays unregistered until then.
+                return self._preempted(extra, saved=commit)
+            if save:
+                self._timed(self.checkpointer.save, step)
+            if b.metrics:  # a commit waits for the next report: it stays unregistered until then
                 self.report(b, extra, to_ray=b.commit)
-            if self.stopping:
+            if self.stop.stopping:
                 break
-        # End of training: evaluate, commit a final checkpoint, report with it.
-        extra = self.evaluate()
-        if self.checkpoints is not None:
-            last = self._flush() if self.rank == 0 else None
-            committed = torch.tensor([float(last.step) if last else -1.0, float(self.save_failed)],
-                                     device=self.device)
-            if self.distributed:
-                dist.broadcast(committed, src=0)  # all ranks must agree whether to save again
-            if int(committed[0].item()) != self.state.global_step and not committed[1].item():
-                self.checkpoint(blocking=True)
-        if self.stop_reason:
-            extra["stop_reason"] = self.stop_reason
-        self.report(self.exchange(want_metrics=True), extra, final=True)
+        self._finish()
 
-    def done(self) -> bool:
-        tc = self.cfg.train
-        return self.state.global_step >= self.total_steps or (tc.epochs is not None and self.state.epoch >= tc.epochs)
+    def _batches(self) -> DevicePrefetcher:
+        """Batches from where the state left off, on the device one step ahead."""
+        return DevicePrefetcher(
+            host_batches(self.loaders.train, self.loaders.batches_per_epoch, self.state.epoch,
+                         self.state.batch_in_epoch),
+            self.train_stage, self.device, threaded=self.cfg.data.source not in DEVICE_RESIDENT)
+
+    def _preempted(self, extra: dict[str, Any], saved: bool) -> None:
+        """All ranks agreed on rank 0's preemption: commit this step (unless just done), report, stop."""
+        if not saved:
+            self.checkpointer.save(self.state.global_step, blocking=True)
+        final = self.exchange(want_metrics=True)
+        self.report(final, {**extra, "preempted": True}, final=True)
+        self.stop.request("preempted")
+
+    def _finish(self) -> None:
+        """End of training: evaluate, commit a final checkpoint, report with it."""
+        extra = self.evaluator.run()
+        self.checkpointer.finish(self.state.global_step)
+        if self.stop.reason:
+            extra["stop_reason"] = self.stop.reason
+        self.report(self.exchange(want_metrics=True), extra, final=True)
 
     def _consume(self, pos: Position) -> None:
         """Count a batch as trained on (the prefetcher has already fetched the next one)."""
@@ -309,8 +274,7 @@ class Trainer:
     def _end_epoch(self) -> None:
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
-        if self.state.epoch % self.cfg.train.eval_every_epochs == 0:
-            self.pending_eval = True
+        self.evaluator.epoch_ended(self.state.epoch)
 
     def train_step(self, batches: DevicePrefetcher) -> None:
         """One optimizer step over ``grad_accum_steps`` micro-batches, with no host sync."""
@@ -331,8 +295,7 @@ class Trainer:
             if self.is_fsdp:
                 cast(Any, self.raw_model).set_requires_gradient_sync(micro == accum - 1)
             with ctx:
-                with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                    enabled=self.amp_dtype is not None):
+                with autocast(self.device, self.amp_dtype):
                     out = self.model(x)
                     # Classes on the last axis: (batch, classes) for images, (batch, seq, vocab) for tokens.
                     loss = self.loss_fn(out.float().flatten(0, -2), y.flatten())
@@ -342,7 +305,7 @@ class Trainer:
             correct += (out.argmax(-1) == y).sum()
             n += y.shape[0]
             items += y.numel()
-        opt = self.t.optimizer
+        opt = self.trainables.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
         if tc.clip_grad_norm is not None:
@@ -354,8 +317,7 @@ class Trainer:
         # reduce-scatter) the grad norm is identical everywhere, and a non-finite loss makes it
         # non-finite too; local SGD steps each rank on its own gradients, so a local decision
         # is the right one there.
-        if self.checkpoints is not None:
-            self.checkpoints.settle()  # a sharded save's copy to CPU overlapped this step until here
+        self.checkpointer.settle()  # a sharded save's copy to CPU overlapped this step until here
         if self.scaler is not None:
             bad = (~torch.isfinite(loss_sum)).float()  # the scaler skips overflowing steps itself
             self.scaler.step(opt)  # fused optimizers: no host sync (GradScaler passes found_inf)
@@ -371,7 +333,7 @@ class Trainer:
             # before the gradients are cleared (and they are zeroed, not freed, in this mode).
             self.averager.average_parameters(self.model.parameters())
         opt.zero_grad(set_to_none=self.averager is None)
-        self.t.scheduler.step()
+        self.trainables.scheduler.step()
         self.state.global_step += 1
         self.state.samples_seen += n * self.world
         self.stats.add(loss_sum, correct, grad_norm, bad, n, items, self.state.global_step,
@@ -388,36 +350,9 @@ class Trainer:
                 m.recovery_seconds.set(time.time() - self.t_start)
                 self._recovery_noted = True
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run evaluation or a checkpoint, keeping its time out of training throughput."""
-        return self.stats.timed_out(fn)
-
-    def evaluate(self) -> dict[str, Any]:
-        if self.loaders.val is None:
-            return {}
-        self.model.eval()
-        totals = torch.zeros(3, device=self.device)
-        full = self.cfg.data.batch_size
-        with torch.no_grad():
-            for batch in self.loaders.val:
-                x, y = self.val_stage(batch)
-                n = y.shape[0]
-                if self.compiled and n < full:
-                    # A short last batch would recompile the model (30-60 s) and turn on dynamic
-                    # shapes: pad it to the compiled shape and leave the padding out of the sums.
-                    x = torch.cat([x, x[:1].expand(full - n, *x.shape[1:])])
-                    x = x.contiguous(memory_format=self.memory_format) if x.dim() == 4 else x
-                with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                    enabled=self.amp_dtype is not None):
-                    out = self.model(x)[:n]
-                totals[0] += self.loss_fn(out.float().flatten(0, -2), y.flatten()) * y.numel()
-                totals[1] += (out.argmax(-1) == y).sum()
-                totals[2] += y.numel()
-        if self.distributed:
-            dist.all_reduce(totals)
-        loss, right, count = totals.tolist()  # evaluation is a boundary: one read
-        count = max(count, 1.0)
-        return {"val/loss": loss / count, "val/accuracy": right / count}
+        return self.stats.timed_out(lambda: fn(*args))
 
     # --------------------------------------------------------------- boundary
 
@@ -425,54 +360,20 @@ class Trainer:
         """All ranks at the same step: agree on rank 0's flags, read the window (one sync)."""
         flags = (False, False, False)
         if self.rank == 0:
-            flags = (self.preempted(), self.stop_reason is not None, self.reporter.unregistered_commit() is not None)
+            flags = (self.stop.preempted(), self.stop.reason is not None,
+                     self.reporter.unregistered_commit() is not None)
         b = self.stats.exchange(flags, self.distributed, self.world, want_metrics)
         self.state.nonfinite_total, self.state.nonfinite_in_row = b.nonfinite_total, b.nonfinite_in_row
         if self.gauges and b.nonfinite_total > self._nonfinite_exported:
             self.gauges.nonfinite.inc(b.nonfinite_total - self._nonfinite_exported)
             self._nonfinite_exported = b.nonfinite_total
-        nf = self.cfg.train.nonfinite
-        if b.nonfinite_stop and nf.policy == "stop" and self.stop_reason is None:
-            where = f"at step {b.nonfinite_crossed_at}" if b.nonfinite_crossed_at else "on another rank"
-            self.stop_reason = (
-                f"stopped: {nf.max_consecutive} non-finite losses in a row {where}, seen at step "
-                f"{self.state.global_step} (train.nonfinite.max_consecutive={nf.max_consecutive})"
-            )
-        if b.stop and self.stop_reason is None:
-            self.stop_reason = "stopped by rank 0"  # e.g. its checkpoint save failed; rank 0 reports why
-        self.stopping = self.stopping or b.stop or (b.nonfinite_stop and nf.policy == "stop")
+        self.stop.agree(b, self.state.global_step)
         return b
-
-    def preempted(self) -> bool:
-        """The driver (on SIGTERM) or an operator drops a marker file: checkpoint now and stop."""
-        return os.path.exists(os.path.join(self.run.run_dir, PREEMPT_FILE))
 
     def report(self, b: Boundary, extra: dict[str, Any] | None = None, final: bool = False, *,
                to_ray: bool = False) -> None:
         """All ranks call this together, after an exchange."""
-        metrics: dict[str, Any] = dict(b.metrics)
-        metrics.update({
-            "step": self.state.global_step,
-            "epoch": self.state.epoch,
-            "samples_seen": self.state.samples_seen,
-            "total_steps": self.total_steps,
-            "train/learning_rate": self.t.scheduler.get_last_lr()[0],
-            "train/nonfinite_steps": self.state.nonfinite_total,
-            "world_size": self.world,
-            "comm_seconds": self.comm.seconds if self.comm else 0.0,
-            "final": final,
-        })
-        if self.cfg.model.name == "gpt" and "train/throughput" in metrics:
-            metrics.update(language_model_rates(self.cfg, metrics["train/throughput"], self.device, self.world))
-        if self.device.type == "cuda":  # the allocator's own count: no device sync
-            metrics["gpu/peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
-        # Files the loader could not read, plus images the GPU decoder could not (data.decode=gpu).
-        decode_failed = getattr(self.loaders.device_stage, "failed", 0)
-        metrics["data/skipped_samples"] = self.loaders.train.skipped + decode_failed
-        if extra:
-            metrics.update(extra)
-        metrics.update(self.restore_info)
-        self.restore_info = {}
+        metrics = self.metrics.assemble(b, self.state, extra, final)
         if final:
             digest = self.param_digest()
             metrics["param_digest"] = digest
@@ -494,13 +395,23 @@ class Trainer:
     def close(self) -> None:
         if getattr(self, "prefetcher", None) is not None:  # fit() ran: stop its producer thread
             self.prefetcher.close()
-        if self.checkpoints is not None:
-            try:
-                self.checkpoints.wait()
-            finally:
-                self.checkpoints.close()
+        self.checkpointer.close()
         if self.gauges is not None:
             self.gauges.close(linger_s=self.cfg.tracking.prometheus_linger_s)
+
+
+@contextlib.contextmanager
+def sync_checked(enabled: bool) -> Iterator[None]:
+    """With ``enabled`` (train.sync_debug on CUDA, a steady-state step), any ``.item()``, blocking
+    copy or stream sync inside the block raises."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def run_rank(cfg: JobConfig, run: RunInfo, *, progress: Any = None, lockstep: bool = False,

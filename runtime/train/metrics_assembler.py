@@ -1,0 +1,60 @@
+"""What a boundary reports: the window's statistics, the loop's counters and rates, and the facts
+that belong to the next report only (restore warnings, the step resumed from, a resize).
+
+Where the report goes afterwards is ``reporter.Reporter``'s concern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from runtime.config import JobConfig
+from runtime.train.resume import TrainerState
+from runtime.train.stats import Boundary
+from runtime.train.tokens import language_model_rates
+
+
+class MetricsAssembler:
+    """Builds each report's metrics from host values only (the boundary's exchange read the device)."""
+
+    def __init__(self, cfg: JobConfig, device: torch.device, world: int, total_steps: int, *,
+                 learning_rate: Callable[[], float | torch.Tensor], comm_seconds: Callable[[], float],
+                 skipped_samples: Callable[[], int]) -> None:
+        self.cfg, self.device, self.world, self.total_steps = cfg, device, world, total_steps
+        self.log_every = cfg.train.log_every_steps
+        self.learning_rate = learning_rate
+        self.comm_seconds = comm_seconds
+        self.skipped_samples = skipped_samples
+        self.once: dict[str, Any] = {}  # added to the next report, then cleared
+
+    def should_log(self, step: int) -> bool:
+        """A report step (``train.log_every_steps``)."""
+        return step % self.log_every == 0
+
+    def assemble(self, b: Boundary, state: TrainerState, extra: dict[str, Any] | None, final: bool) -> dict[str, Any]:
+        """The report for the boundary ``b`` at ``state``; ``extra`` (evaluation, stop reason) goes on top."""
+        metrics: dict[str, Any] = dict(b.metrics)
+        metrics.update({
+            "step": state.global_step,
+            "epoch": state.epoch,
+            "samples_seen": state.samples_seen,
+            "total_steps": self.total_steps,
+            "train/learning_rate": self.learning_rate(),
+            "train/nonfinite_steps": state.nonfinite_total,
+            "world_size": self.world,
+            "comm_seconds": self.comm_seconds(),
+            "final": final,
+        })
+        if self.cfg.model.name == "gpt" and "train/throughput" in metrics:
+            metrics.update(language_model_rates(self.cfg, metrics["train/throughput"], self.device, self.world))
+        if self.device.type == "cuda":  # the allocator's own count: no device sync
+            metrics["gpu/peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
+        metrics["data/skipped_samples"] = self.skipped_samples()
+        if extra:
+            metrics.update(extra)
+        metrics.update(self.once)
+        self.once = {}
+        return metrics

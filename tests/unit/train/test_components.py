@@ -1,0 +1,196 @@
+"""The loop's components alone (no trainer, no model): each decides its own cadence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.checkpoint import CheckpointError, CheckpointManager
+from runtime.config import JobConfig
+from runtime.train.checkpointer import Checkpointer
+from runtime.train.evaluator import Evaluator
+from runtime.train.metrics_assembler import MetricsAssembler
+from runtime.train.resume import TrainerState
+from runtime.train.run import PREEMPT_FILE, RunInfo
+from runtime.train.stats import Boundary
+from runtime.train.stop_policy import StopPolicy, total_steps
+
+CPU = torch.device("cpu")
+
+
+def _cfg(**sections: dict[str, Any]) -> JobConfig:
+    doc: dict[str, Any] = {"model": {"name": "mlp"}, "data": {"source": "digits", "batch_size": 4},
+                           "tracking": {"mlflow": False, "prometheus": False}}
+    for k, v in sections.items():
+        doc[k] = {**doc.get(k, {}), **v}
+    return JobConfig(name="unit", **doc)
+
+
+def _boundary(**kw: Any) -> Boundary:
+    base: dict[str, Any] = {"preempt": False, "stop": False, "commit": False, "nonfinite_stop": False,
+                            "nonfinite_total": 0, "nonfinite_in_row": 0, "nonfinite_crossed_at": 0}
+    return Boundary(**{**base, **kw})
+
+
+# ------------------------------------------------------------------ StopPolicy
+
+
+@pytest.mark.parametrize(("max_steps", "epochs", "want"), [(100, None, 100), (None, 3, 15), (7, 3, 7), (40, 3, 15)])
+def test_total_steps_is_max_steps_or_epochs_worth_whichever_is_smaller(max_steps: int | None, epochs: int | None,
+                                                                        want: int) -> None:
+    tc = _cfg(train={"max_steps": max_steps, "epochs": epochs, "grad_accum_steps": 2}).train
+    assert total_steps(tc, batches_per_epoch=11) == want  # 11 batches / 2 accumulation = 5 steps an epoch
+
+
+def test_stop_policy_is_done_at_the_step_or_epoch_limit(tmp_path: Path) -> None:
+    stop = StopPolicy(_cfg(train={"max_steps": 10, "epochs": 2}).train, 10, str(tmp_path))
+    assert not stop.done(TrainerState(global_step=9, epoch=1))
+    assert stop.done(TrainerState(global_step=10, epoch=1)) and stop.done(TrainerState(global_step=3, epoch=2))
+
+
+def test_stop_policy_sees_the_preemption_marker(tmp_path: Path) -> None:
+    stop = StopPolicy(_cfg().train, 10, str(tmp_path))
+    assert not stop.preempted()
+    (tmp_path / PREEMPT_FILE).write_text("")
+    assert stop.preempted()
+
+
+def test_nonfinite_stop_policy_names_where_the_limit_was_crossed(tmp_path: Path) -> None:
+    stop = StopPolicy(_cfg(train={"nonfinite": {"policy": "stop", "max_consecutive": 3}}).train, 10, str(tmp_path))
+    stop.agree(_boundary(), step=4)
+    assert not stop.stopping and stop.reason is None
+    stop.agree(_boundary(nonfinite_stop=True, nonfinite_crossed_at=3), step=4)
+    assert stop.stopping and stop.reason is not None
+    assert "at step 3, seen at step 4" in stop.reason and "train.nonfinite.max_consecutive=3" in stop.reason
+
+
+def test_skip_policy_trains_on_past_nonfinite_steps(tmp_path: Path) -> None:
+    stop = StopPolicy(_cfg().train, 10, str(tmp_path))
+    stop.agree(_boundary(nonfinite_stop=True, nonfinite_crossed_at=3), step=4)
+    assert not stop.stopping and stop.reason is None
+
+
+def test_rank_zeros_stop_request_stops_every_rank_and_its_own_reason_wins(tmp_path: Path) -> None:
+    other, zero = StopPolicy(_cfg().train, 10, str(tmp_path)), StopPolicy(_cfg().train, 10, str(tmp_path))
+    zero.request("stopped: disk full (checkpoint.on_failure=stop)")
+    for stop in (other, zero):
+        stop.agree(_boundary(stop=True), step=5)
+    assert other.stopping and other.reason == "stopped by rank 0"
+    assert zero.stopping and zero.reason == "stopped: disk full (checkpoint.on_failure=stop)"
+
+
+# ------------------------------------------------------------------ Evaluator
+
+
+class _Count(nn.Module):
+    """Class 0 always; remembers the batch sizes it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        return torch.stack([torch.ones(x.shape[0]), torch.zeros(x.shape[0])], dim=1)
+
+
+def _evaluator(model: nn.Module, batches: list[Any] | None, pad: bool, **kw: Any) -> Evaluator:
+    args: dict[str, Any] = {"device": CPU, "amp_dtype": None, "batch_size": 4, "pad_to_batch": pad,
+                            "memory_format": torch.contiguous_format, "distributed": False, "at_steps": [],
+                            "every_epochs": 1}
+    return Evaluator(model, batches, lambda b: b, **{**args, **kw})
+
+
+def test_evaluator_is_due_at_its_steps_and_once_after_each_evaluation_epoch() -> None:
+    ev = _evaluator(_Count(), None, False, at_steps=[3], every_epochs=2)
+    assert [ev.due(s) for s in (1, 2, 3, 4)] == [False, False, True, False]
+    ev.epoch_ended(1)
+    assert not ev.due(5)
+    ev.epoch_ended(2)
+    assert ev.due(6) and not ev.due(7)  # the pending evaluation is taken once
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_evaluator_pads_a_short_last_batch_only_when_compiled_and_leaves_the_padding_out(pad: bool) -> None:
+    model = _Count()
+    batches = [(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)),
+               (torch.zeros(2, 2), torch.ones(2, dtype=torch.long))]
+    out = _evaluator(model, batches, pad).run()
+    assert model.seen == ([4, 4] if pad else [4, 2])
+    assert out["val/accuracy"] == pytest.approx(4 / 6)  # 4 right of 6 real samples, padding not counted
+
+
+def test_evaluator_without_a_validation_set_reports_nothing() -> None:
+    assert _evaluator(_Count(), None, False).run() == {}
+
+
+# ------------------------------------------------------------------ MetricsAssembler
+
+
+def test_metrics_assembler_logs_on_its_steps_and_adds_one_off_facts_once() -> None:
+    m = MetricsAssembler(_cfg(train={"log_every_steps": 5}), CPU, 2, 30, learning_rate=lambda: 0.1,
+                         comm_seconds=lambda: 1.5, skipped_samples=lambda: 2)
+    assert [s for s in range(1, 12) if m.should_log(s)] == [5, 10]
+    m.once = {"resumed_from_step": 20}
+    state = TrainerState(global_step=21, epoch=1, samples_seen=168, nonfinite_total=1)
+    first = m.assemble(_boundary(metrics={"train/loss": 0.5}), state, {"val/loss": 0.7}, final=False)
+    assert first == {"train/loss": 0.5, "step": 21, "epoch": 1, "samples_seen": 168, "total_steps": 30,
+                     "train/learning_rate": 0.1, "train/nonfinite_steps": 1, "world_size": 2, "comm_seconds": 1.5,
+                     "final": False, "data/skipped_samples": 2, "val/loss": 0.7, "resumed_from_step": 20}
+    assert "resumed_from_step" not in m.assemble(_boundary(), state, None, final=True)
+
+
+# ------------------------------------------------------------------ Checkpointer
+
+
+def _checkpointer(tmp_path: Path, manager: CheckpointManager | None, failures: list[str],
+                  **checkpoint: Any) -> Checkpointer:
+    cfg = _cfg(checkpoint={"interval_steps": 5, **checkpoint})
+    run = RunInfo(run_name="r", job_id="j", checkpoint_uri=str(tmp_path / "c"), run_dir=str(tmp_path))
+    return Checkpointer(manager, cfg, run, rank=0, world=1, distributed=False, sharded=False, device=CPU,
+                        classes=["a", "b"], gauges=None, payload=lambda: {"model": {"w": torch.ones(2)}},
+                        on_failure=failures.append)
+
+
+def test_checkpointer_cadence_interval_and_at_steps_never_both(tmp_path: Path) -> None:
+    ck = _checkpointer(tmp_path, CheckpointManager(str(tmp_path / "c")), [], at_steps=[7, 10])
+    assert [s for s in range(1, 16) if ck.interval_due(s)] == [5, 15]  # 10 commits instead
+    assert [s for s in range(1, 16) if ck.commit_due(s)] == [7, 10]
+    ck.close()
+
+
+def test_checkpointer_without_a_manager_never_saves(tmp_path: Path) -> None:
+    ck = _checkpointer(tmp_path, None, [], at_steps=[7])
+    assert not any(ck.interval_due(s) or ck.commit_due(s) for s in range(1, 20))
+    ck.save(5, blocking=True)
+    ck.finish(5)
+    ck.close()
+
+
+def test_checkpointer_finish_commits_the_last_step_once(tmp_path: Path) -> None:
+    manager = CheckpointManager(str(tmp_path / "c"))
+    ck = _checkpointer(tmp_path, manager, [])
+    ck.save(5, blocking=True)
+    ck.finish(5)  # step 5 is committed already: nothing new
+    assert [r.step for r, _ in manager.list()] == [5]
+    ck.finish(8)
+    assert [r.step for r, _ in manager.list()] == [8, 5]
+    assert manager.read_meta(manager.list()[0][0])["classes"] == ["a", "b"]
+    ck.close()
+
+
+def test_checkpointer_save_failure_asks_to_stop_and_the_end_does_not_save_again(tmp_path: Path) -> None:
+    class Failing(CheckpointManager):
+        def save(self, *a: Any, **k: Any) -> None:
+            raise CheckpointError("disk full")
+
+    failures: list[str] = []
+    ck = _checkpointer(tmp_path, Failing(str(tmp_path / "c"), on_failure="stop"), failures)
+    ck.save(5)
+    assert ck.failed and failures == ["stopped: disk full (checkpoint.on_failure=stop)"]
+    ck.finish(8)  # would raise again if it saved
+    ck.close()
