@@ -26,7 +26,7 @@ from runtime.cluster.processes import (
     venv_bin,
     wait_until,
 )
-from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up
+from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up, redis_up
 from runtime.cluster.state import STATE_FILE, ClusterError, default_cluster_dir, load_state, port, save_state
 
 
@@ -50,10 +50,17 @@ def auth_env(cluster_dir: Path) -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
 
 
-def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
-    """``ray start --head --block`` in its own process group, so `down` can stop exactly it."""
+def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``ray start --head --block`` in its own process group, so `down` can stop exactly it.
+
+    With ``redis`` (GCS fault tolerance) the GCS keeps its tables there, under a namespace of this
+    cluster's own, so a restarted GCS finds the nodes, actors and jobs it had (docs/operations.md)."""
     host = "127.0.0.1"
     auth = auth_env(cluster_dir)
+    ft_env: dict[str, str] = {}
+    if redis:
+        ft_env = {"RAY_REDIS_ADDRESS": redis["address"],
+                  "RAY_external_storage_namespace": f"rt-{ray_temp_dir(cluster_dir).rsplit('-', 1)[1]}"}
     cmd = [
         venv_bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port('ray')}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={port('dashboard')}", "--include-dashboard=true",
@@ -65,11 +72,81 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None) -> dict[str, Any]:
     ]
     if num_cpus:
         cmd.append(f"--num-cpus={num_cpus}")
+    if redis:
+        cmd.append(f"--redis-password={Path(redis['password_file']).read_text().strip()}")
     log = cluster_dir / "logs" / "ray.log"
-    pid = spawn(cmd, log, env={**NODE_ENV, **auth, **job_env(), **NODE_HEALTH_ENV})
+    pid = spawn(cmd, log, env={**NODE_ENV, **auth, **job_env(), **NODE_HEALTH_ENV, **ft_env})
     wait_until(lambda: port_open(host, port("ray")) and alive(pid), "Ray head", 180, log)
     return {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",
-            "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"]}
+            "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"],
+            "gcs_ft": bool(redis)}
+
+
+def gcs_ft_requested() -> bool:
+    """`make cluster-up GCS_FT=1` (RT_GCS_FT=1): start Redis and keep the GCS's tables there."""
+    return os.environ.get("RT_GCS_FT", "0").strip().lower() in ("1", "true", "yes")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def gcs_pid(cdir: Path | None = None) -> int | None:
+    """The pid of the local head's GCS (``gcs_server``): the one ``ray start`` runs, or the one
+    :func:`restart_gcs` started in its place."""
+    state = load_state(cdir or default_cluster_dir())
+    ray_state = state.get("ray") or {}
+    restarted = ray_state.get("gcs_pid")
+    if restarted and alive(int(restarted)) and _comm(int(restarted)) == "gcs_server":
+        return int(restarted)
+    if not ray_state.get("pid"):
+        return None
+    return next((p for p in descendants(int(ray_state["pid"])) if _comm(p) == "gcs_server"), None)
+
+
+def restart_gcs(cdir: Path | None = None, down_s: float = 0.0) -> int:
+    """Restart the local head's GCS as a supervisor would: stop ``gcs_server`` (SIGTERM), leave the
+    cluster without it for ``down_s`` seconds, start it again with the same command line and
+    environment; returns the new pid (``down`` stops it with the head).
+
+    SIGTERM, because ``ray start --block`` takes any other exit of a child for a crash and stops the
+    whole head node (raylet, dashboard, the workers on it): that is a head restart, not a GCS one.
+    Whether the cluster rides it out depends on GCS fault tolerance (docs/operations.md): without
+    Redis the new GCS starts empty and every raylet that reconnects to it exits.
+    """
+    import time
+
+    cluster_dir = cdir or default_cluster_dir()
+    pid = gcs_pid(cluster_dir)
+    if pid is None:
+        raise ClusterError(f"no GCS running for the cluster in {cluster_dir}")
+    proc = Path("/proc") / str(pid)
+    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+    environ = dict(kv.decode().split("=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+    cwd = os.readlink(proc / "cwd")
+    # Ray 2.60's GCS stops serving at once but may then hang flushing its event recorder (measured:
+    # still there 90 s later). It is ``ray start``'s child, in the head's process group: `down` ends
+    # it with the head. Any other signal would make ``ray start --block`` stop the whole head node.
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not port_open("127.0.0.1", port("ray")) or not alive(pid), "the GCS to stop", 60)
+    time.sleep(down_s)
+    log = cluster_dir / "logs" / "gcs_server-restarted.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    import subprocess
+
+    with log.open("ab") as out:
+        new = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,  # noqa: S603
+                               start_new_session=True, env=environ, cwd=cwd).pid
+    state = load_state(cluster_dir)
+    state["ray"]["gcs_pid"] = new
+    save_state(state, cluster_dir)
+    wait_until(lambda: port_open("127.0.0.1", port("ray")) or not alive(new), "the restarted GCS", 60, log)
+    if not alive(new):
+        raise ClusterError(f"the restarted GCS exited; see {log}")
+    return new
 
 
 # Every local raylet: no usage reporting, and no drain on SIGTERM. Ray 2.60 drains a node for up
@@ -202,13 +279,19 @@ ADD_NODE_ATTEMPTS = 5
 
 
 def up(cdir: Path | None = None, num_cpus: int | None = None, with_mlflow: bool = True,
-       with_prometheus: bool = True, nodes: int = 1) -> dict[str, Any]:
+       with_prometheus: bool = True, nodes: int = 1, gcs_ft: bool | None = None) -> dict[str, Any]:
     """Start what is not already running; idempotent. ``nodes`` > 1 adds raylets on this machine
-    (``num_cpus`` logical CPUs each) until the cluster has that many nodes, head included."""
+    (``num_cpus`` logical CPUs each) until the cluster has that many nodes, head included.
+    ``gcs_ft`` (default: RT_GCS_FT, i.e. `make cluster-up GCS_FT=1`) starts Redis first and the
+    head's GCS with its tables there, so it survives a restart (docs/operations.md)."""
     cluster_dir = cdir or default_cluster_dir()
     state = load_state(cluster_dir)
+    gcs_ft = gcs_ft_requested() if gcs_ft is None else gcs_ft
+    if gcs_ft and not (state.get("redis") and alive(int(state["redis"]["pid"]))):
+        state["redis"] = redis_up(cluster_dir)
+        save_state(state, cluster_dir)
     if not (state.get("ray") and port_open("127.0.0.1", port("ray"))):
-        state["ray"] = _ray_up(cluster_dir, num_cpus)
+        state["ray"] = _ray_up(cluster_dir, num_cpus, state.get("redis") if gcs_ft else None)
         state["nodes"] = []
         save_state(state, cluster_dir)
     if nodes > 1:
@@ -243,12 +326,15 @@ def down(cdir: Path | None = None) -> list[str]:
         kill(int(node["pid"]), timeout=30, group=False)
         kill_group_leftovers(int(node["pid"]))
         stopped.append(f"node{node['index']}")
-    for name in ("prometheus", "node_exporter", "mlflow", "ray"):
+    for name in ("prometheus", "node_exporter", "mlflow", "ray", "redis"):
         svc = state.get(name)
         if svc and svc.get("pid"):
             kill(int(svc["pid"]), timeout=60 if name == "ray" else 20, group=name != "ray")
             kill_group_leftovers(int(svc["pid"]))
             stopped.append(name)
+        if name == "ray" and svc and svc.get("gcs_pid"):  # a GCS restart_gcs started in place of Ray's
+            kill(int(svc["gcs_pid"]), timeout=30)
+            kill_group_leftovers(int(svc["gcs_pid"]))
     (cluster_dir / STATE_FILE).unlink(missing_ok=True)
     return stopped
 

@@ -1,4 +1,5 @@
-"""The local cluster's services beside Ray: MLflow, the node exporter and Prometheus.
+"""The local cluster's services beside Ray: MLflow, the node exporter, Prometheus and (with GCS
+fault tolerance) Redis.
 
 Each is started only when its binary is there (MLflow from the venv; the exporters from the
 tool folder `make prometheus-tools` fills) and waited for until it answers.
@@ -91,3 +92,53 @@ def prometheus_up(cluster_dir: Path, node_exporter: bool) -> dict[str, Any] | No
     pid = spawn(cmd, log)
     wait_until(lambda: http_ok(f"{url}/-/ready"), "Prometheus", 60, log)
     return {"pid": pid, "url": url, "sd_dir": str(pdir / "targets")}
+
+
+def redis_bin() -> Path | None:
+    """redis-server as `make redis-tools` unpacks it (or RT_REDIS_SERVER_BIN)."""
+    return _tool_bin_at("redis-server", "RT_REDIS_SERVER_BIN", ROOT / ".tools" / "redis" / "usr" / "bin")
+
+
+def _tool_bin_at(name: str, env_var: str, folder: Path) -> Path | None:
+    env = os.environ.get(env_var)
+    candidates = [Path(env)] if env else []
+    candidates.append(folder / name)
+    return next((c for c in candidates if c.exists()), None)
+
+
+def redis_up(cluster_dir: Path) -> dict[str, Any]:
+    """Redis for Ray's GCS fault tolerance: loopback only, a password of its own (mode 600, in a
+    config file rather than on the command line), no snapshots (the GCS outlives its own restarts
+    through it; Redis itself restarting is out of scope on one machine)."""
+    import secrets
+
+    from runtime.cluster.state import ClusterError
+
+    binary = redis_bin()
+    if binary is None:
+        raise ClusterError("GCS fault tolerance needs redis-server: run `make redis-tools` "
+                           "(or `make cluster-up GCS_FT=1`), or set RT_REDIS_SERVER_BIN")
+    rdir = cluster_dir / "redis"
+    rdir.mkdir(parents=True, exist_ok=True)
+    password_file = rdir / "password"
+    if not password_file.exists():
+        fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(24))
+    password = password_file.read_text().strip()
+    conf = rdir / "redis.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"bind 127.0.0.1\nport {port('redis')}\nprotected-mode yes\nrequirepass {password}\n"
+                f"dir {rdir}\nsave \"\"\nappendonly no\n")
+    # The binary needs liblzf and jemalloc, unpacked beside it by `make redis-tools`.
+    libs = binary.resolve().parents[1] / "lib" / "x86_64-linux-gnu"
+    env = {"LD_LIBRARY_PATH": ":".join(filter(None, [str(libs), os.environ.get("LD_LIBRARY_PATH", "")]))}
+    log = cluster_dir / "logs" / "redis.log"
+    pid = spawn([str(binary), str(conf)], log, env=env)
+    from runtime.cluster.processes import alive, port_open
+
+    wait_until(lambda: port_open("127.0.0.1", port("redis")) or not alive(pid), "Redis", 30, log)
+    if not alive(pid):
+        raise ClusterError(f"Redis exited during start-up; see {log}")
+    return {"pid": pid, "address": f"127.0.0.1:{port('redis')}", "password_file": str(password_file)}

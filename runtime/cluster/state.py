@@ -14,7 +14,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "state.json"
 DEFAULT_PORTS = {"ray": 6379, "dashboard": 8265, "mlflow": 5000, "prometheus": 9090, "ray_metrics": 8080,
-                 "node_exporter": 9100, "dashboard_agent": 52365}
+                 "node_exporter": 9100, "dashboard_agent": 52365,
+                 # Redis for the GCS fault tolerance (`make cluster-up GCS_FT=1`); beside Ray's 6379.
+                 "redis": 6380}
 
 
 class ClusterError(RuntimeError):

@@ -28,6 +28,7 @@ RUNTIME_SETTINGS = (
     "RT_CLUSTER_DIR", "RT_PROMETHEUS_BIN", "RT_NODE_EXPORTER_BIN", "RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST",
     "RT_METRICS_BIND", "RT_METRICS_PORT", "RT_INSTANCE_TYPE", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
     "RT_TUNE_STATE_KEY_FILE",  # runtime.tune.state: the key that seals Tune's search state
+    "RT_GCS_FT", "RT_REDIS_SERVER_BIN",  # runtime.cluster: `make cluster-up GCS_FT=1` (Redis for the GCS)
     # runtime.cluster.state.port(): RT_<SERVICE>_PORT moves a local cluster's service
     *(f"RT_{service.upper()}_PORT" for service in DEFAULT_PORTS),
 )

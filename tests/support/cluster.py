@@ -20,7 +20,7 @@ from runtime.cluster.processes import alive
 from tests.support import free_port
 
 # Every service runtime.cluster reads a port for (RT_<NAME>_PORT).
-SERVICES = ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent")
+SERVICES = ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent", "redis")
 
 
 def own_cluster_env(cluster_dir: Path) -> dict[str, str]:
