@@ -45,3 +45,6 @@ ifeq ($(GCS_FT),1)
 cluster-up: redis-tools
 export RT_GCS_FT := 1
 endif
+
+# tests/integration/test_gcs_restart.py restarts a GCS backed by this Redis.
+test-python: redis-tools
