@@ -7,6 +7,7 @@
     python -m runtime data pack|inspect ...
     python -m runtime cluster up|down|status
     python -m runtime report <run folder or name> [--sync]
+    python -m runtime models list|show|promote|register ...   # the MLflow Model Registry
 
 Overrides: ``--set a.b=c`` (repeatable), ``--sets "a.b=c d.e='two words'"`` (shell-quoted, what
 ``make ... SET=...`` passes) and ``RT_A__B=c`` environment variables; ``--set`` wins over RT_*.
@@ -68,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("data", help="pack an ImageFolder into tar shards, inspect a data set",
                    add_help=False).add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("models", help="list, show, promote or register models in the MLflow Model Registry",
+                   add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     r = sub.add_parser("report", help="print a run's summary table and regenerate its plots")
     r.add_argument("run", help="a run folder, or a run name under ./runs")
     r.add_argument("--sync", action="store_true",
@@ -109,7 +112,11 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("checkpoints", "data"):  # they parse their own arguments, --help included
+    if argv and argv[0] in ("checkpoints", "data", "models"):  # they parse their own arguments, --help included
+        if argv[0] == "models":
+            from runtime.models.cli import main as models_main
+
+            return models_main(argv[1:])
         if argv[0] == "checkpoints":
             from runtime.checkpoint.cli import main as ckpt_main
 
@@ -123,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         return _cluster(args)
     if args.command == "report":
         from runtime.observe.report import main as report_main
+        from runtime.train.export import save_final_model
 
-        return report_main(args.run, sync=args.sync)
+        return report_main(args.run, sync=args.sync, export_model=save_final_model)
     try:
         cfg = _checked_job(args)
         if args.command == "validate":

@@ -419,10 +419,22 @@ class TrackingConfig(Strict):
         False, description="An unreachable MLflow server at start-up is an error (exit 3, nothing started) "
                            "instead of a warning; the run then tracks best-effort as usual."
     )
+    register_as: str | None = Field(
+        None, description="Register the run's final model under this name in the MLflow Model Registry "
+                          "(a new version per run; `python -m runtime models promote` sets aliases)."
+    )
     prometheus: bool = True
     prometheus_linger_s: float = Field(
         0.0, ge=0, le=300, description="Keep worker exporters up this long after the run for a final scrape."
     )
+
+    @field_validator("register_as")
+    @classmethod
+    def _model_name(cls, v: str | None) -> str | None:
+        if v is not None and not _JOB_NAME_RE.fullmatch(v):
+            raise ValueError("use letters, digits, '.', '_' or '-', starting with a letter or digit (it goes into "
+                             "models:/<name>@<alias> URIs)")
+        return v
 
 
 class JobConfig(Strict):

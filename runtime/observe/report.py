@@ -12,10 +12,13 @@ from __future__ import annotations
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.layout import LOCAL_RUNS
 from runtime.observe.history import CURVES_FILE, HISTORY_FILE, HistoryLog, ReportError, read_history
+
+if TYPE_CHECKING:
+    from runtime.observe.tracking import ModelExporter
 
 # (key, label, which end is best); throughput and learning rate are described, not ranked.
 METRICS = (("train/loss", "train loss", min), ("train/accuracy", "train accuracy", max),
@@ -81,15 +84,16 @@ def report(run: str, runs_root: Path = LOCAL_RUNS) -> tuple[list[str], Path | No
     return summary_table(history, run_dir), png if plot_curves(history, png) else None
 
 
-def main(run: str, sync: bool = False) -> int:
-    """The summary; with ``sync``, first upload what MLflow missed (exit 3 while it is unreachable)."""
+def main(run: str, sync: bool = False, export_model: ModelExporter | None = None) -> int:
+    """The summary; with ``sync``, first upload what MLflow missed (exit 3 while it is unreachable);
+    ``export_model`` writes the final model as an MLflow model (runtime.observe.tracking.ModelExporter)."""
     from runtime.cluster import ClusterError
 
     try:
         if sync:
             from runtime.observe.tracking import sync as sync_run
 
-            print("\n".join(sync_run(find_run(run))) + "\n")
+            print("\n".join(sync_run(find_run(run), export_model)) + "\n")
         lines, png = report(run)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)

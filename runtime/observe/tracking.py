@@ -41,6 +41,7 @@ import yaml
 from runtime.cluster import ROOT, ClusterError, tracking_uri
 from runtime.cluster.processes import http_ok
 from runtime.config import JobConfig
+from runtime.errors import ConfigError
 from runtime.layout import LOCAL_RUNS, storage_paths
 from runtime.observe.history import CURVES_FILE, HISTORY_FILE, ReportError, read_history
 from runtime.observe.versions import versions
@@ -65,6 +66,11 @@ QUEUE_MAX = 1000  # reports waiting for the sender; beyond, they wait in history
 PROBE_EVERY_S = 5.0  # while MLflow is unreachable: how often the sender asks it again
 CLOSE_WAIT_S = 120.0  # the end of a run waits at most this for the sender (artifacts, a last catch-up)
 BATCH_METRICS = 1000  # MLflow's log_batch limit
+MODEL_ARTIFACT = "model"  # the final model's folder in the run's artifacts: runs:/<run_id>/model
+# Writes a run's final model as an MLflow model folder: (cfg, checkpoint URI, folder) -> (folder, step),
+# or None without a checkpoint. Given by the layer that can build networks (runtime.train.export):
+# tracking sits below it. Without one, the final weights are logged as a bare state_dict file.
+ModelExporter = Callable[[JobConfig, str, Path], "tuple[Path, int] | None"]
 
 
 class _NoRetryLines(logging.Filter):
@@ -141,6 +147,8 @@ class SyncState:
     checkpoint_uri: str | None = None
     closed: bool = False  # the end state, end tags and artifacts are in MLflow
     events: list[dict[str, Any]] = field(default_factory=list)  # run events (Tracker.log_event) not yet sent
+    model_step: int | None = None  # the step of the final model logged as runs:/<run_id>/model (issue 30)
+    registered: str | None = None  # "<name>/<version>" once tracking.register_as registered it
 
     @classmethod
     def load(cls, run_dir: Path) -> SyncState | None:
@@ -162,10 +170,10 @@ class SyncState:
 class MlflowUpload:
     """Every MLflow call for one run; each is bounded (bound_mlflow_http) and raises when it fails."""
 
-    def __init__(self, state: SyncState, cfg: JobConfig) -> None:
+    def __init__(self, state: SyncState, cfg: JobConfig, export_model: ModelExporter | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
-        self.state, self.cfg = state, cfg
+        self.state, self.cfg, self.export_model = state, cfg, export_model
         self.client = MlflowClient(tracking_uri=state.uri)
 
     def open(self) -> str:
@@ -226,7 +234,10 @@ class MlflowUpload:
             self.state.events.pop(0)
 
     def close(self, history: list[dict[str, Any]], plots: list[str]) -> None:
-        """Artifacts (resolved config, curves, final model), end tags, end state."""
+        """Artifacts (resolved config, curves, final model), the registered version, end tags, end state.
+
+        Each part already done (state.model_step, state.registered) is skipped when a close that
+        failed half-way is tried again (the sender once MLflow is back, or ``report --sync``)."""
         run_id = self.open()
         with tempfile.TemporaryDirectory() as d:
             cfg_path = Path(d) / CONFIG_FILE
@@ -235,14 +246,56 @@ class MlflowUpload:
             png = Path(plots[0]) if plots else Path(d) / CURVES_FILE
             if plots or plot_curves(history, png):
                 self.client.log_artifact(run_id, str(png))
-            if self.state.checkpoint_uri:
+            if self.state.checkpoint_uri and self.export_model is None:
                 model = export_final_model(self.state.checkpoint_uri, self.cfg, Path(d))
                 if model is not None:
-                    self.client.log_artifact(run_id, str(model), artifact_path="model")
+                    self.client.log_artifact(run_id, str(model), artifact_path=MODEL_ARTIFACT)
+            elif self.state.checkpoint_uri and self.state.model_step is None:
+                self.log_model(run_id, Path(d))
+        if self.cfg.tracking.register_as and self.state.model_step is not None and not self.state.registered:
+            self.register(run_id, self.cfg.tracking.register_as, history)
         for key, value in self.state.end_tags.items():
             self.client.set_tag(run_id, key, value)
         self.client.set_terminated(run_id, status=self.state.status or "FINISHED")
         self.state.closed = True
+
+    def log_model(self, run_id: str, tmp: Path) -> None:
+        """The final checkpoint as an MLflow model at runs:/<run_id>/model, written by ``export_model``.
+        A checkpoint that cannot be read or a network that cannot be saved costs the model, with a
+        warning, not the close; MLflow failing raises (tried again later)."""
+        assert self.state.checkpoint_uri and self.export_model
+        try:
+            made = self.export_model(self.cfg, self.state.checkpoint_uri, tmp / MODEL_ARTIFACT)
+        except Exception as e:  # noqa: BLE001 (a bad checkpoint, torch, MLflow's model checks: none may end the close)
+            log.warning("no MLflow model logged for %s: %s", self.state.run_name, _first_line(e))
+            return
+        if made is None:
+            return
+        folder, step = made
+        self.client.log_artifacts(run_id, str(folder), MODEL_ARTIFACT)
+        self.state.model_step = step
+
+    def register(self, run_id: str, name: str, history: list[dict[str, Any]]) -> None:
+        """A new version of ``name`` from this run's model, tagged with where it came from and its
+        final metrics (``python -m runtime models promote`` compares those)."""
+        from runtime.observe.registry import metric_tags, register
+
+        tags = {"run_name": self.state.run_name, "run_id": run_id, "step": str(self.state.model_step),
+                "config_hash": self.state.tags.get("config_hash", self.cfg.config_hash()),
+                "git_commit": self.state.tags.get("git_commit", "unknown"), "job_name": self.cfg.name,
+                "checkpoint": self.state.checkpoint_uri or "", **metric_tags(final_metrics(history))}
+        version = register(self.state.uri, name, run_id, f"runs:/{run_id}/{MODEL_ARTIFACT}", tags)
+        self.state.registered = f"{name}/{version.version}"
+
+
+def final_metrics(history: list[dict[str, Any]]) -> dict[str, float]:
+    """The newest value of every numeric train/, val/ and eval/ metric of a run's reports."""
+    out: dict[str, float] = {}
+    for item in history:
+        for k, v in item.items():
+            if k.startswith(("train/", "val/", "eval/")) and isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = float(v)
+    return out
 
 
 @dataclass
@@ -308,9 +361,12 @@ class Tracker:
     @classmethod
     def for_job(cls, cfg: JobConfig, run_name: str, parent_run_id: str | None = None,
                 extra_tags: dict[str, str] | None = None, *, keeps_history: bool = False,
-                notify: Callable[[str], None] | None = None) -> Tracker | None:
+                notify: Callable[[str], None] | None = None,
+                export_model: ModelExporter | None = None) -> Tracker | None:
         """The run's tracker; None when tracking is off, or (without ``keeps_history``) when MLflow
-        cannot be reached at start-up. Raises ClusterError then when ``tracking.required``."""
+        cannot be reached at start-up. Raises ClusterError then when ``tracking.required``.
+        ``export_model``: the final model goes to MLflow as an MLflow model (and is registered as
+        ``tracking.register_as``) rather than as a bare state_dict."""
         if not cfg.tracking.mlflow:
             return None
         bound_mlflow_http()
@@ -325,7 +381,7 @@ class Tracker:
             state = SyncState(uri=uri, experiment=cfg.tracking.experiment or cfg.name, run_name=run_name,
                               tags=run_tags(cfg, run_name, parent_run_id, extra_tags))
         state.status, state.closed = None, False  # a resumed run is running again
-        upload = MlflowUpload(state, cfg)
+        upload = MlflowUpload(state, cfg, export_model)
         try:
             upload.verify()
             reachable = True
@@ -398,7 +454,8 @@ class Tracker:
             n = len(self.state.events)
             parts.append(f"{n} run event{'' if n == 1 else 's'}")
         if not self.state.closed:
-            parts.append("the end state and artifacts")
+            parts.append("the end state and artifacts" + (" (the model version of "
+                         f"{self.cfg.tracking.register_as} included)" if self.cfg.tracking.register_as else ""))
         what = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
         if not self.keeps_history:
             return f"not in MLflow ({self.uri} unreachable): {what}"
@@ -496,7 +553,7 @@ class Tracker:
         self._save()
 
 
-def sync(run_dir: Path) -> list[str]:
+def sync(run_dir: Path, export_model: ModelExporter | None = None) -> list[str]:
     """``report <run> --sync``: upload what MLflow lacks of a run folder; the lines to print.
 
     Idempotent: the run folder's mlflow.json names the MLflow run and how many reports it holds.
@@ -509,7 +566,7 @@ def sync(run_dir: Path) -> list[str]:
                           "or it was started before issue 27)")
     cfg = JobConfig.model_validate(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
     bound_mlflow_http()
-    upload = MlflowUpload(state, cfg)
+    upload = MlflowUpload(state, cfg, export_model)
     history = read_history(run_dir)
     before, created = state.uploaded, state.run_id is None
     try:
@@ -536,9 +593,49 @@ def sync(run_dir: Path) -> list[str]:
     lines.append(f"reports      {len(history) - before} uploaded now, {len(history)} in MLflow")
     if closing:
         lines.append(f"end state    {state.status}, artifacts uploaded")
+        if state.registered:
+            lines.append(f"registered   {state.registered}")
     elif state.status is None:
         lines.append("end state    none yet (the run has not ended)")
     return lines
+
+
+def register_run(run_dir: Path, name: str, export_model: ModelExporter,
+                 metrics: dict[str, float] | None = None) -> tuple[str, str]:
+    """``models register <run> --name NAME``: the run's model as a version of ``name``; (version, run id).
+
+    Uploads what MLflow lacks of the run first (``sync``), logs the model if the run's end did not,
+    and registers once: a run already registered under ``name`` gives its version again. ``metrics``
+    (an evaluation's) become ``metric.*`` tags beside the run's final ones. Raises ReportError (not a
+    tracked run, no checkpoint), ClusterError (MLflow unreachable)."""
+
+    sync(run_dir, export_model)
+    state = SyncState.load(run_dir)
+    assert state is not None and state.run_id  # sync created and recorded the run
+    if state.registered and state.registered.rsplit("/", 1)[0] == name:
+        return state.registered.rsplit("/", 1)[1], state.run_id
+    cfg = JobConfig.model_validate(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+    upload = MlflowUpload(state, cfg, export_model)
+    try:
+        if state.model_step is None and state.checkpoint_uri:
+            with tempfile.TemporaryDirectory() as d:
+                upload.log_model(state.run_id, Path(d))
+            state.save(run_dir)
+        if state.model_step is None:
+            raise ReportError(f"{run_dir}: no model to register (no readable checkpoint under "
+                              f"{state.checkpoint_uri or 'the run'}; see the warning above)")
+        history = read_history(run_dir)
+        if metrics:
+            history = [*history, metrics]
+        upload.register(state.run_id, name, history)
+    except (ClusterError, ReportError, ConfigError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ClusterError(f"MLflow at {state.uri} unreachable: {_first_line(e)}") from None
+    finally:
+        state.save(run_dir)
+    assert state.registered
+    return state.registered.rsplit("/", 1)[1], state.run_id
 
 
 def _first_line(e: BaseException) -> str:

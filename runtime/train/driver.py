@@ -322,6 +322,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     ``verbose``: Ray's worker and controller output on the console too (see :func:`connect`).
     """
     from runtime.observe.tracking import Tracker, plot_curves
+    from runtime.train.export import save_final_model
 
     if run_name is not None:
         validate_run_name(run_name)  # before the cluster, MLflow or storage are touched
@@ -329,7 +330,8 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     run_name = run_name or default_run_name(cfg)
     progress = Progress(total=None, enabled=show_progress)
     # Best-effort: MLflow down (at start or mid-run) costs one console line, never the run (issue 27).
-    tracker = Tracker.for_job(cfg, run_name, keeps_history=True, notify=progress.event)
+    # The final weights go to MLflow as an MLflow model, registered as tracking.register_as (issue 30).
+    tracker = Tracker.for_job(cfg, run_name, keeps_history=True, notify=progress.event, export_model=save_final_model)
     fitting = StreamingFit(cfg, run_name, mlflow_run_id=(tracker.run_id or None) if tracker else None)
     run = fitting.run
 
