@@ -44,10 +44,10 @@ from runtime.config import JobConfig
 from runtime.errors import ConfigError
 from runtime.layout import LOCAL_RUNS, storage_paths
 from runtime.observe.history import CURVES_FILE, HISTORY_FILE, ReportError, read_history
-from runtime.observe.versions import versions
+from runtime.versions import versions
 
 if TYPE_CHECKING:
-    from runtime.train.run import TrainOutcome
+    from runtime.run import TrainOutcome
 
 log = logging.getLogger("runtime.observe.tracking")
 

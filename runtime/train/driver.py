@@ -30,8 +30,8 @@ from runtime.errors import ConfigError
 from runtime.layout import storage_filesystem, storage_paths
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
+from runtime.run import PREEMPT_FILE, RunInfo, TrainOutcome
 from runtime.train.elastic import RESIZE_EVENT, record_resize, resize_line
-from runtime.train.run import PREEMPT_FILE, RunInfo, TrainOutcome
 from runtime.train.trainer import run_rank, train_loop_per_worker
 
 log = logging.getLogger("runtime.train.driver")
