@@ -7,8 +7,9 @@ Layout under the storage root::
         meta.json                 step, world size, versions, config + hash, timestamps
         manifest.json             sha256 + size of every file; written LAST = the commit
 
-A folder without a valid manifest is never loaded: ``latest_valid`` skips it with a
-warning naming the file and the reason, and falls back to the previous valid one.
+A folder without a valid manifest is never loaded: ``first_loadable`` (the one newest-first
+loop every reader goes through) skips it with a warning naming the file and the reason, and
+falls back to the previous valid one.
 The format and the commit protocol live in ``format``; sharded (FSDP) saves write the same
 layout through ``sharded.ShardedWriter``, which commits through ``commit`` here.
 """
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, Literal, cast
+from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch
 
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from runtime.checkpoint.sharded import ShardedWriter
 
 log = logging.getLogger("runtime.checkpoint")
+T = TypeVar("T")  # what a reader returns for the checkpoint it accepted
 
 POINTER = "checkpoint_pointer.json"
 
@@ -422,19 +424,29 @@ class CheckpointManager:
         except (CheckpointError, OSError) as exc:  # reading must still work on read-only storage
             log.warning("could not recover interrupted re-saves in %s: %s", self.storage.uri, exc)
 
+    def first_loadable(self, load: Callable[[CheckpointRef], T]) -> tuple[CheckpointRef | None, T | None,
+                                                                         builtins.list[str]]:
+        """Newest first, the first checkpoint ``load`` accepts and what it returned, plus one warning
+        per newer folder it refused (a CheckpointError); (None, None, warnings) when none loads.
+
+        Every reader goes through this one loop: verify only, load whole, load sharded, or the
+        FSDP resume that picks by kind. Run after putting back an interrupted re-save.
+        """
+        self._recover()
+        skipped: list[str] = []
+        for ref in self._refs_newest_first(self._folders()):
+            try:
+                value = load(ref)
+            except CheckpointError as exc:
+                skipped.append(f"{ref.name}: {str(exc).removeprefix(ref.uri + ': ')}")
+                continue
+            return ref, value, self._warn(skipped, ref.name)
+        return None, None, self._warn(skipped, None)
+
     def latest_valid(self) -> tuple[CheckpointRef | None, builtins.list[str]]:
         """Newest checkpoint that verifies, plus one warning per newer folder that was skipped."""
-        self._recover()
-        folders = self._folders()
-        skipped: list[str] = []
-        for ref in self._refs_newest_first(folders):
-            try:
-                self._check(ref.name, folders[ref.name])
-            except InvalidCheckpoint as exc:
-                skipped.append(f"{ref.name}: {exc}")
-                continue
-            return ref, self._warn(skipped, ref.name)
-        return None, self._warn(skipped, None)
+        ref, _, warnings = self.first_loadable(self.verify)
+        return ref, warnings
 
     def _warn(self, skipped: builtins.list[str], using: str | None) -> builtins.list[str]:
         tail = f"using {using}" if using else "no valid checkpoint left"
@@ -467,14 +479,9 @@ class CheckpointManager:
             raise CheckpointError(f"{ref.uri}: {exc}") from None
 
     def candidates(self) -> builtins.list[CheckpointRef]:
-        """Every checkpoint folder, newest first, unverified (after putting back an interrupted
-        re-save): what a resume tries in order, skipping those that fail with ``warn_skipped``."""
+        """Every checkpoint folder, newest first, unverified (after putting back an interrupted re-save)."""
         self._recover()
         return self._refs_newest_first(self._folders())
-
-    def warn_skipped(self, skipped: builtins.list[str], using: str | None) -> builtins.list[str]:
-        """Log one warning per skipped folder (``"<name>: <reason>"``), saying which one is used."""
-        return self._warn(skipped, using)
 
     def _safe_load(self, ref: CheckpointRef, path: str) -> Any:
         try:
@@ -494,16 +501,7 @@ class CheckpointManager:
 
         Cheaper than latest_valid + load on S3 (each file is fetched once).
         """
-        skipped: list[str] = []
-        self._recover()
-        for ref in self._refs_newest_first(self._folders()):
-            try:
-                state = self.load(ref)
-            except CheckpointError as exc:
-                skipped.append(f"{ref.name}: {str(exc).removeprefix(ref.uri + ': ')}")
-                continue
-            return ref, state, self._warn(skipped, ref.name)
-        return None, None, self._warn(skipped, None)
+        return self.first_loadable(self.load)
 
     # ------------------------------------------------------------- rotation
 
@@ -571,16 +569,8 @@ class CheckpointManager:
     ) -> tuple[CheckpointRef | None, builtins.list[str]]:
         """Every rank: load the newest sharded checkpoint that verifies *and* loads into ``state``
         (in place), skipping newer ones with a warning as ``load_latest`` does."""
-        skipped: list[str] = []
-        self._recover()
-        for ref in self._refs_newest_first(self._folders()):
-            try:
-                self.load_sharded(ref, state)
-            except CheckpointError as exc:
-                skipped.append(f"{ref.name}: {str(exc).removeprefix(ref.uri + ': ')}")
-                continue
-            return ref, self._warn(skipped, ref.name)
-        return None, self._warn(skipped, None)
+        ref, _, warnings = self.first_loadable(lambda r: self.load_sharded(r, state))
+        return ref, warnings
 
     # ------------------------------------------------------------- lifecycle
 

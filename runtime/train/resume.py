@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,11 @@ from torch import nn
 
 from runtime.config import JobConfig
 from runtime.train.setup import prime_momentum
+
+if TYPE_CHECKING:
+    from runtime.checkpoint import CheckpointManager, CheckpointRef
+    from runtime.observe.metrics import WorkerMetrics
+    from runtime.train.run import RunInfo
 
 log = logging.getLogger("runtime.train")
 
@@ -127,7 +132,7 @@ def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: 
     return TrainerState(**{k: int(v) for k, v in payload["trainer"].items()})
 
 
-def load_sharded_payload(manager: Any, ref: Any, manifest: dict[str, Any], t: Trainables, rank: int,
+def load_sharded_payload(manager: CheckpointManager, ref: CheckpointRef, manifest: dict[str, Any], t: Trainables, rank: int,
                          world: int) -> dict[str, Any]:
     """Every rank, together: this run's shards of a sharded checkpoint (DCP reshards from the
     world size that wrote it), as a payload for ``apply_payload(full=False)``.
@@ -182,7 +187,7 @@ def apply_config_hyperparameters(cfg: JobConfig, optimizer: torch.optim.Optimize
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() returns
 
 
-def restore_latest(manager: Any, t: Trainables, cfg: JobConfig, rank: int, world: int,
+def restore_latest(manager: CheckpointManager, t: Trainables, cfg: JobConfig, rank: int, world: int,
                    ray_pointer_step: int | None, sharded: bool = False) -> tuple[TrainerState | None, dict[str, Any]]:
     """Resume from the newest checkpoint that verifies, even if Ray's registry is behind.
 
@@ -192,7 +197,8 @@ def restore_latest(manager: Any, t: Trainables, cfg: JobConfig, rank: int, world
     report: warnings about skipped checkpoints, the step resumed from).
     """
     if sharded:
-        ref, payload, full, warnings = _load_latest_for_fsdp(manager, t, rank, world)
+        ref, loaded, warnings = manager.first_loadable(lambda r: _load_for_fsdp(manager, r, t, rank, world))
+        payload, full = loaded if loaded is not None else (None, True)
     else:
         ref, payload, warnings = manager.load_latest()
         full = True
@@ -210,31 +216,21 @@ def restore_latest(manager: Any, t: Trainables, cfg: JobConfig, rank: int, world
     return state, info
 
 
-def _load_latest_for_fsdp(manager: Any, t: Trainables, rank: int,
-                          world: int) -> tuple[Any, dict[str, Any] | None, bool, list[str]]:
-    """(ref, payload, payload is full, warnings): the newest checkpoint that verifies and loads.
+def _load_for_fsdp(manager: CheckpointManager, ref: CheckpointRef, t: Trainables, rank: int,
+                   world: int) -> tuple[dict[str, Any], bool]:
+    """(payload, payload is full) of ``ref`` for an FSDP run: this rank's shards of a sharded
+    checkpoint, a full one read whole; raises CheckpointError when it does not verify or load.
 
     Every rank verifies the same files and so skips the same folders; ``dcp.load`` itself
     shares any rank's read error with all ranks, so they never part ways on a collective.
     """
-    from runtime.checkpoint import CheckpointError
-
-    skipped: list[str] = []
-    for ref in manager.candidates():
-        try:
-            manifest = manager.manifest(ref)
-            if manifest["kind"] == "dcp":
-                payload, full = load_sharded_payload(manager, ref, manifest, t, rank, world), False
-            else:
-                payload, full = manager.load(ref), True
-        except CheckpointError as exc:
-            skipped.append(f"{ref.name}: {str(exc).removeprefix(ref.uri + ': ')}")
-            continue
-        return ref, payload, full, manager.warn_skipped(skipped, ref.name)
-    return None, None, True, manager.warn_skipped(skipped, None)
+    manifest = manager.manifest(ref)
+    if manifest["kind"] == "dcp":
+        return load_sharded_payload(manager, ref, manifest, t, rank, world), False
+    return manager.load(ref), True
 
 
-def build_checkpointer(cfg: JobConfig, run: Any, gauges: Any) -> Any:
+def build_checkpointer(cfg: JobConfig, run: RunInfo, gauges: WorkerMetrics | None) -> CheckpointManager | None:
     """The run's CheckpointManager (its timings and failures exported when gauges exist), or None."""
     if not cfg.checkpoint.enabled:
         return None
