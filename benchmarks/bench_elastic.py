@@ -33,8 +33,8 @@ CHECK_S = 3.0  # distributed.elastic.resize_check_interval_s: how soon returning
 def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
     from runtime import cluster as rc
     from runtime.config import load_job
+    from runtime.run import PREEMPT_FILE
     from runtime.train.driver import StreamingFit
-    from runtime.train.run import PREEMPT_FILE
 
     cfg = load_job("digits_smoke", [
         f"checkpoint.storage={storage}", "model.name=mlp", "optimizer.name=sgd", "data.source=synthetic",

@@ -1,7 +1,7 @@
 """What the driver tells every worker (RunInfo) and what a finished run hands back (TrainOutcome).
 
-Kept apart from the driver and the trainer so tracking and Tune can name them without
-importing either.
+In the bottom layer (docs/architecture.md), apart from the driver and the trainer, so that
+tracking and Tune can name them without importing either.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 
 from runtime.checkpoint.storage import MANIFEST, Staging, Storage, UnsafeNameError, check_name, safe_join
 from runtime.config import config_hash
-from runtime.observe.versions import versions
+from runtime.versions import versions
 
 FORMAT_VERSION = 1
 META = "meta.json"

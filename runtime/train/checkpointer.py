@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointRef
 from runtime.config import JobConfig
-from runtime.train.run import RunInfo
+from runtime.run import RunInfo
 
 if TYPE_CHECKING:
     from runtime.observe.metrics import WorkerMetrics

@@ -23,7 +23,7 @@ import ray.train
 
 from runtime.checkpoint import CheckpointRef
 from runtime.observe.catalog import reported_gauges
-from runtime.train.run import RunInfo
+from runtime.run import RunInfo
 
 log = logging.getLogger("runtime.train")
 PRICES = Path(__file__).resolve().parents[2] / "prices" / "instances.yaml"

@@ -20,7 +20,7 @@ from runtime.train.setup import prime_momentum
 if TYPE_CHECKING:
     from runtime.checkpoint import CheckpointManager, CheckpointRef
     from runtime.observe.metrics import WorkerMetrics
-    from runtime.train.run import RunInfo
+    from runtime.run import RunInfo
 
 log = logging.getLogger("runtime.train")
 

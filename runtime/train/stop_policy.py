@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 
 from runtime.config.schema import NonFiniteConfig, TrainConfig
+from runtime.run import PREEMPT_FILE
 from runtime.train.resume import TrainerState
-from runtime.train.run import PREEMPT_FILE
 from runtime.train.stats import Boundary
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from runtime.config import JobConfig
 from runtime.data import build_loaders
 from runtime.errors import ConfigError
+from runtime.run import RunInfo
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import (
     DevicePrefetcher,
@@ -47,7 +48,6 @@ from runtime.train.models import build_model
 from runtime.train.parallel import apply_ddp, apply_fsdp, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
 from runtime.train.resume import Trainables, TrainerState, build_checkpointer, build_payload, restore_latest
-from runtime.train.run import RunInfo
 from runtime.train.setup import (
     CommTimer,
     Placement,

@@ -237,7 +237,7 @@ def finish_parent(parent: Any, out: SearchOutcome, spec: TuneSpec) -> None:
     """Parent run: report artifacts, the best trial's curves and model; close trials Tune stopped early."""
     from mlflow.entities import Metric
 
-    from runtime.train.run import TrainOutcome
+    from runtime.run import TrainOutcome
 
     client = parent.client
     for path in out.report_files.values():

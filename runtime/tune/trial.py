@@ -222,8 +222,8 @@ class TrialRun:
 
     def run(self) -> None:
         from runtime.observe.tracking import Tracker
+        from runtime.run import TrainOutcome
         from runtime.train.driver import InProcessFit, StreamingFit, runs_in_process
-        from runtime.train.run import TrainOutcome
 
         self._take_donor_checkpoint()
         self.step = self.origin["restored_step"]

@@ -22,7 +22,7 @@ import pytest
 from runtime.cli import main as cli_main
 from runtime.observe.history import HistoryLog, read_history
 from runtime.observe.tracking import QUEUE_MAX, STATE_FILE, SyncState, Tracker, sync
-from runtime.train.run import TrainOutcome
+from runtime.run import TrainOutcome
 from tests.support import ROOT, job, wait_for
 from tests.support.mlflow import MlflowServer
 

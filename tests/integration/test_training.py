@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from runtime.run import TrainOutcome
 from runtime.train.driver import train
-from runtime.train.run import TrainOutcome
 from tests.support import ROOT, job
 
 pytestmark = pytest.mark.slow
@@ -70,9 +70,9 @@ def test_rank0_reports_reach_the_driver_in_step_order(cluster: dict, tmp_path: P
     (a CI run's resumed history had step 109 before 107)."""
     from ray.util.queue import Queue
 
+    from runtime.run import RunInfo
     from runtime.train.driver import connect
     from runtime.train.reporter import Reporter
-    from runtime.train.run import RunInfo
 
     connect()
     reports: Any = Queue(maxsize=10_000, actor_options={"num_cpus": 0})

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from runtime.config import JobConfig
-from runtime.train.run import RunInfo, TrainOutcome
+from runtime.run import RunInfo, TrainOutcome
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
 from tests.support import job

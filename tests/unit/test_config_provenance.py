@@ -8,10 +8,10 @@ import platform
 import pytest
 import torch
 
+from runtime import versions as versions_module
 from runtime.checkpoint.format import meta_doc
 from runtime.config import config_hash, load_job, with_overrides
-from runtime.observe import versions as versions_module
-from runtime.observe.versions import versions
+from runtime.versions import versions
 
 
 def test_a_checkpoint_given_only_the_config_records_the_jobs_own_hash() -> None:

@@ -1,5 +1,6 @@
-"""The runtime package's structure: no import cycles, one module that builds storage paths, and
-no module that imports another's private names.
+"""The runtime package's structure: imports only run down the layers docs/architecture.md
+declares, no import cycles, one module that builds storage paths, and no module that imports
+another's private names.
 
 The checks read the source with ast (nothing is imported, so no import side effects).
 Imports inside functions count too: a lazy import that closes a cycle hides it, it does not
@@ -9,11 +10,13 @@ remove it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from runtime.layout import CHECKPOINTS, LOCAL_RUNS, TRIAL_RUNS, TRIAL_TRAINABLE
 
 ROOT = Path(__file__).resolve().parents[2]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 LAYOUT_MODULE = "runtime.layout"
 # Folder names of the storage layout: only runtime.layout joins them into a path.
 LAYOUT_FOLDERS = {CHECKPOINTS, TRIAL_RUNS, LOCAL_RUNS.name}
@@ -53,6 +56,61 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
 def import_graph(package: Path) -> dict[str, set[str]]:
     mods = modules(package)
     return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def declared_layers(markdown: str) -> dict[str, int]:
+    """Package -> layer number (0 = lowest) from the ```layers block, whose lines run highest first."""
+    block = re.search(r"^```layers\n(.*?)^```", markdown, re.S | re.M)
+    assert block, "docs/architecture.md declares no ```layers block"
+    lines = [line.split() for line in block.group(1).splitlines() if line.strip()]
+    return {name: len(lines) - 1 - i for i, names in enumerate(lines) for name in names}
+
+
+def unit_of(module: str) -> str:
+    """The layered unit a module belongs to: its package under ``runtime``, or the top-level module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Every import from one unit to another that does not run down the layers (up, or across to
+    a peer), and every module whose unit has no declared layer (its importers are not checked twice)."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        unit = unit_of(module)
+        if unit not in layers:
+            found.append(f"{module}: {unit} has no layer in docs/architecture.md")
+            continue
+        for target in sorted(imported):
+            other = unit_of(target)
+            if other != unit and other in layers and layers[other] >= layers[unit]:
+                found.append(f"{module} -> {target} ({unit} is not above {other})")
+    return found
+
+
+def test_runtime_imports_only_run_down_the_declared_layers() -> None:
+    found = layer_violations(import_graph(ROOT / "runtime"), declared_layers(ARCHITECTURE.read_text()))
+    assert not found, "imports against the layers of docs/architecture.md:\n" + "\n".join(found)
+
+
+def test_layer_check_flags_upward_and_peer_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "mid", "peer", "top"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from pkg.top import b\n")  # lazy, still upward
+    (pkg / "mid" / "c.py").write_text("from ..low import a\nfrom pkg.peer import d\n")
+    (pkg / "peer" / "d.py").write_text("")
+    (pkg / "top" / "b.py").write_text("from pkg.mid import c\nimport pkg.stray\n")
+    (pkg / "stray.py").write_text("")
+    layers = declared_layers("x\n```layers\ntop\nmid peer\nlow pkg\n```\n")
+    assert layers == {"top": 2, "mid": 1, "peer": 1, "low": 0, "pkg": 0}
+    assert layer_violations(import_graph(pkg), layers) == [
+        "pkg.low.a -> pkg.top.b (low is not above top)",
+        "pkg.mid.c -> pkg.peer.d (mid is not above peer)",
+        "pkg.stray: stray has no layer in docs/architecture.md",
+    ]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

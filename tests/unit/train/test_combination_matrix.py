@@ -49,7 +49,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.train.run import RunInfo
+from runtime.run import RunInfo
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
 from runtime.tv import import_torchvision

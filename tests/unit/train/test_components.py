@@ -11,11 +11,11 @@ from torch import nn
 
 from runtime.checkpoint import CheckpointError, CheckpointManager
 from runtime.config import JobConfig
+from runtime.run import PREEMPT_FILE, RunInfo
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.evaluator import Evaluator
 from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.resume import TrainerState
-from runtime.train.run import PREEMPT_FILE, RunInfo
 from runtime.train.stats import Boundary
 from runtime.train.stop_policy import StopPolicy, total_steps
 

@@ -10,7 +10,7 @@ import torch
 
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
-from runtime.train.run import RunInfo
+from runtime.run import RunInfo
 from runtime.train.setup import Placement
 from runtime.train.tokens import stdlib_text, token_loaders
 from runtime.train.trainer import Trainer

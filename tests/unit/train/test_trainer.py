@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.config import JobConfig
-from runtime.train.run import PREEMPT_FILE, RunInfo
+from runtime.run import PREEMPT_FILE, RunInfo
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
 from tests.support.trainer import train_in_process
