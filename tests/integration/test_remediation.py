@@ -1,0 +1,240 @@
+"""The remediation loop with real parts: Prometheus evaluates the shipped alert rules, Alertmanager
+routes them to the service's webhook, the service drains through Ray's GCS and runs its replace
+command, which joins a new raylet to the session's cluster (what replace_node.yml does to a host).
+
+The only change to the shipped rules is their `for:` window (1 s instead of minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from runtime import cluster as rc
+from runtime.cluster.state import load_state
+from tests.observability.conftest import (
+    PROMETHEUS_BIN,
+    PrometheusServer,
+    _stop,
+    _wait,
+    ensure_prometheus_tools,
+)
+from tests.support import free_port, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTMANAGER_BIN = PROMETHEUS_BIN.parent / "prometheus-alertmanager"
+# Joins one raylet, as the replacement playbook joins a rebuilt host; records which node it replaced.
+REPLACE_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from runtime import cluster as rc
+    node, cdir, record = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    rc.add_node(cdir, num_cpus=1)
+    with record.open("a") as out:
+        out.write(node + "\\n")
+""")
+
+
+class FakeDcgm:
+    """A DCGM exporter's /metrics for one GPU whose XID the test sets (the exporter's real format)."""
+
+    def __init__(self, hostname: str) -> None:
+        self.hostname, self.xid = hostname, 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = f'DCGM_FI_DEV_XID_ERRORS{{gpu="0",Hostname="{fake.hostname}"}} {fake.xid}\n'.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+
+def _ray_nodes() -> dict[int, dict[str, Any]]:
+    """Alive Ray nodes by metrics export port (unique per raylet on one machine)."""
+    import ray
+
+    return {n["MetricsExportPort"]: n for n in ray.nodes() if n["Alive"]}
+
+
+def _fast_rules(tmp: Path) -> list[str]:
+    """The shipped node and GPU rules with every `for:` window at 1 s."""
+    out = []
+    for name in ("nodes.rules.yml", "gpu.rules.yml"):
+        path = tmp / name
+        path.write_text(re.sub(r"for: \w+", "for: 1s", (ROOT / "alerts" / name).read_text()))
+        out.append(str(path))
+    return out
+
+
+def _metric(url: str, action: str, result: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=5).text
+    m = re.search(rf'^remediation_actions_total{{action="{action}",result="{result}"}} (\S+)$', text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Two extra raylets, a fake DCGM exporter naming the second, and Prometheus -> Alertmanager -> service."""
+    import ray
+
+    from runtime.train.driver import connect
+
+    subprocess.run(["make", "-C", str(ROOT), "alertmanager-tools"], check=True, capture_output=True)
+    ensure_prometheus_tools()
+    tmp = tmp_path_factory.mktemp("remediation")
+    cdir = Path(cluster["dir"])
+    before = {int(n["index"]) for n in load_state(cdir).get("nodes", [])}
+    procs: list[subprocess.Popen] = []
+    prometheus: PrometheusServer | None = None
+    try:
+        connect()
+        head_port = next(p for p, n in _ray_nodes().items() if "node:__internal_head__" in n["Resources"])
+        for _ in range(2):
+            rc.add_node(cdir, num_cpus=1)
+        ports = sorted(set(_ray_nodes()) - {head_port})[-2:]
+        ip = _ray_nodes()[head_port]["NodeManagerAddress"]
+        # The newest two raylets: which is which does not matter, only that both are workers.
+        workers = {"worker-lost": f"{ip}:{ports[0]}", "worker-xid": f"{ip}:{ports[1]}"}
+        dcgm = FakeDcgm("worker-xid")
+        record = tmp / "replaced.txt"
+        script = tmp / "replace.py"
+        script.write_text(REPLACE_SCRIPT)
+        service_port = free_port()
+        policy = {
+            "listen": f"127.0.0.1:{service_port}",
+            "nodes": workers,
+            "protected": [f"{ip}:{head_port}"],
+            "limits": {"per_node_per_hour": 1, "total_per_hour": 5},
+            "drain": {"gcs_address": os.environ["RAY_ADDRESS"], "deadline_s": 5, "wait_s": 60},
+            "replace": {"command": [sys.executable, str(script), "{node}", str(cdir), str(record)], "timeout_s": 300},
+            "rules": [
+                {"alert": "RayNodeDown", "actions": ["drain", "replace"]},
+                {"alert": "GpuXidErrors", "node_label": "node", "actions": ["drain", "replace"]},
+            ],
+        }
+        (tmp / "policy.yml").write_text(yaml.safe_dump(policy))
+        service_log = tmp / "service.log"
+        with service_log.open("w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ops.remediation", "--policy", str(tmp / "policy.yml")],
+                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                          env={**os.environ, "PYTHONPATH": str(ROOT)}))
+        service = f"http://127.0.0.1:{service_port}"
+        _wait(f"{service}/-/healthy", procs[-1], service_log)
+
+        am_port = free_port()
+        (tmp / "alertmanager.yml").write_text(yaml.safe_dump({
+            "route": {"receiver": "remediation", "group_by": ["alertname", "instance", "node"],
+                      "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
+            "receivers": [{"name": "remediation", "webhook_configs": [
+                {"url": f"{service}/alerts", "send_resolved": True}]}]}))
+        am_log = tmp / "alertmanager.log"
+        with am_log.open("w") as out:
+            procs.append(subprocess.Popen(
+                [str(ALERTMANAGER_BIN), f"--config.file={tmp / 'alertmanager.yml'}",
+                 f"--storage.path={tmp / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
+                 "--cluster.listen-address="], stdout=out, stderr=subprocess.STDOUT))
+        _wait(f"http://127.0.0.1:{am_port}/-/ready", procs[-1], am_log)
+
+        prometheus = PrometheusServer(tmp, rule_files=_fast_rules(tmp), scrape_configs=[
+            {"job_name": "ray", "static_configs": [{"targets": [*workers.values(), f"{ip}:{head_port}"]}]},
+            {"job_name": "dcgm", "static_configs": [{"targets": [dcgm.target]}]},
+        ])
+        prometheus.config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]}
+        prometheus.start()
+        prometheus.wait_for('count(up{job="ray"} == 1) == 3')
+        yield {"service": service, "workers": workers, "dcgm": dcgm, "record": record, "cdir": cdir,
+               "ray": ray, "log": service_log, "head": f"{ip}:{head_port}"}
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        for proc in reversed(procs):
+            _stop(proc)
+        for index in {int(n["index"]) for n in load_state(cdir).get("nodes", [])} - before:
+            rc.remove_node(index, cdir)
+
+
+def _replaced(loop: dict[str, Any]) -> list[str]:
+    return loop["record"].read_text().split() if loop["record"].exists() else []
+
+
+def _alive(address: str) -> bool:
+    return int(address.rsplit(":", 1)[1]) in _ray_nodes()
+
+
+def test_a_lost_worker_is_replaced_through_prometheus_alertmanager_and_the_playbook_command(loop):
+    workers = len(_ray_nodes())
+    port = int(loop["workers"]["worker-lost"].rsplit(":", 1)[1])
+    # The raylet's process group is the "host": find its index by the metrics port it was started with.
+    victim = next(int(n["index"]) for n in load_state(loop["cdir"])["nodes"]
+                  if f"--metrics-export-port={port}" in _cmdline(int(n["pid"])))
+    rc.remove_node(victim, loop["cdir"])
+    wait_for(lambda: ("replace", "succeeded") in _outcomes(loop, "worker-lost"), "the service to replace it", 180)
+    assert _metric(loop["service"], "replace", "succeeded") == 1
+    assert len(_ray_nodes()) == workers, "the cluster is back to its size"
+    assert _replaced(loop) == ["worker-lost"]
+
+
+def test_a_fatal_xid_drains_the_live_node_off_ray_then_replaces_it(loop):
+    address = loop["workers"]["worker-xid"]
+    assert _alive(address)
+    loop["dcgm"].xid = 79  # fallen off the bus
+    wait_for(lambda: len(_outcomes(loop, "worker-xid")) == 2, "the service to drain and replace worker-xid", 180)
+    assert _outcomes(loop, "worker-xid") == [("drain", "succeeded"), ("replace", "succeeded")]
+    assert not _alive(address), "the drained raylet left the cluster"
+    assert _replaced(loop) == ["worker-lost", "worker-xid"]
+
+
+def test_an_alert_for_the_head_and_a_second_fault_past_the_budget_change_nothing(loop):
+    replaced = _replaced(loop)
+    firing = {"status": "firing", "labels": {"alertname": "RayNodeDown", "instance": loop["head"]},
+              "startsAt": "2026-11-25T00:00:00Z", "fingerprint": "head"}
+    reply = requests.post(f"{loop['service']}/alerts", json={"alerts": [firing]}, timeout=10).json()
+    assert [d["result"] for d in reply["decisions"]] == ["refused"]
+    # worker-lost was replaced once; the policy allows one per node per hour: a new firing halts.
+    again = {**firing, "labels": {"alertname": "RayNodeDown", "instance": loop["workers"]["worker-lost"]},
+             "fingerprint": "again"}
+    reply = requests.post(f"{loop['service']}/alerts", json={"alerts": [again]}, timeout=10).json()
+    assert [d["result"] for d in reply["decisions"]] == ["halted"]
+    assert 'remediation_halted{node="worker-lost"} 1.0' in requests.get(f"{loop['service']}/metrics", timeout=5).text
+    assert _replaced(loop) == replaced
+
+
+def _outcomes(loop: dict[str, Any], node: str) -> list[tuple[str, str]]:
+    """(action, result) of each finished action on `node`, from the service's journal lines."""
+    lines = [json.loads(line) for line in loop["log"].read_text().splitlines() if line.startswith("{")]
+    return [(e["action"], e["result"]) for e in lines if e["event"] == "action" and e["node"] == node]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -1,0 +1,187 @@
+"""The remediation service's policy file and guard rails (no cluster: drains are recorded, the
+replacement is a real command the service runs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from ops.remediation.actions import PlaybookReplacer
+from ops.remediation.engine import Remediator
+from ops.remediation.policy import PolicyError, load_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD: dict[str, Any] = {
+    "nodes": {"gpu-0": "10.0.0.21", "gpu-1": "10.0.0.22"},
+    "protected": ["head-0", "10.0.0.11"],
+    "limits": {"per_node_per_hour": 2, "total_per_hour": 3},
+    "replace": {"command": ["true", "{node}"]},
+    "rules": [{"alert": "NodeDown", "actions": ["drain", "replace"]},
+              {"alert": "GpuXidErrors", "node_label": "node", "actions": ["drain", "replace"]}],
+}
+
+
+def _write(tmp_path: Path, policy: dict[str, Any]) -> Path:
+    path = tmp_path / "policy.yml"
+    path.write_text(yaml.safe_dump(policy))
+    return path
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"rules": [{"alert": "NodeDown", "actions": ["reboot"]}]}, "rules.0.actions.0"),
+    ({"limits": {"per_node_per_hour": 0}}, "limits.per_node_per_hour"),
+    ({"limtis": {}}, "limtis"),
+    ({"replace": {"command": ["ansible-playbook", "replace_node.yml"]}}, "replace.command"),
+    ({"listen": "9105"}, "listen"),
+    ({"replace": None}, "replace"),
+    ({"protected": ["gpu-0"]}, "protected"),
+])
+def test_a_bad_policy_refuses_to_start_naming_the_field(tmp_path, change, field):
+    path = _write(tmp_path, {**GOOD, **change})
+    with pytest.raises(PolicyError, match=rf"^{path}: {field}: "):
+        load_policy(path)
+    done = subprocess.run([sys.executable, "-m", "ops.remediation", "--policy", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"refusing to start: {path}: {field}: " in done.stderr, done.stderr
+
+
+def test_the_shipped_example_policy_is_valid():
+    policy = load_policy(ROOT / "ops" / "remediation" / "policy.example.yml")
+    assert policy.rule_for({"alertname": "RayNodeDown"}) is not None
+
+
+class Recorder:
+    """Stands in for Ray's GCS: records which addresses were asked to drain."""
+
+    def __init__(self) -> None:
+        self.drained: list[str] = []
+
+    def drain(self, address: str) -> str:
+        self.drained.append(address)
+        return "drained"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _engine(tmp_path: Path, **change: Any) -> tuple[Remediator, Recorder, Path, Clock, CollectorRegistry]:
+    record = tmp_path / "replaced"
+    append = "import sys; open(sys.argv[2], 'a').write(sys.argv[1] + '\\n')"
+    policy = load_policy(_write(tmp_path, {**GOOD, **change, "replace": {"command": [
+        sys.executable, "-c", append, "{node}", str(record)]}}))
+    registry, clock, drainer = CollectorRegistry(), Clock(), Recorder()
+    replacer = PlaybookReplacer(policy.replace.command, 60) if policy.replace else None
+    return Remediator(policy, drainer, replacer, registry, clock=clock), drainer, record, clock, registry
+
+
+def _alert(name: str, fingerprint: str, **labels: str) -> dict[str, Any]:
+    return {"status": "firing", "labels": {"alertname": name, **labels}, "fingerprint": fingerprint,
+            "startsAt": f"2026-11-25T00:00:{fingerprint[-1:]}Z"}
+
+
+def _count(registry: CollectorRegistry, action: str, result: str) -> float:
+    return registry.get_sample_value("remediation_actions_total", {"action": action, "result": result}) or 0.0
+
+
+def test_a_worker_alert_drains_then_replaces_that_worker_only(tmp_path):
+    engine, drainer, record, _, registry = _engine(tmp_path)
+    [decision] = engine.handle({"alerts": [_alert("NodeDown", "a1", instance="10.0.0.21:9100")]})
+    assert (decision.node, decision.result) == ("gpu-0", "started")
+    assert engine.wait_idle(60)
+    assert drainer.drained == ["10.0.0.21"]
+    assert record.read_text().split() == ["gpu-0"]
+    assert _count(registry, "drain", "succeeded") == _count(registry, "replace", "succeeded") == 1
+
+
+def test_the_head_and_unknown_hosts_are_never_acted_on(tmp_path):
+    engine, drainer, record, _, registry = _engine(tmp_path)
+    decisions = engine.handle({"alerts": [_alert("NodeDown", "h1", instance="10.0.0.11:9100"),
+                                          _alert("GpuXidErrors", "h2", node="head-0"),
+                                          _alert("NodeDown", "u1", instance="10.9.9.9:9100")]})
+    assert [d.result for d in decisions] == ["refused"] * 3
+    assert engine.wait_idle(5) and drainer.drained == [] and not record.exists()
+    assert _count(registry, "replace", "refused") == 3
+
+
+def test_resolved_alerts_and_alerts_without_a_rule_do_nothing(tmp_path):
+    engine, drainer, _, _, _ = _engine(tmp_path)
+    resolved = {**_alert("NodeDown", "r1", instance="10.0.0.21:9100"), "status": "resolved"}
+    assert engine.handle({"alerts": [resolved, _alert("GpuTemperatureHigh", "t1", node="gpu-0")]}) == []
+    assert drainer.drained == []
+
+
+def test_a_re_sent_firing_is_acted_on_once(tmp_path):
+    engine, drainer, _, _, _ = _engine(tmp_path)
+    alert = _alert("NodeDown", "d1", instance="10.0.0.21:9100")
+    engine.handle({"alerts": [alert]})
+    engine.wait_idle(60)
+    assert [d.result for d in engine.handle({"alerts": [alert]})] == ["duplicate"]
+    assert drainer.drained == ["10.0.0.21"]
+
+
+def test_a_flapping_node_halts_after_its_hourly_budget_until_restarted(tmp_path):
+    engine, _, record, clock, registry = _engine(tmp_path)
+    results = []
+    for i in range(3):
+        results += [d.result for d in engine.handle({"alerts": [_alert("NodeDown", f"f{i}", instance="10.0.0.21")]})]
+        engine.wait_idle(60)
+        clock.now += 60
+    assert results == ["started", "started", "halted"]
+    assert record.read_text().split() == ["gpu-0", "gpu-0"]
+    assert registry.get_sample_value("remediation_halted", {"node": "gpu-0"}) == 1
+    clock.now += 3600  # the window has passed, but a halted node stays halted: a human must look
+    again = engine.handle({"alerts": [_alert("NodeDown", "f9", instance="10.0.0.21")]})
+    other = engine.handle({"alerts": [_alert("NodeDown", "o1", instance="10.0.0.22")]})
+    assert [d.result for d in again + other] == ["halted", "started"]  # another node still has its budget
+    engine.wait_idle(60)
+
+
+def test_the_cluster_wide_budget_halts_every_node(tmp_path):
+    engine, _, _, _, registry = _engine(tmp_path, limits={"per_node_per_hour": 5, "total_per_hour": 1})
+    first = engine.handle({"alerts": [_alert("NodeDown", "c1", instance="10.0.0.21")]})
+    engine.wait_idle(60)
+    second = engine.handle({"alerts": [_alert("NodeDown", "c2", instance="10.0.0.22")]})
+    assert [d.result for d in first + second] == ["started", "halted"]
+    assert registry.get_sample_value("remediation_halted", {"node": "*"}) == 1
+
+
+def test_one_action_per_node_at_a_time(tmp_path):
+    engine, _, _, _, _ = _engine(tmp_path)
+    release = tmp_path / "release"
+    wait = "import os, sys, time\nwhile not os.path.exists(sys.argv[2]): time.sleep(0.05)"
+    engine._replacer = PlaybookReplacer([sys.executable, "-c", wait, "{node}", str(release)], 60)
+    first = engine.handle({"alerts": [_alert("NodeDown", "b1", instance="10.0.0.21")]})
+    second = engine.handle({"alerts": [_alert("NodeDown", "b2", instance="10.0.0.21")]})
+    release.touch()
+    assert [d.result for d in first + second] == ["started", "busy"]
+    assert engine.wait_idle(60)
+
+
+def test_dry_run_logs_and_counts_but_acts_on_nothing(tmp_path, caplog):
+    engine, drainer, record, _, registry = _engine(tmp_path, dry_run=True)
+    with caplog.at_level("INFO", logger="remediation"):
+        [decision] = engine.handle({"alerts": [_alert("NodeDown", "y1", instance="10.0.0.21")]})
+    assert decision.result == "dry_run"
+    assert engine.wait_idle(5) and drainer.drained == [] and not record.exists()
+    assert _count(registry, "drain", "dry_run") == _count(registry, "replace", "dry_run") == 1
+    assert '"result": "dry_run"' in caplog.text and '"node": "gpu-0"' in caplog.text
+
+
+def test_a_failed_replacement_is_counted_as_failed(tmp_path):
+    engine, _, _, _, registry = _engine(tmp_path)
+    engine._replacer = PlaybookReplacer([sys.executable, "-c", "raise SystemExit(4)", "{node}"], 60)
+    engine.handle({"alerts": [_alert("NodeDown", "x1", instance="10.0.0.21")]})
+    assert engine.wait_idle(60)
+    assert _count(registry, "replace", "failed") == 1
