@@ -71,6 +71,8 @@ def test_the_expected_alerts_exist_once():
         "CheckpointStale",
         "CheckpointStorageAlmostFull",
         "CheckpointFilesystemAlmostFull",
+        "RemediationHalted",
+        "RemediationFailed",
     }
     assert sorted(ALERT_NAMES) == sorted(expected)
 
