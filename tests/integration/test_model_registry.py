@@ -20,6 +20,9 @@ from tests.support import ROOT, job
 NAME = "digits-registry-test"
 
 
+pytestmark = pytest.mark.slow  # one training run, shared by the module's tests
+
+
 @pytest.fixture(scope="module")
 def registered(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from runtime.train.driver import train

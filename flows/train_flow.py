@@ -1,0 +1,175 @@
+"""``python flows/train_flow.py run --job digits_tune`` (or ``make flow JOB=digits_tune``): from a
+search to a served model, as a Metaflow flow over the platform's Python API (issue 30).
+
+    start     load and validate the job: a config error fails here, before anything starts
+    tune      the search on the Ray cluster (runtime.tune.tune), ``--budget`` trials
+    train     the best configuration, longer (runtime.train.driver.train); its run name is fixed at
+              start, so a ``resume`` after a failure here continues from its newest checkpoint
+    evaluate  held-out metrics of the final checkpoint (runtime.models.evaluate)
+    register  the run's model as a new version in the MLflow Model Registry, promoted to ``--alias``
+              when it beats the holder on ``--promote-metric`` (runtime.observe.registry)
+
+A failure in a late step (the registry down) is finished with ``python flows/train_flow.py resume``:
+Metaflow re-runs only the failed step and what follows; the trained run uploads what MLflow missed
+before registering. Runs on Metaflow's local runtime and datastore unless Metaflow is configured for
+S3 (METAFLOW_DEFAULT_DATASTORE=s3, METAFLOW_DATASTORE_SYSROOT_S3).
+
+Ray: the steps reach the platform's existing cluster by address (``make cluster-up`` state or
+RAY_ADDRESS) as the CLI does. Outerbounds' ``metaflow-ray`` (@metaflow_ray) gang-schedules Metaflow
+tasks and starts a Ray cluster of its own across them; it does not attach to a running cluster, so it
+is not used.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from metaflow import FlowSpec, Parameter, card, current, step
+
+
+class TrainFlow(FlowSpec):
+    """Tune, train, evaluate and register one job of the platform."""
+
+    job = Parameter("job", default="digits_tune", help="a tuning job: a name from jobs/ or a YAML path")
+    budget = Parameter("budget", default=0, type=int, help="trials in the search (0: the job's tune.num_samples)")
+    train_steps = Parameter("train_steps", default=0, type=int,
+                            help="steps of the final training (0: 3x the trials' train.max_steps)")
+    model_name = Parameter("model_name", default="", help="registered model name (default: the job's name)")
+    promote_metric = Parameter("promote_metric", default="eval/accuracy",
+                               help="the version must beat the alias's holder on this metric to be promoted")
+    alias = Parameter("alias", default="champion", help="the alias promotion moves")
+    overrides = Parameter("set", default="", help="shell-quoted overrides, as make's SET: \"optimizer.lr=0.05\"")
+
+    @step
+    def start(self) -> None:
+        """Load and validate the job (and its search space) before anything starts."""
+        from runtime.tune import parse_tune
+
+        cfg = self._job()
+        parse_tune(cfg)
+        self.job_name = cfg.name
+        self.registered_name = self.model_name or cfg.name
+        # Fixed here, kept by `resume`: a re-run train step finds its run folder and checkpoints.
+        self.search_name = f"{cfg.name}-flow{current.run_id}-tune"
+        self.train_name = f"{cfg.name}-flow{current.run_id}"
+        self.next(self.tune)
+
+    @card(type="blank", id="search")
+    @step
+    def tune(self) -> None:
+        """The search; its best configuration goes on to training."""
+        from metaflow.cards import Markdown, Table
+
+        from runtime.cluster import use_cluster_auth
+        from runtime.layout import search_paths, storage_filesystem
+        from runtime.tune import tune
+
+        use_cluster_auth()
+        cfg = self._job()
+        if self.budget:
+            cfg = cfg.model_copy(update={"tune": {**(cfg.tune or {}), "num_samples": self.budget}})
+        from ray import tune as rt
+
+        search_dir = search_paths(cfg, self.search_name)[1]
+        out = tune(cfg, self.search_name, job=self.job, show_progress=False,
+                   resume=rt.Tuner.can_restore(search_dir, storage_filesystem=storage_filesystem(cfg)))
+        if out.best is None:
+            raise RuntimeError(f"search {out.name}: no trial reported {out.metric}; see {out.search_dir}")
+        self.best_params: dict[str, Any] = dict(out.best.params)
+        self.search = {"name": out.name, "dir": out.search_dir, "metric": out.metric, "mode": out.mode,
+                       "best": out.best.best, "trials": len(out.trials)}
+        self.trials = [{"trial": t.trial_id, "status": t.status, **t.params, out.metric: t.best, "steps": t.steps}
+                       for t in out.trials]
+        current.card["search"].append(Markdown(f"## Search {out.name}: {len(out.trials)} trials, "
+                                               f"best {out.metric} = {out.best.best:.4g}"))
+        columns = list(self.trials[0])
+        current.card["search"].append(Table([[_cell(t.get(c)) for c in columns] for t in self.trials],
+                                            headers=columns))
+        self.next(self.train)
+
+    @card(type="blank", id="training")
+    @step
+    def train(self) -> None:
+        """The best configuration, longer; resumes from its checkpoints when this step is re-run."""
+        from metaflow.cards import Image, Markdown
+
+        from runtime.cluster import use_cluster_auth
+        from runtime.train.driver import train
+
+        use_cluster_auth()
+        cfg = self._train_config()
+        outcome = train(cfg, self.train_name, show_progress=False)
+        if outcome.error:
+            raise RuntimeError(f"training {outcome.run_name} failed: {outcome.error}")
+        self.best_config = cfg.model_dump(mode="json")
+        self.run_dir, self.checkpoint_uri = outcome.run_dir, outcome.checkpoint_uri
+        self.outcome = {k: v for k, v in outcome.metrics.items() if isinstance(v, (int, float, str))}
+        self.mlflow_run_id, self.tracking_gap = outcome.mlflow_run_id, outcome.tracking_gap
+        current.card["training"].append(Markdown(f"## Training {outcome.run_name}"))
+        for plot in outcome.plots:
+            with open(plot, "rb") as f:
+                current.card["training"].append(Image(f.read(), label="training curves"))
+        self.next(self.evaluate)
+
+    @step
+    def evaluate(self) -> None:
+        """Held-out metrics of the final checkpoint."""
+        from runtime.config import JobConfig
+        from runtime.models.evaluate import evaluate_checkpoint
+
+        self.metrics = evaluate_checkpoint(self.checkpoint_uri, JobConfig.model_validate(self.best_config))
+        print("  ".join(f"{k} {v:.4f}" for k, v in self.metrics.items()))
+        self.next(self.register)
+
+    @step
+    def register(self) -> None:
+        """A new registry version (run's final metrics and this evaluation as tags); promoted if better."""
+        from pathlib import Path
+
+        from runtime.observe.registry import PromotionRefused, promote
+        from runtime.observe.tracking import SyncState, register_run
+        from runtime.train.export import save_final_model
+
+        version, run_id = register_run(Path(self.run_dir), self.registered_name, save_final_model, self.metrics)
+        state = SyncState.load(Path(self.run_dir))
+        assert state is not None
+        self.registry_uri, self.version, self.mlflow_run_id = state.uri, version, run_id
+        try:
+            p = promote(state.uri, self.registered_name, version, alias=self.alias, metric=self.promote_metric)
+            self.promoted, self.promotion = True, p.reason
+        except PromotionRefused as e:
+            self.promoted, self.promotion = False, str(e)
+        print(f"{self.registered_name} version {version}: "
+              + (f"@{self.alias} ({self.promotion})" if self.promoted else self.promotion))
+        self.next(self.end)
+
+    @step
+    def end(self) -> None:
+        """Where the model is and how to load it."""
+        print(f"models:/{self.registered_name}/{self.version} at {self.registry_uri}"
+              + (f" is @{self.alias}" if self.promoted else ""))
+
+    def _job(self) -> Any:
+        import os
+
+        from runtime.config import load_job
+
+        return load_job(self.job, shlex.split(self.overrides), environ=os.environ)
+
+    def _train_config(self) -> Any:
+        """The job without its search, the best trial's values applied, trained ``train_steps``."""
+        from runtime.tune.config import apply_params
+
+        base = self._job().model_dump(mode="json")
+        base["tune"] = None
+        steps = self.train_steps or 3 * base["train"]["max_steps"]
+        return apply_params(base, {**self.best_params, "train.max_steps": steps})
+
+
+def _cell(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":
+    TrainFlow()
