@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cluster.connect import job_env
+from runtime.cluster.gcs_watchdog import GCS_FILE, group_members, read_gcs_pid, running
 from runtime.cluster.processes import (
     alive,
     descendants,
@@ -61,8 +62,11 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
     if redis:
         ft_env = {"RAY_REDIS_ADDRESS": redis["address"],
                   "RAY_external_storage_namespace": f"rt-{ray_temp_dir(cluster_dir).rsplit('-', 1)[1]}"}
+    # With GCS fault tolerance the head runs detached and a watchdog restarts a dead GCS: `--block`
+    # would stop the whole head node (its raylet and the workers on it) when the GCS dies.
     cmd = [
-        venv_bin("ray"), "start", "--head", "--block", f"--node-ip-address={host}", f"--port={port('ray')}",
+        venv_bin("ray"), "start", "--head", *([] if redis else ["--block"]), f"--node-ip-address={host}",
+        f"--port={port('ray')}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={port('dashboard')}", "--include-dashboard=true",
         f"--metrics-export-port={port('ray_metrics')}", "--disable-usage-stats",
         # The Jobs API needs the head's dashboard agent; on Ray's fixed default port a second cluster
@@ -76,10 +80,26 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
         cmd.append(f"--redis-password={Path(redis['password_file']).read_text().strip()}")
     log = cluster_dir / "logs" / "ray.log"
     pid = spawn(cmd, log, env={**NODE_ENV, **auth, **job_env(), **NODE_HEALTH_ENV, **ft_env})
-    wait_until(lambda: port_open(host, port("ray")) and alive(pid), "Ray head", 180, log)
-    return {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",
-            "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"],
-            "gcs_ft": bool(redis)}
+    out = {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",
+           "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"],
+           "gcs_ft": bool(redis)}
+    if not redis:
+        wait_until(lambda: port_open(host, port("ray")) and alive(pid), "Ray head", 180, log)
+        return out
+    # Detached: `ray start` exits once the head runs; its processes keep its process group (pid).
+    wait_until(lambda: port_open(host, port("ray")) and not running(pid), "Ray head", 180, log)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    if not group_members(pid, "raylet"):
+        raise ClusterError(f"the Ray head exited during start-up; see {log}")
+    (cluster_dir / GCS_FILE).unlink(missing_ok=True)
+    import sys
+
+    out["watchdog_pid"] = spawn([sys.executable, "-m", "runtime.cluster.gcs_watchdog", str(cluster_dir), str(pid)],
+                                cluster_dir / "logs" / "gcs_watchdog.log")
+    wait_until(lambda: read_gcs_pid(cluster_dir) is not None, "the GCS watchdog", 60,
+               cluster_dir / "logs" / "gcs_watchdog.log")
+    return out
 
 
 def gcs_ft_requested() -> bool:
@@ -95,58 +115,82 @@ def _comm(pid: int) -> str:
 
 
 def gcs_pid(cdir: Path | None = None) -> int | None:
-    """The pid of the local head's GCS (``gcs_server``): the one ``ray start`` runs, or the one
-    :func:`restart_gcs` started in its place."""
-    state = load_state(cdir or default_cluster_dir())
-    ray_state = state.get("ray") or {}
-    restarted = ray_state.get("gcs_pid")
-    if restarted and alive(int(restarted)) and _comm(int(restarted)) == "gcs_server":
-        return int(restarted)
+    """The pid of the local head's GCS (``gcs_server``): ``ray start``'s, or with GCS fault
+    tolerance the one the watchdog started last (``gcs.json``)."""
+    cluster_dir = cdir or default_cluster_dir()
+    ray_state = load_state(cluster_dir).get("ray") or {}
     if not ray_state.get("pid"):
         return None
-    return next((p for p in descendants(int(ray_state["pid"])) if _comm(p) == "gcs_server"), None)
+    head = int(ray_state["pid"])
+    if ray_state.get("gcs_ft"):
+        pid = read_gcs_pid(cluster_dir)
+        if pid is not None and running(pid):
+            return pid
+        return next(iter(group_members(head, "gcs_server")), None)
+    return next((p for p in descendants(head) if _comm(p) == "gcs_server"), None)
 
 
-def restart_gcs(cdir: Path | None = None, down_s: float = 0.0) -> int:
-    """Restart the local head's GCS as a supervisor would: stop ``gcs_server`` (SIGTERM), leave the
-    cluster without it for ``down_s`` seconds, start it again with the same command line and
-    environment; returns the new pid (``down`` stops it with the head).
-
-    SIGTERM, because ``ray start --block`` takes any other exit of a child for a crash and stops the
-    whole head node (raylet, dashboard, the workers on it): that is a head restart, not a GCS one.
-    Whether the cluster rides it out depends on GCS fault tolerance (docs/operations.md): without
-    Redis the new GCS starts empty and every raylet that reconnects to it exits.
-    """
+def restart_gcs(cdir: Path | None = None, sig: int = signal.SIGKILL, timeout: float = 120) -> int:
+    """Kill the local head's GCS with ``sig`` (SIGKILL: a crash) and wait until one answers again;
+    returns the new pid. Only with GCS fault tolerance, where the watchdog starts it again and the
+    cluster rides it out. Without it there is nothing to restart the GCS into: ``ray start --block``
+    stops the whole head node, as does a new, empty GCS (docs/operations.md)."""
     import time
 
     cluster_dir = cdir or default_cluster_dir()
-    pid = gcs_pid(cluster_dir)
-    if pid is None:
+    if not (load_state(cluster_dir).get("ray") or {}).get("gcs_ft"):
+        raise ClusterError("restart_gcs needs GCS fault tolerance: `make cluster-up GCS_FT=1`")
+    old = gcs_pid(cluster_dir)
+    if old is None:
         raise ClusterError(f"no GCS running for the cluster in {cluster_dir}")
-    proc = Path("/proc") / str(pid)
-    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
-    environ = dict(kv.decode().split("=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
-    cwd = os.readlink(proc / "cwd")
-    # Ray 2.60's GCS stops serving at once but may then hang flushing its event recorder (measured:
-    # still there 90 s later). It is ``ray start``'s child, in the head's process group: `down` ends
-    # it with the head. Any other signal would make ``ray start --block`` stop the whole head node.
-    os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: not port_open("127.0.0.1", port("ray")) or not alive(pid), "the GCS to stop", 60)
-    time.sleep(down_s)
-    log = cluster_dir / "logs" / "gcs_server-restarted.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    import subprocess
+    os.kill(old, sig)
+    if sig != signal.SIGKILL:
+        # Ray 2.60's GCS stops serving at once on SIGTERM but may then hang flushing its event
+        # recorder (measured: still there 80 s later): finish it once its port is closed.
+        wait_until(lambda: not port_open("127.0.0.1", port("ray")) or not running(old), "the GCS to stop", 60)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    log = cluster_dir / "logs" / "gcs_watchdog.log"
+    wait_until(lambda: read_gcs_pid(cluster_dir) not in (None, old), "the watchdog to restart the GCS",
+               max(1.0, deadline - time.monotonic()), log)
+    wait_until(lambda: port_open("127.0.0.1", port("ray")), "the restarted GCS", max(1.0, deadline - time.monotonic()),
+               cluster_dir / "logs" / "gcs_server-restarted.log")
+    return int(read_gcs_pid(cluster_dir) or 0)
 
-    with log.open("ab") as out:
-        new = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,  # noqa: S603
-                               start_new_session=True, env=environ, cwd=cwd).pid
-    state = load_state(cluster_dir)
-    state["ray"]["gcs_pid"] = new
-    save_state(state, cluster_dir)
-    wait_until(lambda: port_open("127.0.0.1", port("ray")) or not alive(new), "the restarted GCS", 60, log)
-    if not alive(new):
-        raise ClusterError(f"the restarted GCS exited; see {log}")
-    return new
+
+def _stop_detached_head(cluster_dir: Path, ray_state: dict[str, Any]) -> None:
+    """A detached head (GCS fault tolerance): the watchdog first (else it restarts the GCS), then
+    the head's process group and the GCS it started, then whatever still runs from this cluster's
+    Ray folder (workers run in sessions of their own)."""
+    import time
+
+    if ray_state.get("watchdog_pid"):
+        kill(int(ray_state["watchdog_pid"]), timeout=10)
+    head = int(ray_state["pid"])
+    doomed = set(group_members(head))
+    gcs = read_gcs_pid(cluster_dir)
+    if gcs is not None and running(gcs):
+        doomed.add(gcs)
+    for pid in doomed:  # SIGKILL for the GCS: on SIGTERM it may hang for a minute (see restart_gcs)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL if _comm(pid) == "gcs_server" else signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(running(p) for p in doomed):
+        time.sleep(0.2)
+    marker = ray_temp_dir(cluster_dir).encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        pid = int(proc.name)
+        try:
+            ours = pid in doomed or os.getpgid(pid) == head or marker in (proc / "cmdline").read_bytes()
+        except (OSError, ProcessLookupError):
+            continue
+        if ours and pid != os.getpid() and running(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    (cluster_dir / GCS_FILE).unlink(missing_ok=True)
 
 
 # Every local raylet: no usage reporting, and no drain on SIGTERM. Ray 2.60 drains a node for up
@@ -329,12 +373,12 @@ def down(cdir: Path | None = None) -> list[str]:
     for name in ("prometheus", "node_exporter", "mlflow", "ray", "redis"):
         svc = state.get(name)
         if svc and svc.get("pid"):
-            kill(int(svc["pid"]), timeout=60 if name == "ray" else 20, group=name != "ray")
-            kill_group_leftovers(int(svc["pid"]))
+            if name == "ray" and svc.get("gcs_ft"):
+                _stop_detached_head(cluster_dir, svc)
+            else:
+                kill(int(svc["pid"]), timeout=60 if name == "ray" else 20, group=name != "ray")
+                kill_group_leftovers(int(svc["pid"]))
             stopped.append(name)
-        if name == "ray" and svc and svc.get("gcs_pid"):  # a GCS restart_gcs started in place of Ray's
-            kill(int(svc["gcs_pid"]), timeout=30)
-            kill_group_leftovers(int(svc["gcs_pid"]))
     (cluster_dir / STATE_FILE).unlink(missing_ok=True)
     return stopped
 
