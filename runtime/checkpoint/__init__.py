@@ -3,6 +3,8 @@
 ``CheckpointManager`` snapshots state on the training thread, writes it in one
 background thread, commits with a manifest of sha256 hashes written last, and on
 restore skips any folder that does not verify. Files load with ``weights_only=True``.
+``CheckpointReader`` lists, verifies and loads without writing; the manager is the writer
+(and a reader: rotation and a resume verify what it wrote).
 Under FSDP every rank writes its own shards (``save_sharded``, the ``sharded`` module);
 both writers share the format and commit protocol of the ``format`` module.
 """
@@ -16,6 +18,7 @@ from runtime.checkpoint.manager import (
     step_name,
     write_pointer,
 )
+from runtime.checkpoint.reader import CheckpointReader
 from runtime.checkpoint.s3 import S3Storage
 from runtime.checkpoint.state import capture_rng_state, restore_rng_state, snapshot_to_cpu
 from runtime.checkpoint.storage import CheckpointError, LocalStorage, Storage
@@ -24,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMetrics",
+    "CheckpointReader",
     "CheckpointRef",
     "LocalStorage",
     "S3Storage",

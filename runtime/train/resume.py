@@ -1,7 +1,7 @@
 """The checkpoint payload a rank writes, and restoring the newest one that verifies.
 
 Unit-testable without Ray: the functions take the model, optimizer, scheduler and a
-CheckpointManager, not the trainer.
+CheckpointReader (or for a new run the CheckpointManager), not the trainer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from runtime.config import JobConfig
 from runtime.train.setup import prime_momentum
 
 if TYPE_CHECKING:
-    from runtime.checkpoint import CheckpointManager, CheckpointRef
+    from runtime.checkpoint import CheckpointManager, CheckpointReader, CheckpointRef
     from runtime.observe.metrics import WorkerMetrics
     from runtime.run import RunInfo
 
@@ -132,8 +132,8 @@ def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: 
     return TrainerState(**{k: int(v) for k, v in payload["trainer"].items()})
 
 
-def load_sharded_payload(manager: CheckpointManager, ref: CheckpointRef, manifest: dict[str, Any], t: Trainables, rank: int,
-                         world: int) -> dict[str, Any]:
+def load_sharded_payload(reader: CheckpointReader, ref: CheckpointRef, manifest: dict[str, Any], t: Trainables,
+                         rank: int, world: int) -> dict[str, Any]:
     """Every rank, together: this run's shards of a sharded checkpoint (DCP reshards from the
     world size that wrote it), as a payload for ``apply_payload(full=False)``.
 
@@ -161,7 +161,7 @@ def load_sharded_payload(manager: CheckpointManager, ref: CheckpointRef, manifes
         target["rng"] = {str(rank): capture_rng_state()}
     if t.scaler is not None and "scaler" in manifest.get("keys", []):
         target["scaler"] = t.scaler.state_dict()
-    manager.load_sharded(ref, target)
+    reader.load_sharded(ref, target)
     return target
 
 
@@ -187,7 +187,7 @@ def apply_config_hyperparameters(cfg: JobConfig, optimizer: torch.optim.Optimize
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() returns
 
 
-def restore_latest(manager: CheckpointManager, t: Trainables, cfg: JobConfig, rank: int, world: int,
+def restore_latest(reader: CheckpointReader, t: Trainables, cfg: JobConfig, rank: int, world: int,
                    ray_pointer_step: int | None, sharded: bool = False) -> tuple[TrainerState | None, dict[str, Any]]:
     """Resume from the newest checkpoint that verifies, even if Ray's registry is behind.
 
@@ -197,10 +197,10 @@ def restore_latest(manager: CheckpointManager, t: Trainables, cfg: JobConfig, ra
     report: warnings about skipped checkpoints, the step resumed from).
     """
     if sharded:
-        ref, loaded, warnings = manager.first_loadable(lambda r: _load_for_fsdp(manager, r, t, rank, world))
+        ref, loaded, warnings = reader.first_loadable(lambda r: _load_for_fsdp(reader, r, t, rank, world))
         payload, full = loaded if loaded is not None else (None, True)
     else:
-        ref, payload, warnings = manager.load_latest()
+        ref, payload, warnings = reader.load_latest()
         full = True
     for w in warnings:
         log.warning("rank %d: %s", rank, w)
@@ -216,7 +216,7 @@ def restore_latest(manager: CheckpointManager, t: Trainables, cfg: JobConfig, ra
     return state, info
 
 
-def _load_for_fsdp(manager: CheckpointManager, ref: CheckpointRef, t: Trainables, rank: int,
+def _load_for_fsdp(reader: CheckpointReader, ref: CheckpointRef, t: Trainables, rank: int,
                    world: int) -> tuple[dict[str, Any], bool]:
     """(payload, payload is full) of ``ref`` for an FSDP run: this rank's shards of a sharded
     checkpoint, a full one read whole; raises CheckpointError when it does not verify or load.
@@ -224,10 +224,10 @@ def _load_for_fsdp(manager: CheckpointManager, ref: CheckpointRef, t: Trainables
     Every rank verifies the same files and so skips the same folders; ``dcp.load`` itself
     shares any rank's read error with all ranks, so they never part ways on a collective.
     """
-    manifest = manager.manifest(ref)
+    manifest = reader.manifest(ref)
     if manifest["kind"] == "dcp":
-        return load_sharded_payload(manager, ref, manifest, t, rank, world), False
-    return manager.load(ref), True
+        return load_sharded_payload(reader, ref, manifest, t, rank, world), False
+    return reader.load(ref), True
 
 
 def build_checkpointer(cfg: JobConfig, run: RunInfo, gauges: WorkerMetrics | None) -> CheckpointManager | None:
