@@ -1,17 +1,10 @@
 """Verified, asynchronous checkpoints: snapshot on the training thread, write in the background.
 
-Layout under the storage root::
-
-    step_000000100/
-        model.pt optimizer.pt ... one torch.save file per top-level state key
-        meta.json                 step, world size, versions, config + hash, timestamps
-        manifest.json             sha256 + size of every file; written LAST = the commit
-
-A folder without a valid manifest is never loaded: the reader (``reader.CheckpointReader``, the
-manager's base) skips it with a warning naming the file and the reason, and falls back to the
-previous valid one.
-The format and the commit protocol live in ``format``; sharded (FSDP) saves write the same
-layout through ``sharded.ShardedWriter``, which commits through ``commit`` here.
+The writer. The folder layout (``step_<n>/``: one ``torch.save`` file per top-level state key,
+``meta.json``, and ``manifest.json`` written last = the commit) and the commit protocol live
+in ``format``; sharded (FSDP) saves write the same layout through ``sharded.ShardedWriter``,
+which commits through ``commit`` here. Reading, and skipping a folder that does not verify,
+is the base class's (``reader.CheckpointReader``).
 """
 
 from __future__ import annotations
