@@ -53,8 +53,9 @@ class RayDrainer:
         host, _, port = address.partition(":")
         return [n for n in self.nodes() if n.alive and n.address == host and (not port or n.metrics_port == int(port))]
 
-    def drain(self, address: str) -> str:
-        """Ask Ray to drain the node; wait (up to wait_s) until it has left. "not_alive": nothing to drain."""
+    def drain(self, address: str, deadline_s: int | None = None) -> str:
+        """Ask Ray to drain the node within `deadline_s` (default: the configured one); wait (up to
+        wait_s) until it has left. "not_alive": nothing to drain."""
         from ray._raylet import GcsClient  # type: ignore[attr-defined]
         from ray.core.generated import autoscaler_pb2
 
@@ -67,7 +68,7 @@ class RayDrainer:
         if node.head:
             raise DrainRefused(f"{address} is the Ray head: never drained")
         preemption = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
-        deadline_ms = time.time_ns() // 1_000_000 + self.deadline_s * 1000
+        deadline_ms = time.time_ns() // 1_000_000 + (self.deadline_s if deadline_s is None else deadline_s) * 1000
         accepted, why = GcsClient(address=self.gcs_address).drain_node(
             node.node_id, preemption,
             "remediation service: node failing, replacing it", deadline_ms)

@@ -1,0 +1,88 @@
+"""python -m ops.remediation.spot --gcs-address HEAD:6379 --node-address IP: drain this node on a spot notice.
+
+EC2 posts an interruption notice two minutes before it reclaims a spot instance, at
+`spot/instance-action` of the instance metadata service (IMDSv2: a session token first, then
+the GET; 404 until there is a notice). This agent polls it and, on a notice, asks Ray to drain
+this node with the notice's time as the deadline: an elastic run checkpoints and continues on
+the other workers, and the node's loss no longer surprises anyone. The replacement follows
+from the alert the lost node raises (the remediation service on the head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from datetime import datetime, timezone
+from urllib.error import HTTPError
+from urllib.request import Request, urlopen
+
+from .actions import RayDrainer
+
+LOG = logging.getLogger("remediation.spot")
+IMDS = "http://169.254.169.254"
+TOKEN_TTL_S = 21600  # IMDSv2 session tokens live up to 6 h; one is fetched per poll anyway
+HTTP_TIMEOUT_S = 2.0  # IMDS answers in milliseconds; a stuck call must not hide a notice
+
+
+def instance_action(imds: str) -> dict[str, str] | None:
+    """The pending notice ({"action": "terminate"|"stop"|"hibernate", "time": ISO 8601}), or None."""
+    if not imds.startswith(("http://", "https://")):
+        raise ValueError(f"--imds must be an http(s) URL, got {imds!r}")
+    token_req = Request(f"{imds}/latest/api/token", method="PUT",  # noqa: S310  (http(s) checked above)
+                        headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
+    with urlopen(token_req, timeout=HTTP_TIMEOUT_S) as reply:  # noqa: S310
+        token = reply.read().decode()
+    req = Request(f"{imds}/latest/meta-data/spot/instance-action",  # noqa: S310
+                  headers={"X-aws-ec2-metadata-token": token})
+    try:
+        with urlopen(req, timeout=HTTP_TIMEOUT_S) as reply:  # noqa: S310
+            notice: dict[str, str] = json.loads(reply.read())
+            return notice
+    except HTTPError as err:
+        if err.code == 404:
+            return None
+        raise
+
+
+def seconds_left(notice: dict[str, str], now: float) -> int:
+    """Whole seconds from `now` to the notice's time (0 once passed)."""
+    when = datetime.fromisoformat(notice["time"].replace("Z", "+00:00")).astimezone(timezone.utc)
+    return max(0, int(when.timestamp() - now))
+
+
+def watch(imds: str, drainer: RayDrainer, node_address: str, interval_s: float) -> str:
+    """Poll until a notice comes, then drain this node by its deadline; returns the drain's result."""
+    while True:
+        try:
+            notice = instance_action(imds)
+        except OSError as err:  # IMDS briefly unreachable: keep polling, say so once per poll
+            LOG.warning(json.dumps({"event": "imds_error", "error": str(err)}))
+            notice = None
+        if notice is not None:
+            left = seconds_left(notice, time.time())
+            LOG.info(json.dumps({"event": "spot_notice", "notice": notice, "seconds_left": left}))
+            result = drainer.drain(node_address, deadline_s=left)
+            LOG.info(json.dumps({"event": "action", "action": "drain", "result": result, "node": node_address}))
+            return result
+        time.sleep(interval_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.remediation.spot", description=__doc__.splitlines()[0])
+    parser.add_argument("--gcs-address", required=True, help="host:port of the Ray head's GCS")
+    parser.add_argument("--node-address", required=True, help="this node's Ray address (IP, or IP:metrics port)")
+    parser.add_argument("--imds", default=IMDS, help="instance metadata service base URL")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between polls (AWS suggests 5)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    # Wait for the node to leave only briefly: the instance is going away regardless.
+    drainer = RayDrainer(args.gcs_address, deadline_s=120, wait_s=0)
+    watch(args.imds, drainer, args.node_address, args.interval)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

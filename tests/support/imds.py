@@ -1,0 +1,55 @@
+"""A local stand-in for the EC2 instance metadata service's IMDSv2 protocol, spot notice path only.
+
+PUT /latest/api/token (with a TTL header) returns a token; GET .../spot/instance-action needs it
+(401 without), answers 404 until the test posts a notice, then the notice's JSON, as EC2 does.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+TOKEN = "AQAEAtest-token=="  # noqa: S105  (a fake IMDS session token)
+
+
+class FakeImds:
+    def __init__(self) -> None:
+        self.notice: dict[str, str] | None = None
+        self.requests: list[tuple[str, str]] = []
+        imds = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                imds.requests.append(("PUT", self.path))
+                if self.path != "/latest/api/token" or not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    return self._send(400, b"")
+                self._send(200, TOKEN.encode())
+
+            def do_GET(self) -> None:
+                imds.requests.append(("GET", self.path))
+                if self.headers.get("X-aws-ec2-metadata-token") != TOKEN:
+                    return self._send(401, b"")
+                if self.path != "/latest/meta-data/spot/instance-action" or imds.notice is None:
+                    return self._send(404, b"")
+                self._send(200, json.dumps(imds.notice).encode())
+
+            def _send(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
