@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from runtime.cluster import ray_temp_dir
+from runtime.cluster.gcs_watchdog import running
 from runtime.cluster.services import redis_bin
 from tests.support import ROOT
 from tests.support.cluster import committed_steps, own_cluster_env
@@ -63,8 +66,22 @@ def ft_cluster(tmp_path: Path) -> Iterator[dict[str, str]]:
         assert state["ray"]["gcs_ft"] and state["redis"]["pid"], state
         yield {**env, "RAY_ADDRESS": state["ray"]["address"]}
     finally:
-        subprocess.run([sys.executable, "-m", "runtime", "cluster", "down"], cwd=ROOT, env=env,
-                       capture_output=True, timeout=240)
+        down = subprocess.run([sys.executable, "-m", "runtime", "cluster", "down"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+    assert down.returncode == 0, down.stdout[-2000:] + down.stderr[-2000:]
+    # The detached head, the GCS the watchdog started, the watchdog and Redis: all gone.
+    leftovers = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and running(int(p.name))
+                 and mentions(p, (str(cdir).encode(), ray_temp_dir(cdir).encode()))]
+    assert not leftovers, leftovers
+    shutil.rmtree(cdir, ignore_errors=True)
+
+
+def mentions(proc: Path, needles: tuple[bytes, ...]) -> bool:
+    try:
+        cmd = (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(n in cmd for n in needles)
 
 
 def test_gcs_killed_mid_run_with_redis_ft_is_restarted_and_the_run_loses_no_steps(
