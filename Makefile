@@ -119,7 +119,7 @@ cluster-ready:
 	@if [ -z "$$RAY_ADDRESS" ]; then $(MAKE) --no-print-directory cluster-up; fi
 
 .PHONY: cluster-up
-cluster-up: ## Start the cluster: local Ray head + MLflow + Prometheus (NODES=3: 2 more raylets here; CLOUD=aws: Terraform + Ansible).
+cluster-up: ## Start the cluster: local Ray head + MLflow + Prometheus (NODES=3: 2 more raylets here; GCS_FT=1: the GCS survives a crash, via Redis; CLOUD=aws: Terraform + Ansible).
 ifeq ($(CLOUD),local)
 	@$(MAKE) --no-print-directory setup prometheus-tools
 	$(PY) -m runtime cluster up $(if $(NUM_CPUS),--num-cpus $(NUM_CPUS)) $(if $(NODES),--nodes $(NODES))
