@@ -466,6 +466,10 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 # would cost minutes: both roles are linted and spec-checked, not applied here.
                 "grafana_enabled": False,
                 "mlflow_enabled": False,
+                # The remediation service (issue 29) is tested against a real Prometheus,
+                # Alertmanager and Ray cluster (tests/integration/test_remediation.py) but has not
+                # yet run on these hosts: off here until the end-to-end lab scenarios land.
+                "remediation_enabled": False,
                 # What an operator keeps in a vault.
                 "prometheus_web_password": lab_secret(lab, "prometheus"),
                 "alertmanager_web_password": lab_secret(lab, "alertmanager"),
