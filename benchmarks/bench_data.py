@@ -7,7 +7,7 @@ generated once into benchmarks/results/data_cache/ (nothing can be downloaded he
 Variants, interleaved (bare, folder, shards, bare, ...) over the same files, one process each pass:
 - bare: Pillow open + full decode + RandomResizedCrop(224) box + resize + flip + numpy uint8 per file;
   the loop the issue set as the reference (~580 images/s per core measured before).
-- folder: ``build_loaders(data.source=imagefolder, loader_workers=0)`` iterating uint8 batches of 64:
+- folder: ``file_loaders(data.source=imagefolder, loader_workers=0)`` iterating uint8 batches of 64:
   decode (draft mode), crop, flip, collation, skip accounting: everything a rank's loader does.
 - shards: the same through ``data.source=shards`` (tar reading and the shuffle buffer on top).
 Rates are images per CPU-second of the process (``time.process_time``): a per-core figure that the
@@ -121,7 +121,7 @@ def run(results_dir: Path) -> dict[str, Any]:
     import torch
 
     from runtime.config import DataConfig
-    from runtime.data import build_loaders
+    from runtime.data import file_loaders
     from runtime.data.shards import pack
 
     cache = results_dir / "data_cache"
@@ -131,8 +131,8 @@ def run(results_dir: Path) -> dict[str, Any]:
         pack(cache / "folder", shards, shard_size=250)
     files = sorted((cache / "folder" / "train").rglob("*.JPEG"))
     common = {"image_size": SIZE, "batch_size": 64, "loader_workers": 0, "decode": "cpu"}
-    folder = build_loaders(DataConfig(source="imagefolder", path=str(cache / "folder"), **common), 1, 0, False)
-    sharded = build_loaders(DataConfig(source="shards", path=str(shards), shuffle_buffer=500, **common), 1, 0,
+    folder = file_loaders(DataConfig(source="imagefolder", path=str(cache / "folder"), **common), 1, 0, False)
+    sharded = file_loaders(DataConfig(source="shards", path=str(shards), shuffle_buffer=500, **common), 1, 0,
                             False)
     samples: dict[str, list[tuple[float, float, int]]] = {"bare": [], "folder": [], "shards": []}
     pick = random.Random(1)

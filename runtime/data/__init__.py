@@ -4,10 +4,11 @@ Sources: CIFAR-10 python batches, scikit-learn's digits (in memory, builtin.py);
 ImageFolder tree decoded with Pillow or on the GPU (images.py, gpu.py); WebDataset-layout
 tar shards from a folder or S3 (shards.py). Every loader resumes mid-epoch (loaders.py);
 image sources yield uint8 and the device normalises. Synthetic images and tokens are made
-on the training device (runtime.train.device_input, runtime.train.tokens).
+on the training device (synthetic.py, tokens.py). ``build_loaders`` (sources.py) opens any
+of them by name.
 """
 
-from runtime.data.base import DataBundle, EpochLoader, Loaders
+from runtime.data.base import DataBundle, EpochLoader, Loaders, Stage
 from runtime.data.builtin import (
     AugmentedTensors,
     digits_arrays,
@@ -15,9 +16,11 @@ from runtime.data.builtin import (
     write_tiny_cifar10,
 )
 from runtime.data.images import IMAGENET_MEAN, IMAGENET_STD
-from runtime.data.loaders import ResumableSampler, build_datasets, build_loaders
+from runtime.data.loaders import ResumableSampler, build_datasets, file_loaders
+from runtime.data.sources import DEVICE_RESIDENT, build_loaders
 
 __all__ = [
+    "DEVICE_RESIDENT",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "AugmentedTensors",
@@ -25,9 +28,11 @@ __all__ = [
     "EpochLoader",
     "Loaders",
     "ResumableSampler",
+    "Stage",
     "build_datasets",
     "build_loaders",
     "digits_arrays",
+    "file_loaders",
     "write_digits_imagefolder",
     "write_tiny_cifar10",
 ]

@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 import torch
 
+Stage = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]  # host batch -> (x, y) on the device
+
 
 @dataclass
 class DataBundle:

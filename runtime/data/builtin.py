@@ -134,14 +134,14 @@ def build_builtin(cfg: DataConfig) -> DataBundle:
     """The in-memory sources read from files (cifar10, digits).
 
     Synthetic images and tokens are made on the training device instead
-    (runtime.train.device_input, runtime.train.tokens).
+    (runtime.data.synthetic, runtime.data.tokens).
     """
     if cfg.source == "cifar10":
         return _cifar10(cfg)
     if cfg.source == "digits":
         return _digits(cfg)
     raise ConfigError(f"data.source={cfg.source} is made on the training device, not loaded from files "
-                      "(runtime.train.device_input / runtime.train.tokens)")
+                      "(runtime.data.synthetic / runtime.data.tokens)")
 
 
 def write_digits_imagefolder(root: Path, pixels: int = 32, quality: int = 90) -> Path:

@@ -103,16 +103,17 @@ def _imagefolder(cfg: DataConfig, gpu: bool) -> tuple[DataBundle, Any]:
 
 
 def build_datasets(cfg: DataConfig) -> DataBundle:
-    """The map-style data sets of a source (not shards: those are streamed, see build_loaders)."""
+    """The map-style data sets of a source (not shards: those are streamed, see file_loaders)."""
     if cfg.source == "imagefolder":
         return _imagefolder(cfg, gpu=False)[0]
     if cfg.source == "shards":
-        raise ConfigError("data.source=shards is streamed: use build_loaders")
+        raise ConfigError("data.source=shards is streamed: use file_loaders")
     return build_builtin(cfg)
 
 
-def build_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
-    """Each rank reads its own part of the data; batches stay on the host (pinned on GPU)."""
+def file_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
+    """Sources read from files (cifar10, digits, imagefolder, shards): each rank reads its own
+    part of the data; batches stay on the host (pinned on GPU)."""
     if cfg.source == "shards":
         from runtime.data.shards import build_shard_loaders
 

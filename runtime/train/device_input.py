@@ -6,8 +6,6 @@ already fetched ahead. ``DevicePrefetcher`` stages the next batches in a produce
 its own CUDA stream while batch N computes (pinned host memory, ``non_blocking``, an event
 per batch, ``record_stream``); uint8 images cross the bus as uint8 and are normalised on the
 device. On CPU the same code runs, threads included, with the copies as no-ops.
-``SyntheticLoader`` makes synthetic data once on the device, as a bare benchmark does, so
-synthetic throughput measures the model and the runtime.
 """
 
 from __future__ import annotations
@@ -16,14 +14,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from runtime.config import DataConfig
-from runtime.data import DataBundle, EpochLoader, Loaders
+from runtime.data import DataBundle, EpochLoader
+from runtime.data.base import Stage
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +33,6 @@ class Position:
     epoch: int
     index: int  # 0-based batch index within the epoch
     last: bool  # the epoch's last full batch
-
-
-Stage = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]  # host batch -> (x, y) on the device
 
 
 def host_batches(loader: EpochLoader, batches_per_epoch: int, epoch: int, index: int) -> Iterator[tuple[Any, Position]]:
@@ -242,91 +237,3 @@ class DevicePrefetcher:
             self._queue.get_nowait()  # a batch put just before the stop: free its memory now
         if self._thread.is_alive():
             log.warning("data: the prefetch thread did not stop within %.0f s (stuck in a stage?)", self.JOIN_S)
-
-
-class SyntheticLoader:
-    """Index batches for synthetic data: the images themselves live on the device (see synthetic_loaders).
-
-    Each epoch is a seeded permutation of the sample ids, split evenly over the ranks
-    (drop-last, as DistributedSampler does), so sharding and resume behave as for real data.
-    """
-
-    skipped = 0  # made, never read from files: nothing to skip
-
-    def __init__(self, n: int, world: int, rank: int, batch_size: int, seed: int, shuffle: bool, pin: bool) -> None:
-        self.n, self.world, self.rank, self.batch_size = n, world, rank, batch_size
-        self.seed, self.shuffle, self.pin = seed, shuffle, pin
-        self.per_rank = n // world if shuffle else -(-n // world)
-        self.epoch, self.start = 0, 0
-
-    def set_position(self, epoch: int, batch_index: int) -> None:
-        self.epoch, self.start = epoch, batch_index
-
-    def _ids(self) -> torch.Tensor:
-        if self.shuffle:
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-            return order[: self.per_rank * self.world][self.rank :: self.world]
-        # Evaluation: padded by wrapping around, so every rank runs the same number of batches.
-        return (torch.arange(self.per_rank * self.world) % self.n)[self.rank :: self.world]
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        ids = self._ids()
-        full = len(ids) // self.batch_size if self.shuffle else -(-len(ids) // self.batch_size)
-        start, self.start = self.start, 0
-        for b in range(start, full):
-            chunk = ids[b * self.batch_size : (b + 1) * self.batch_size].clone()
-            yield (chunk.pin_memory() if self.pin else chunk), chunk
-
-
-class SyntheticPool:
-    """Images made once on the device: a class template plus noise, sample i = entry i mod P.
-
-    P holds at least two batches and at most ``budget_bytes`` of images (all samples if they
-    fit), so memory stays within a batch or two of a bare loop's one pre-made batch. Class
-    templates are made ``TEMPLATE_CHUNK`` classes at a time (1,000 classes at 224x224 would be
-    600 MB at once), each chunk from its own seed, so every split shares them.
-    """
-
-    TEMPLATE_CHUNK = 64
-
-    def __init__(self, n: int, num_classes: int, image_size: int, seed: int, split: int, device: torch.device,
-                 batch_size: int, budget_bytes: int = 64 << 20) -> None:
-        per_sample = 3 * image_size * image_size * 4
-        self.size = max(1, min(n, max(2 * batch_size, budget_bytes // per_sample)))
-        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + split + 1)  # this split's own
-        self.labels = torch.randint(num_classes, (self.size,), generator=g, device=device)
-        self.images = 1.5 * torch.randn(self.size, 3, image_size, image_size, generator=g, device=device)
-        for first in range(0, num_classes, self.TEMPLATE_CHUNK):
-            count = min(self.TEMPLATE_CHUNK, num_classes - first)
-            g.manual_seed(seed * 7_919 + first)  # the templates: shared by every split
-            templates = torch.randn(count, 3, image_size, image_size, generator=g, device=device)
-            rows = ((self.labels >= first) & (self.labels < first + count)).nonzero().squeeze(1)  # set-up: syncs
-            self.images[rows] += templates[self.labels[rows] - first]
-        # Kept NHWC: a gathered batch viewed as NCHW is then channels_last as it is, with no
-        # conversion copy per step (a contiguous-format model gets one copy in make_stage).
-        self.images = self.images.permute(0, 2, 3, 1).contiguous()
-
-    def stage(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, _ = batch
-        slot = ids.to(self.images.device, non_blocking=True) % self.size
-        return self.images[slot].permute(0, 3, 1, 2), self.labels[slot]
-
-
-def synthetic_loaders(cfg: DataConfig, world: int, rank: int, device: torch.device) -> tuple[Loaders, Stage, Stage]:
-    """Loaders over synthetic ids plus the train and val stages that turn ids into device images."""
-    if cfg.num_samples // world < cfg.batch_size:
-        from runtime.errors import ConfigError
-
-        raise ConfigError(f"data: {cfg.num_samples} synthetic samples give each of {world} workers fewer than "
-                          f"data.batch_size={cfg.batch_size}; raise data.num_samples or lower the batch size")
-    pin = device.type == "cuda"
-    train = SyntheticLoader(cfg.num_samples, world, rank, cfg.batch_size, cfg.seed, True, pin)
-    val = SyntheticLoader(cfg.val_samples, world, rank, cfg.batch_size, cfg.seed, False, pin) \
-        if cfg.val_samples else None
-    bundle = DataBundle(train, val, cfg.num_classes, 3, cfg.image_size)
-    train_pool = SyntheticPool(cfg.num_samples, cfg.num_classes, cfg.image_size, cfg.seed, 0, device, cfg.batch_size)
-    val_stage = train_pool.stage  # never called without validation samples
-    if cfg.val_samples:
-        val_stage = SyntheticPool(cfg.val_samples, cfg.num_classes, cfg.image_size, cfg.seed, 1, device,
-                                  cfg.batch_size).stage
-    return Loaders(train, val, train.per_rank // cfg.batch_size, bundle), train_pool.stage, val_stage

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.train.device_input import Stage
+from runtime.data import Stage
 from runtime.train.setup import autocast
 
 

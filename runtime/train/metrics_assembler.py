@@ -14,7 +14,26 @@ import torch
 from runtime.config import JobConfig
 from runtime.train.resume import TrainerState
 from runtime.train.stats import Boundary
-from runtime.train.tokens import language_model_rates
+
+# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity): the MFU denominator.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.device,
+                         world: int) -> dict[str, float]:
+    """tokens/s and, on a GPU in the table, model FLOPs utilisation (PaLM's 6N + 12 L T d per token)."""
+    from runtime.train.models import parameter_count
+
+    t = cfg.model.transformer
+    tokens = samples_per_s * t.seq_len
+    out = {"train/tokens_per_s": tokens}
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        if peak:
+            per_token = 6 * parameter_count(cfg.model) + 12 * t.layers * t.seq_len * t.dim
+            out["train/mfu"] = tokens * per_token / (peak * world)
+    return out
 
 
 class MetricsAssembler:

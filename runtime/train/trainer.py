@@ -30,17 +30,15 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.config import JobConfig
-from runtime.data import build_loaders
+from runtime.data import DEVICE_RESIDENT, build_loaders
 from runtime.errors import ConfigError
 from runtime.run import RunInfo
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import (
     DevicePrefetcher,
     Position,
-    Stage,
     host_batches,
     make_stage,
-    synthetic_loaders,
 )
 from runtime.train.evaluator import Evaluator
 from runtime.train.metrics_assembler import MetricsAssembler
@@ -65,11 +63,8 @@ from runtime.train.setup import (
 )
 from runtime.train.stats import Boundary, StepStats
 from runtime.train.stop_policy import StopPolicy, total_steps
-from runtime.train.tokens import token_loaders
 
 log = logging.getLogger("runtime.train")
-# Sources whose samples are made on the device once: staging is a gather, with nothing to overlap.
-DEVICE_RESIDENT = ("synthetic", "tokens", "text")
 
 
 class Trainer:
@@ -99,16 +94,7 @@ class Trainer:
         self.memory_format = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
 
         # Data: each rank reads its own shard; batches reach the device one step ahead.
-        train_stage: Stage | None
-        val_stage: Stage | None
-        if cfg.data.source == "synthetic":
-            self.loaders, train_stage, val_stage = synthetic_loaders(cfg.data, self.world, self.rank, self.device)
-        elif cfg.data.source in ("tokens", "text"):
-            self.loaders, train_stage, val_stage = token_loaders(cfg, self.world, self.rank, self.device)
-        else:
-            self.loaders = build_loaders(cfg.data, self.world, self.rank, self.device.type == "cuda")
-            gpu_decode = getattr(self.loaders, "device_stage", None)
-            train_stage = val_stage = (lambda b: gpu_decode(b, self.device)) if gpu_decode else None
+        self.loaders, train_stage, val_stage = build_loaders(cfg, self.world, self.rank, self.device)
         bundle = self.loaders.bundle
         self.train_stage = make_stage(self.device, bundle, self.memory_format, train_stage)
         self.val_stage = make_stage(self.device, bundle, self.memory_format, val_stage)

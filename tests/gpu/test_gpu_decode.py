@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from runtime.config import DataConfig, JobConfig
-from runtime.data import DataBundle, build_loaders
+from runtime.data import DataBundle, file_loaders
 from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded, gpu_decode_available
 from runtime.data.images import Recipe, collate_crops, crop_image, encode_sample, sample_rng
 from runtime.train.device_input import DevicePrefetcher, Position, make_stage
@@ -65,7 +65,7 @@ def test_imagefolder_with_gpu_decode_yields_encoded_batches_and_a_device_stage(t
                 (d / f"{i}.jpg").write_bytes(photo_jpeg(200, 150, 10 * i + len(c)))
     (tmp_path / "train/a/broken.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")
     cfg = DataConfig(source="imagefolder", path=str(tmp_path), image_size=64, batch_size=3, decode="gpu")
-    loaders = build_loaders(cfg, 1, 0, on_gpu=True)
+    loaders = file_loaders(cfg, 1, 0, on_gpu=True)
     assert loaders.device_stage is not None
     loaders.train.set_position(0, 0)
     n = 0

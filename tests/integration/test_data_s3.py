@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from runtime.config import DataConfig
-from runtime.data import build_loaders
+from runtime.data import file_loaders
 from runtime.data.cli import main as data_cli
 from runtime.data.shards import pack
 from runtime.errors import ConfigError
@@ -57,7 +57,7 @@ def test_every_sample_is_read_once_per_epoch_across_two_ranks_from_s3(s3_shards:
     for epoch in (0, 1):
         seen = []
         for rank in (0, 1):
-            loaders = build_loaders(cfg(s3_shards, loader_workers=2), 2, rank, on_gpu=False)
+            loaders = file_loaders(cfg(s3_shards, loader_workers=2), 2, rank, on_gpu=False)
             assert loaders.batches_per_epoch == 6 and loaders.bundle.classes is not None
             loaders.train.set_position(epoch, 0)
             seen += [label for _, y in loaders.train for label in y.tolist()]
@@ -66,10 +66,10 @@ def test_every_sample_is_read_once_per_epoch_across_two_ranks_from_s3(s3_shards:
 
 
 def test_resume_mid_epoch_from_s3_continues_with_exactly_the_remaining_batches(s3_shards: str) -> None:
-    loaders = build_loaders(cfg(s3_shards, loader_workers=2), 2, 0, on_gpu=False)
+    loaders = file_loaders(cfg(s3_shards, loader_workers=2), 2, 0, on_gpu=False)
     loaders.train.set_position(4, 0)
     full = [(x.clone(), y.clone()) for x, y in loaders.train]
-    resumed = build_loaders(cfg(s3_shards, loader_workers=2), 2, 0, on_gpu=False)  # a restarted worker
+    resumed = file_loaders(cfg(s3_shards, loader_workers=2), 2, 0, on_gpu=False)  # a restarted worker
     resumed.train.set_position(4, 3)
     rest = list(resumed.train)
     assert len(rest) == 3
@@ -88,5 +88,5 @@ def test_inspect_reads_classes_counts_and_samples_from_s3(s3_shards: str, capsys
 ])
 def test_s3_paths_without_shards_are_refused_with_a_clear_message(s3_shards: str, path: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        build_loaders(cfg(s3_shards, path=path), 1, 0, on_gpu=False)
+        file_loaders(cfg(s3_shards, path=path), 1, 0, on_gpu=False)
 

@@ -32,12 +32,12 @@ def test_digits_loading_does_not_import_scikit_learn() -> None:
 
 def test_cifar10_batches_are_uint8_with_cifar_mean_std_for_the_device_to_normalise(tmp_path: Path) -> None:
     from runtime.config import DataConfig
-    from runtime.data import build_loaders, write_tiny_cifar10
+    from runtime.data import file_loaders, write_tiny_cifar10
     from runtime.data.builtin import CIFAR_MEAN, CIFAR_STD
 
     root = write_tiny_cifar10(tmp_path, n_train=32, n_test=8)
     for size in (32, 40):
-        loaders = build_loaders(DataConfig(source="cifar10", path=str(root), image_size=size, batch_size=8),
+        loaders = file_loaders(DataConfig(source="cifar10", path=str(root), image_size=size, batch_size=8),
                                 2, 0, on_gpu=False)
         b = loaders.bundle
         assert (b.mean, b.std, b.classes and b.classes[0]) == (CIFAR_MEAN, CIFAR_STD, "airplane")

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from runtime.config import DataConfig
-from runtime.data import IMAGENET_MEAN, IMAGENET_STD, build_loaders
+from runtime.data import IMAGENET_MEAN, IMAGENET_STD, file_loaders
 from runtime.data.gpu import DeviceDecodeStage, EncodedImages, collate_encoded, resize_crops
 from runtime.data.images import (
     Recipe,
@@ -114,7 +114,7 @@ def test_draft_mode_decode_matches_a_full_decode_then_resize() -> None:
 def test_imagefolder_bundle_has_imagenet_mean_std_sorted_classes_and_uint8_batches(tmp_path: Path) -> None:
     root = make_tree(tmp_path / "d")
     cfg = DataConfig(source="imagefolder", path=str(root), image_size=24, batch_size=4)
-    loaders = build_loaders(cfg, 1, 0, on_gpu=False)
+    loaders = file_loaders(cfg, 1, 0, on_gpu=False)
     b = loaders.bundle
     assert b.mean == IMAGENET_MEAN == (0.485, 0.456, 0.406) and b.std == IMAGENET_STD == (0.229, 0.224, 0.225)
     assert b.classes == ["ant", "bee", "cat"] and b.num_classes == 3
@@ -145,7 +145,7 @@ def test_random_crops_repeat_per_seed_and_epoch_in_worker_processes_and_change_a
 
     def epoch(workers: int, e: int) -> list[torch.Tensor]:
         cfg = DataConfig(source="imagefolder", path=str(root), image_size=16, batch_size=6, loader_workers=workers)
-        loaders = build_loaders(cfg, 1, 0, on_gpu=False)
+        loaders = file_loaders(cfg, 1, 0, on_gpu=False)
         loaders.train.set_position(e, 0)
         return [x for x, _ in loaders.train]
 
@@ -159,7 +159,7 @@ def test_random_crops_repeat_per_seed_and_epoch_in_worker_processes_and_change_a
 def test_resume_mid_epoch_yields_the_rest_of_the_uninterrupted_epoch(tmp_path: Path) -> None:
     root = make_tree(tmp_path / "d")
     cfg = DataConfig(source="imagefolder", path=str(root), image_size=16, batch_size=2, loader_workers=2)
-    loaders = build_loaders(cfg, 1, 0, on_gpu=False)
+    loaders = file_loaders(cfg, 1, 0, on_gpu=False)
     loaders.train.set_position(3, 0)
     full = list(loaders.train)
     loaders.train.set_position(3, 5)
@@ -176,7 +176,7 @@ def test_corrupt_files_are_skipped_counted_and_named_never_a_crash(tmp_path: Pat
     (root / "train/bee/notes.jpg").write_text("this is a text file named .jpg")
     (root / "train/bee/README.txt").write_text("not an image extension: not listed")
     cfg = DataConfig(source="imagefolder", path=str(root), image_size=16, batch_size=4)
-    loaders = build_loaders(cfg, 1, 0, on_gpu=False)
+    loaders = file_loaders(cfg, 1, 0, on_gpu=False)
     with caplog.at_level(logging.WARNING, logger="runtime.data"):
         loaders.train.set_position(0, 0)
         sizes = [len(y) for _, y in loaders.train]
@@ -209,7 +209,7 @@ def test_bad_imagefolder_trees_fail_before_training_with_a_message_naming_data_p
         make_tree(root, per_class=2)
         (root / "val" / "zebra").mkdir()
     with pytest.raises(ConfigError, match=message) as e:  # the config refuses what it can see, the loader the rest
-        build_loaders(DataConfig(source="imagefolder", path=str(root), image_size=16, batch_size=1), 1, 0, on_gpu=False)
+        file_loaders(DataConfig(source="imagefolder", path=str(root), image_size=16, batch_size=1), 1, 0, on_gpu=False)
     assert "data.path" in str(e.value)
 
 
@@ -219,7 +219,7 @@ def test_unreadable_folder_names_data_path(tmp_path: Path) -> None:
     (root / "train").chmod(0)
     try:
         with pytest.raises(ConfigError, match="permission denied"):
-            build_loaders(DataConfig(source="imagefolder", path=str(root), batch_size=1), 1, 0, on_gpu=False)
+            file_loaders(DataConfig(source="imagefolder", path=str(root), batch_size=1), 1, 0, on_gpu=False)
     finally:
         (root / "train").chmod(0o755)
 
@@ -233,7 +233,7 @@ def test_config_refuses_bad_crop_ranges_and_gpu_decode_without_cuda(tmp_path: Pa
         DataConfig(source="shards", path="s3://")
     root = make_tree(tmp_path / "d")
     with pytest.raises(ConfigError, match="data.decode=gpu needs a CUDA device"):
-        build_loaders(DataConfig(source="imagefolder", path=str(root), decode="gpu", batch_size=2), 1, 0, False)
+        file_loaders(DataConfig(source="imagefolder", path=str(root), decode="gpu", batch_size=2), 1, 0, False)
 
 
 def _pillow_decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from runtime.config import DataConfig
-from runtime.data import build_loaders
+from runtime.data import file_loaders
 from runtime.data.cli import main as data_cli
 from runtime.data.shards import buffer_order, pack
 from runtime.errors import ConfigError
@@ -44,7 +44,7 @@ def epoch_labels(path: Path, world: int, rank: int, epoch: int, start: int = 0, 
                  **kw: object) -> list[list[int]]:
     cfg = DataConfig(source="shards", path=str(path), image_size=8, batch_size=4, loader_workers=workers,
                      shuffle_buffer=5, **kw)  # type: ignore[arg-type]
-    loaders = build_loaders(cfg, world, rank, on_gpu=False)
+    loaders = file_loaders(cfg, world, rank, on_gpu=False)
     loaders.train.set_position(epoch, start)
     return [y.tolist() for _, y in loaders.train]
 
@@ -79,7 +79,7 @@ def test_resume_mid_epoch_yields_exactly_the_rest_of_the_uninterrupted_epoch(
         shards: Path, workers: int, start: int) -> None:
     cfg = DataConfig(source="shards", path=str(shards), image_size=8, batch_size=3, loader_workers=workers,
                      shuffle_buffer=4)
-    loaders = build_loaders(cfg, 2, 1, on_gpu=False)
+    loaders = file_loaders(cfg, 2, 1, on_gpu=False)
     loaders.train.set_position(2, 0)
     full = [(x.clone(), y.clone()) for x, y in loaders.train]
     loaders.train.set_position(2, start)
@@ -93,7 +93,7 @@ def test_validation_reads_every_sample_once_in_order_across_ranks(shards: Path) 
     cfg = DataConfig(source="shards", path=str(shards), image_size=8, batch_size=4, loader_workers=2)
     got = []
     for rank in (0, 1):
-        val = build_loaders(cfg, 2, rank, on_gpu=False).val
+        val = file_loaders(cfg, 2, rank, on_gpu=False).val
         assert val is not None
         got += [label for _, y in val for label in y.tolist()]
     assert got == list(range(11))
@@ -120,7 +120,7 @@ def test_truncated_shard_drops_its_remaining_samples_counted_and_named(
     with caplog.at_level(logging.WARNING, logger="runtime.data"):
         for rank in (0, 1):
             cfg = DataConfig(source="shards", path=str(broken), image_size=8, batch_size=4, shuffle_buffer=5)
-            loaders = build_loaders(cfg, 2, rank, on_gpu=False)
+            loaders = file_loaders(cfg, 2, rank, on_gpu=False)
             loaders.train.set_position(0, 0)
             batches = [y.tolist() for _, y in loaders.train]
             assert len(batches) == 5  # ranks keep their step count
@@ -161,14 +161,14 @@ def test_shards_without_index_are_counted_by_reading_them(shards: Path, tmp_path
     shutil.copytree(shards, bare)
     (bare / "index.json").unlink()
     cfg = DataConfig(source="shards", path=str(bare), image_size=8, batch_size=4)
-    loaders = build_loaders(cfg, 2, 0, on_gpu=False)
+    loaders = file_loaders(cfg, 2, 0, on_gpu=False)
     assert loaders.batches_per_epoch == 5 and loaders.bundle.num_classes >= 7
 
 
 def test_a_folder_without_shards_is_refused_naming_data_path(tmp_path: Path) -> None:
     (tmp_path / "train").mkdir()
     with pytest.raises(ConfigError, match="data.path: no shards under .*train/"):
-        build_loaders(DataConfig(source="shards", path=str(tmp_path), batch_size=2), 1, 0, on_gpu=False)
+        file_loaders(DataConfig(source="shards", path=str(tmp_path), batch_size=2), 1, 0, on_gpu=False)
 
 
 def test_a_shard_of_unreadable_images_is_refused_before_training(tmp_path: Path) -> None:
@@ -180,4 +180,4 @@ def test_a_shard_of_unreadable_images_is_refused_before_training(tmp_path: Path)
                 info.size = len(payload)
                 tf.addfile(info, io.BytesIO(payload))
     with pytest.raises(ConfigError, match="no readable image"):
-        build_loaders(DataConfig(source="shards", path=str(tmp_path), batch_size=2), 1, 0, on_gpu=False)
+        file_loaders(DataConfig(source="shards", path=str(tmp_path), batch_size=2), 1, 0, on_gpu=False)

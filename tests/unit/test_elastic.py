@@ -14,8 +14,8 @@ import torch
 
 from runtime.config import config_from_dict
 from runtime.data.loaders import ResumableSampler
+from runtime.data.synthetic import SyntheticLoader
 from runtime.errors import ConfigError
-from runtime.train.device_input import SyntheticLoader
 from runtime.train.elastic import ElasticWatch, MinWorkersTimeout, failure_reason, resize_line
 from runtime.train.setup import for_world, reshard_position
 

@@ -12,15 +12,13 @@ import pytest
 import torch
 
 from runtime.config import DataConfig
-from runtime.data import DataBundle
+from runtime.data import DataBundle, Stage
+from runtime.data.synthetic import SyntheticLoader, synthetic_loaders
 from runtime.train.device_input import (
     DevicePrefetcher,
     Position,
-    Stage,
-    SyntheticLoader,
     host_batches,
     make_stage,
-    synthetic_loaders,
 )
 
 CPU = torch.device("cpu")
@@ -238,7 +236,7 @@ def test_uint8_images_without_mean_and_std_are_scaled_to_unit_range() -> None:
 
 
 def test_synthetic_class_templates_are_shared_by_train_and_validation_across_template_chunks() -> None:
-    from runtime.train.device_input import SyntheticPool
+    from runtime.data.synthetic import SyntheticPool
 
     pools = [SyntheticPool(6000, 130, 4, seed=5, split=s, device=CPU, batch_size=8) for s in (0, 1)]
     assert pools[0].size == 6000 and 130 > SyntheticPool.TEMPLATE_CHUNK  # classes span several chunks

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from runtime.data import DataBundle
-from runtime.train.device_input import SyntheticPool, make_stage
+from runtime.data.synthetic import SyntheticPool
+from runtime.train.device_input import make_stage
 
 CPU = torch.device("cpu")
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from runtime.config import JobConfig
+from runtime.data.tokens import stdlib_text, token_loaders
 from runtime.errors import ConfigError
 from runtime.run import RunInfo
 from runtime.train.setup import Placement
-from runtime.train.tokens import stdlib_text, token_loaders
 from runtime.train.trainer import Trainer
 
 CPU = torch.device("cpu")

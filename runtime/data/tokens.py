@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from runtime.config import JobConfig
-from runtime.data import DataBundle, Loaders
+from runtime.data.base import DataBundle, Loaders, Stage
+from runtime.data.synthetic import SyntheticLoader
 from runtime.errors import ConfigError
-from runtime.train.device_input import SyntheticLoader
 
 TEXT_BYTES = 2 << 20
 SUCCESSORS = 4
@@ -70,7 +70,7 @@ class _Windows:
         return rows[:, :-1], rows[:, 1:]
 
 
-def token_loaders(cfg: JobConfig, world: int, rank: int, device: torch.device) -> tuple[Loaders, Any, Any]:
+def token_loaders(cfg: JobConfig, world: int, rank: int, device: torch.device) -> tuple[Loaders, Stage, Stage]:
     """Loaders over sample ids, and the train/val stages that cut sequences out on the device."""
     d, t = cfg.data, cfg.model.transformer
     if cfg.model.name != "gpt":
@@ -99,24 +99,3 @@ def token_loaders(cfg: JobConfig, world: int, rank: int, device: torch.device) -
     val = SyntheticLoader(n_val, world, rank, d.batch_size, d.seed, False, pin) if n_val else None
     bundle = DataBundle(train, val, t.vocab_size, 0, t.seq_len)
     return Loaders(train, val, train.per_rank // d.batch_size, bundle), train_w.stage, val_w.stage
-
-
-# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity): the MFU denominator.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-
-
-def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.device,
-                         world: int) -> dict[str, float]:
-    """tokens/s and, on a GPU in the table, model FLOPs utilisation (PaLM's 6N + 12 L T d per token)."""
-    from runtime.train.models import parameter_count
-
-    t = cfg.model.transformer
-    tokens = samples_per_s * t.seq_len
-    out = {"train/tokens_per_s": tokens}
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-        if peak:
-            per_token = 6 * parameter_count(cfg.model) + 12 * t.layers * t.seq_len * t.dim
-            out["train/mfu"] = tokens * per_token / (peak * world)
-    return out

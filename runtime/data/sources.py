@@ -1,0 +1,41 @@
+"""The one data entry point: ``build_loaders(cfg, world, rank, device)`` for every source, by name.
+
+A source opens this rank's loaders plus the stages that turn a loader's batch into ``(x, y)``
+on the device (None: the batch is host tensors, copied and normalised by the trainer's
+stage). Sources read from files share one opener; the others are made on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from runtime.config import JobConfig
+from runtime.data.base import Loaders, Stage
+from runtime.data.loaders import file_loaders
+from runtime.data.synthetic import synthetic_loaders
+from runtime.data.tokens import token_loaders
+
+Opened = tuple[Loaders, Stage | None, Stage | None]  # loaders, train stage, val stage
+Source = Callable[[JobConfig, int, int, torch.device], Opened]
+
+
+def _files(cfg: JobConfig, world: int, rank: int, device: torch.device) -> Opened:
+    loaders = file_loaders(cfg.data, world, rank, device.type == "cuda")
+    gpu_decode = loaders.device_stage  # data.decode=gpu: images are decoded on the device
+    stage: Stage | None = (lambda b: gpu_decode(b, device)) if gpu_decode else None
+    return loaders, stage, stage
+
+
+def _synthetic(cfg: JobConfig, world: int, rank: int, device: torch.device) -> Opened:
+    return synthetic_loaders(cfg.data, world, rank, device)
+
+
+# Sources whose samples are made on the device once: staging is a gather, with nothing to overlap.
+DEVICE_RESIDENT: dict[str, Source] = {"synthetic": _synthetic, "tokens": token_loaders, "text": token_loaders}
+
+
+def build_loaders(cfg: JobConfig, world: int, rank: int, device: torch.device) -> Opened:
+    """This rank's loaders for ``cfg.data.source`` and its train and val stages."""
+    return DEVICE_RESIDENT.get(cfg.data.source, _files)(cfg, world, rank, device)
