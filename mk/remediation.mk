@@ -35,5 +35,5 @@ remediation-lint: setup ## Ruff and mypy over the remediation service (ops/).
 	$(VENV)/bin/ruff check ops
 	$(VENV)/bin/mypy --disallow-untyped-defs ops
 
-# Its tests run in test-python (tests/unit and tests/integration test_remediation.py).
+# Its tests run in test-python (tests/unit and tests/integration/test_remediation_loop.py).
 TEST_TARGETS += remediation-lint

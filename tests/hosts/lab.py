@@ -467,7 +467,7 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 "grafana_enabled": False,
                 "mlflow_enabled": False,
                 # The remediation service (issue 29) is tested against a real Prometheus,
-                # Alertmanager and Ray cluster (tests/integration/test_remediation.py) but has not
+                # Alertmanager and Ray cluster (tests/integration/test_remediation_loop.py) but has not
                 # yet run on these hosts: off here until the end-to-end lab scenarios land.
                 "remediation_enabled": False,
                 # What an operator keeps in a vault.

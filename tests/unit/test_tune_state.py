@@ -1,7 +1,7 @@
 """Tune's search state is sealed by the driver: storage writers cannot make the driver unpickle their bytes.
 
 Real pyarrow filesystems over real files; the Tune-level checks (a real search, a planted
-tuner.pkl and experiment state) are in tests/integration/test_tune_state.py.
+tuner.pkl and experiment state) are in tests/integration/test_tune_state_resume.py.
 """
 
 from __future__ import annotations
