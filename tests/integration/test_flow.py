@@ -80,8 +80,14 @@ def test_flow_registers_the_tuned_model_and_resumes_only_register_after_the_regi
     assert version.version == "1"
     assert float(version.tags["metric.eval/accuracy"]) == run["metrics"]["eval/accuracy"]
     assert version.tags["step"] == "30"
+    # set_tracking_uri also exports MLFLOW_TRACKING_URI: put both back, or every later test
+    # (and the runs it starts) would track to this test's server.
+    before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(server.url)
-    model = mlflow.pytorch.load_model(f"models:/{NAME}@champion")
+    try:
+        model = mlflow.pytorch.load_model(f"models:/{NAME}@champion")
+    finally:
+        mlflow.set_tracking_uri(before)  # type: ignore[arg-type]  (None unsets both)
     cfg = load_job("digits_tune", [f"checkpoint.storage={tmp_path / 'runs'}"], environ={})
     again = evaluate_module(model, cfg)
     assert abs(again["eval/accuracy"] - run["metrics"]["eval/accuracy"]) < 1e-9, (again, run["metrics"])
