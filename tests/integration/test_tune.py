@@ -191,7 +191,10 @@ def test_pbt_exploit_restarts_a_trial_from_another_trials_checkpoint(cluster: di
     # Synchronous PBT: the population meets at step 50 whatever the trials' start-up stagger, so the
     # bottom trial always exploits the top one (asynchronous PBT needs trials that overlap in time),
     # whichever of the two got there first (Tune pauses that one, and saves the other still running).
-    out = _search(storage, "tune.method=pbt", "train.max_steps=100", "checkpoint.interval_steps=25",
+    # Checkpoints every 50 steps: the trial still running has no newer checkpoint than step 50 until
+    # its end, however far it ran before Tune handled its step-50 result (with every 25 steps, a
+    # loaded machine let it report step 75's before Tune saved it, and PBT exploited that one).
+    out = _search(storage, "tune.method=pbt", "train.max_steps=100", "checkpoint.interval_steps=50",
                   "tune.pbt.perturbation_interval=50", "tune.pbt.synch=true",
                   "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}}", name="pbt")
     exploited = [t for t in out.trials if t.restored_from]
