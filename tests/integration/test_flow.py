@@ -50,13 +50,14 @@ print(json.dumps({"id": run.id, "ok": run.successful, "version": data.version, "
 
 @pytest.mark.slow
 def test_flow_registers_the_tuned_model_and_resumes_only_register_after_the_registry_was_down(
-        cluster: dict[str, Any], tmp_path: Path) -> None:
+        cluster: dict[str, Any], tmp_path: Path, request: pytest.FixtureRequest) -> None:
     import mlflow.pytorch
 
     from runtime.config import load_job
     from runtime.models.evaluate import evaluate_module
 
     server = MlflowServer(tmp_path / "mlflow")  # not started yet: the registry is down
+    request.addfinalizer(server.kill)  # started half-way; never left running after the test
     env = {**os.environ, "METAFLOW_USER": "test", "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(tmp_path / "mf")}
     sets = (f"checkpoint.storage={tmp_path / 'runs'} tracking.mlflow_uri={server.url} "
             "train.max_steps=10 tune.max_concurrent_trials=2")
