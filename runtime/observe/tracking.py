@@ -18,6 +18,10 @@ A tracking server is a convenience: a run's outcome never depends on it (issue 2
 - Recoverable: the run folder's mlflow.json (SyncState) says what MLflow holds; what it missed is
   uploaded from history.jsonl when it is back, at the end of the run, or by
   ``python -m runtime report <run> --sync`` (same MLflow run, no step twice).
+
+Over 400 lines (738) and doing several jobs (the sender, the sync state, the end-of-run upload,
+system metrics): it should split into those parts; not done in the stop that grew it, as no
+fresh-clone run was left to prove the split (issue 31's open part).
 """
 
 from __future__ import annotations
