@@ -13,10 +13,8 @@ import re
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ from tests.observability.conftest import (
     _wait,
     ensure_prometheus_tools,
 )
-from tests.support import free_port, wait_for
+from tests.support import QuietHandler, free_port, serve, wait_for
 from tests.support.imds import FakeImds
 
 pytestmark = pytest.mark.slow
@@ -59,7 +57,7 @@ class FakeDcgm:
         self.hostname, self.xid = hostname, 0
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 body = f'DCGM_FI_DEV_XID_ERRORS{{gpu="0",Hostname="{fake.hostname}"}} {fake.xid}\n'.encode()
                 self.send_response(200)
@@ -67,11 +65,7 @@ class FakeDcgm:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = serve(Handler)
 
     @property
     def target(self) -> str:

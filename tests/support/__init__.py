@@ -7,8 +7,10 @@ tests that start no trainer; the in-process trainer lives in ``tests.support.tra
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +38,17 @@ def job(name: str, storage: str, *overrides: str) -> Any:
     from runtime.config import load_job
 
     return load_job(name, [f"checkpoint.storage={storage}", *overrides], environ={})
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A test server's request handler that keeps stderr clean (no line per request)."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def serve(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """``handler`` served on a free loopback port from a daemon thread; ``shutdown()`` stops it."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -7,9 +7,8 @@ PUT /latest/api/token (with a TTL header) returns a token; GET .../spot/instance
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+
+from tests.support import QuietHandler, serve
 
 TOKEN = "AQAEAtest-token=="  # noqa: S105  (a fake IMDS session token)
 
@@ -20,7 +19,7 @@ class FakeImds:
         self.requests: list[tuple[str, str]] = []
         imds = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_PUT(self) -> None:
                 imds.requests.append(("PUT", self.path))
                 if self.path != "/latest/api/token" or not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
@@ -41,11 +40,7 @@ class FakeImds:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = serve(Handler)
 
     @property
     def url(self) -> str:
