@@ -9,17 +9,13 @@ which names the curves written into the run folder.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT, wait_for
-from tests.support.cluster import committed_steps, train_worker_pids
+from tests.support.cluster import cli_console_with_a_worker_killed
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +37,9 @@ def test_console_of_a_run_with_a_killed_worker_is_one_line_per_event(cluster: di
     cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--run-name", run]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        ckpts = storage / run / "checkpoints"
-        wait_for(lambda: proc.poll() is not None or (committed_steps(ckpts) and len(train_worker_pids()) == 2),
-                 "the first checkpoint of a 2-worker group")
-        assert proc.poll() is None, "the run ended before a worker could be killed"
-        os.kill(train_worker_pids()[-1], signal.SIGKILL)
-        console, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    console, code = cli_console_with_a_worker_killed(cmd, storage / run / "checkpoints")
     lines = console.splitlines()
-    assert proc.returncode == 0, console[-4000:]
+    assert code == 0, console[-4000:]
     assert len(lines) <= LINE_BUDGET, f"{len(lines)} lines:\n{console}"
     assert any("worker died (rank" in ln and "restarting the workers (failure 1 of 3 allowed)" in ln
                for ln in lines), console

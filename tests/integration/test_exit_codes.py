@@ -6,16 +6,12 @@ The other codes have tests of their own: 0 and 3 (MLflow required) in test_track
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT, wait_for
-from tests.support.cluster import committed_steps, train_worker_pids
+from tests.support.cluster import cli_console_with_a_worker_killed
 
 pytestmark = pytest.mark.slow
 
@@ -28,19 +24,8 @@ def test_run_past_its_failure_budget_exits_1_with_one_line_and_no_traceback(clus
     cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--run-name", run, "--no-progress"]
     for s in sets:
         cmd += ["--set", s]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        ckpts = storage / run / "checkpoints"
-        wait_for(lambda: proc.poll() is not None or (bool(committed_steps(ckpts)) and len(train_worker_pids()) == 2),
-                 "the first checkpoint of a 2-worker group")
-        assert proc.poll() is None, "the run ended before a worker could be killed"
-        os.kill(train_worker_pids()[-1], signal.SIGKILL)
-        console, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, console[-4000:]
+    console, code = cli_console_with_a_worker_killed(cmd, storage / run / "checkpoints")
+    assert code == 1, console[-4000:]
     assert "no restarts left (0 allowed): the run fails" in console, console
     assert "error: the run failed: Training failed due to worker errors:" in console, console
     assert "Traceback" not in console, console

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from runtime.cluster.processes import alive
-from tests.support import free_port
+from tests.support import ROOT, free_port, wait_for
 
 # Every service runtime.cluster reads a port for (RT_<NAME>_PORT).
 SERVICES = ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent", "redis")
@@ -153,3 +154,21 @@ class WorkerGroupKiller(threading.Thread):
             self.kills.append(Kill(time.time(), committed_steps(self.checkpoints)[-1], sig))
             killed_group = set(pids)
             os.kill(pids[-1], sig)
+
+
+def cli_console_with_a_worker_killed(cmd: list[str], checkpoints: Path) -> tuple[str, int]:
+    """Run a training CLI command, SIGKILL one of its 2 workers after the first checkpoint, and
+    return what the console printed and the exit code."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: proc.poll() is not None or (bool(committed_steps(checkpoints))
+                                                     and len(train_worker_pids()) == 2),
+                 "the first checkpoint of a 2-worker group")
+        assert proc.poll() is None, "the run ended before a worker could be killed"
+        os.kill(train_worker_pids()[-1], signal.SIGKILL)
+        console, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return console, proc.returncode
