@@ -122,7 +122,7 @@ def run(results_dir: Path) -> dict[str, Any]:
 
     from runtime.config import DataConfig
     from runtime.data import file_loaders
-    from runtime.data.shards import pack
+    from runtime.data.shards.tools import pack
 
     cache = results_dir / "data_cache"
     facts = generate(cache / "folder")

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:
         return EXIT_BAD_INPUT if e.code else 0
-    from runtime.data.shards import inspect, pack
+    from runtime.data.shards.tools import inspect, pack
 
     try:
         if args.action == "pack":

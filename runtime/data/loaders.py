@@ -115,7 +115,7 @@ def file_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loader
     """Sources read from files (cifar10, digits, imagefolder, shards): each rank reads its own
     part of the data; batches stay on the host (pinned on GPU)."""
     if cfg.source == "shards":
-        from runtime.data.shards import build_shard_loaders
+        from runtime.data.shards.stream import build_shard_loaders
 
         return build_shard_loaders(cfg, world, rank, on_gpu)
     n_workers = loader_workers(cfg, on_gpu)

@@ -13,7 +13,7 @@ from PIL import Image
 from runtime.config import DataConfig
 from runtime.data import file_loaders
 from runtime.data.cli import main as data_cli
-from runtime.data.shards import pack
+from runtime.data.shards.tools import pack
 from runtime.errors import ConfigError
 from tests.support import free_port
 from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server

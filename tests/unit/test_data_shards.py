@@ -15,7 +15,8 @@ from PIL import Image
 from runtime.config import DataConfig
 from runtime.data import file_loaders
 from runtime.data.cli import main as data_cli
-from runtime.data.shards import buffer_order, pack
+from runtime.data.shards.plan import buffer_order
+from runtime.data.shards.tools import pack
 from runtime.errors import ConfigError
 
 

@@ -1,0 +1,18 @@
+"""WebDataset-layout tar shards (``train/000000.tar`` with ``<key>.jpg`` + ``<key>.cls``),
+read from a folder or streamed from ``s3://bucket/prefix``, never staged.
+
+Layout written by ``python -m runtime data pack``::
+
+    <path>/index.json          classes, and every shard's sample count (written last)
+    <path>/train/000000.tar    <key>.jpg + <key>.cls (the label, ASCII), members in key order
+    <path>/val/000000.tar
+
+One module per job, each importing only those listed before it:
+
+- ``store``: the bytes of a data set, in a folder or under ``s3://`` (list, read the index, open a shard);
+- ``plan``: which samples each rank's loader workers read in an epoch, in which order (pure arithmetic);
+- ``stream``: reading tars, the shard index, and the per-rank dataset and loader that resume mid-epoch;
+- ``tools``: ``data pack``, verify and ``data inspect``.
+
+This package imports nothing itself: callers name the module they use.
+"""

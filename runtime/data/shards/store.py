@@ -1,0 +1,122 @@
+"""Where a shard set's bytes live: a folder (local disk or a shared filesystem) or
+``s3://bucket/prefix``, streamed with GetObject and never staged. Stores list tars, read
+index.json and open a shard; what the bytes mean is the stream module's business.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+from typing import IO, Any
+
+from runtime.errors import ConfigError
+
+INDEX = "index.json"
+INDEX_FORMAT = "rt-webdataset/1"
+SPLITS = ("train", "val")
+# What reading a shard can raise beyond Pillow: a truncated or garbled tar, a dropped connection.
+READ_ERRORS: tuple[type[BaseException], ...] = (tarfile.TarError, OSError, EOFError)
+
+
+def read_errors() -> tuple[type[BaseException], ...]:
+    """READ_ERRORS plus botocore's (a dropped S3 stream, a vanished object)."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return READ_ERRORS
+    return (*READ_ERRORS, BotoCoreError, ClientError)
+
+
+class LocalStore:
+    """Shards in a folder (local disk or a shared filesystem)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = Path(root).expanduser()
+        self.where = str(self.root)
+
+    def list_tars(self, split: str) -> list[str]:
+        d = self.root / split
+        if not d.is_dir():
+            return []
+        try:
+            return sorted(f"{split}/{p.name}" for p in d.iterdir() if p.name.endswith(".tar"))
+        except PermissionError as e:
+            raise ConfigError(f"data.path: cannot read {d} (permission denied)") from e
+
+    def read_index(self) -> bytes | None:
+        p = self.root / INDEX
+        return p.read_bytes() if p.is_file() else None
+
+    def open(self, name: str) -> tuple[IO[bytes], bool]:
+        """A file object and whether it can seek (then skipped members are seeked over, not read)."""
+        return open(self.root / name, "rb"), True
+
+
+class S3Store:
+    """Shards under s3://bucket/prefix, streamed with GetObject (one request per shard read).
+
+    The endpoint follows the checkpoint layer's convention: data.endpoint_url, else
+    AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL; credentials come from boto3's usual chain.
+    """
+
+    def __init__(self, uri: str, endpoint_url: str | None) -> None:
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.where = uri.rstrip("/")
+        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+            "AWS_ENDPOINT_URL")
+        self._client: Any = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None, "_pid": -1}  # clients do not cross process boundaries
+
+    @property
+    def client(self) -> Any:
+        if self._client is None or self._pid != os.getpid():
+            import boto3
+            from botocore.config import Config
+
+            cfg = Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=10, read_timeout=60)
+            self._client = boto3.client("s3", endpoint_url=self.endpoint_url, config=cfg)
+            self._pid = os.getpid()
+        return self._client
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def list_tars(self, split: str) -> list[str]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        prefix = self._key(split) + "/"
+        names: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                names += [o["Key"][len(self._key("")):] for o in page.get("Contents", [])
+                          if o["Key"].endswith(".tar") and "/" not in o["Key"][len(prefix):]]
+        except (ClientError, BotoCoreError) as e:
+            raise ConfigError(f"data.path: cannot list {self.where}/{split}/ ({e})") from e
+        return sorted(names)
+
+    def read_index(self) -> bytes | None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return bytes(self.client.get_object(Bucket=self.bucket, Key=self._key(INDEX))["Body"].read())
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise ConfigError(f"data.path: cannot read {self.where}/{INDEX} ({e})") from e
+        except BotoCoreError as e:
+            raise ConfigError(f"data.path: cannot reach {self.where} ({e})") from e
+
+    def open(self, name: str) -> tuple[IO[bytes], bool]:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"], False
+
+
+Store = LocalStore | S3Store
+
+
+def open_store(path: str, endpoint_url: str | None = None) -> Store:
+    return S3Store(path, endpoint_url) if path.startswith("s3://") else LocalStore(path)

@@ -1,0 +1,321 @@
+"""Reading tar shards, the shard index, and the per-rank dataset and loader that play an epoch's
+plan (plan.py) from a store (store.py).
+
+Resume (``set_position(epoch, b)``): batches b, b+1... are exactly those of an
+uninterrupted run: nothing is repeated or skipped. Each worker re-reads, without
+decoding, the tar bytes from the oldest sample still in its shuffle buffer at batch b
+(about one buffer's worth) and, for S3, from the start of the shard it resumes in.
+Exactness needs the same world size and data.loader_workers; with others the epoch
+goes on from batch b of the new plan. Unreadable samples (corrupt image, missing
+member, truncated shard) are dropped from their batch, counted and named.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from runtime.config import DataConfig
+from runtime.data.base import DataBundle, Loaders
+from runtime.data.batches import Batches, loader_workers, recipes, use_gpu_decode
+from runtime.data.images import (
+    DECODE_ERRORS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    HostBatch,
+    Recipe,
+    Skip,
+    collate_crops,
+    crop_image,
+    encode_sample,
+    sample_rng,
+)
+from runtime.data.shards.plan import Piece, ShardSet, WorkerPlan, worker_plan
+from runtime.data.shards.store import INDEX, READ_ERRORS, SPLITS, Store, open_store, read_errors
+from runtime.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+READ_ATTEMPTS = 3  # per shard piece: a dropped connection is retried, a truncated shard fails each time
+
+
+def _split_name(member: str) -> tuple[str, str]:
+    """WebDataset's grouping: key = path up to the first dot of the file name, extension = the rest."""
+    head, _, base = member.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{head}/{stem}" if head else stem), ext.lower()
+
+
+def read_shard(store: Store, name: str, want: Callable[[int], bool], stop: int | None = None
+               ) -> Iterator[tuple[int, str, dict[str, bytes]]]:
+    """Samples ``(ordinal, key, {ext: bytes})`` of one shard, for ordinals ``want`` accepts,
+    up to ``stop``. Unwanted members are seeked over (local) or streamed past (S3), never kept.
+    Raises one of READ_ERRORS for a truncated or garbled shard."""
+    fobj, seekable = store.open(name)
+    try:
+        with tarfile.open(fileobj=fobj, mode="r:" if seekable else "r|") as tf:
+            key: str | None = None
+            ordinal, wanted = -1, False
+            parts: dict[str, bytes] = {}
+            for m in tf:
+                if not m.isfile():
+                    continue
+                k, ext = _split_name(m.name)
+                if k != key:
+                    if key is not None and wanted:
+                        yield ordinal, key, parts
+                    key, ordinal, parts = k, ordinal + 1, {}
+                    if stop is not None and ordinal >= stop:
+                        return
+                    wanted = want(ordinal)
+                if wanted:
+                    f = tf.extractfile(m)
+                    data = f.read() if f else b""
+                    if len(data) != m.size:
+                        raise tarfile.ReadError(f"member {m.name} is truncated ({len(data)} of {m.size} bytes)")
+                    parts[ext] = data
+            if key is not None and wanted:
+                yield ordinal, key, parts
+    finally:
+        fobj.close()
+
+
+def sample_image(parts: dict[str, bytes]) -> bytes | None:
+    return next((parts[e] for e in IMAGE_MEMBERS if e in parts), None)
+
+
+def sample_label(parts: dict[str, bytes]) -> int:
+    raw = parts.get("cls")
+    if raw is None:
+        raise ValueError("no .cls member")
+    return int(raw.decode("ascii").strip())
+
+
+@dataclass
+class ShardIndex:
+    classes: list[str] | None
+    splits: dict[str, ShardSet]
+
+
+def load_index(store: Store) -> ShardIndex:
+    """index.json when present; otherwise list the tars and count their samples (a full read:
+    slow on S3, hence the warning; `data pack` writes the index)."""
+    raw = store.read_index()
+    if raw is not None:
+        try:
+            doc = json.loads(raw)
+            splits = {s: ShardSet([e["name"] for e in doc["splits"][s]], [int(e["samples"]) for e in doc["splits"][s]])
+                      for s in doc["splits"]}
+            return ShardIndex(doc.get("classes"), splits)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"data.path: {store.where}/{INDEX} is not a shard index ({e})") from e
+    splits = {}
+    for split in SPLITS:
+        names = store.list_tars(split)
+        if names:
+            log.warning("data: %s has no %s; counting the samples of %d %s shards by reading them",
+                        store.where, INDEX, len(names), split)
+            splits[split] = ShardSet(names, [_count(store, n) for n in names])
+    if "train" not in splits:
+        raise ConfigError(f"data.path: no shards under {store.where}/train/ (expected train/000000.tar ...; "
+                          "write them with `python -m runtime data pack <imagefolder> <out>`)")
+    return ShardIndex(None, splits)
+
+
+def _count(store: Store, name: str) -> int:
+    """Samples (consecutive key groups) in a shard, from the member headers."""
+    fobj, seekable = store.open(name)
+    try:
+        with tarfile.open(fileobj=fobj, mode="r:" if seekable else "r|") as tf:
+            keys = [_split_name(m.name)[0] for m in tf if m.isfile()]
+        return sum(1 for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k)
+    except READ_ERRORS as e:
+        raise ConfigError(f"data.path: shard {store.where}/{name} cannot be read ({e})") from e
+    finally:
+        fobj.close()
+
+
+class ShardStream(IterableDataset[HostBatch]):
+    """One rank's batches of one split, each DataLoader worker reading its own part.
+
+    ``epoch``/``start_batch`` are set in the main process before iterating; DataLoader
+    workers are not persistent, so each epoch's workers start from them.
+    """
+
+    def __init__(self, store: Store, shards: ShardSet, recipe: Recipe, *, seed: int, world: int, rank: int,
+                 workers: int, batch_size: int, buffer: int, gpu: bool) -> None:
+        self.store, self.shards, self.recipe = store, shards, recipe
+        self.seed, self.world, self.rank, self.workers = seed, world, rank, max(1, workers)
+        self.batch_size, self.buffer, self.gpu = batch_size, buffer, gpu
+        self.epoch, self.start_batch = 0, 0
+
+    def plan(self, worker: int) -> WorkerPlan:
+        return worker_plan(self.shards, train=self.recipe.train, seed=self.seed, epoch=self.epoch,
+                           world=self.world, rank=self.rank, workers=self.workers, worker=worker,
+                           batch_size=self.batch_size, buffer=self.buffer)
+
+    def rank_batches(self) -> int:
+        return sum(len(self.plan(p).batches) for p in range(self.workers))
+
+    def __iter__(self) -> Iterator[HostBatch]:
+        info = get_worker_info()
+        v = info.id if info is not None else 0
+        if (info.num_workers if info is not None else 1) != self.workers:
+            raise RuntimeError("ShardStream built for a different number of loader workers")
+        # The DataLoader collects worker v's items at turns v, v+W...; resuming at rank batch b,
+        # worker v therefore plays the role of plan worker (v + b) % W.
+        p = (v + self.start_batch) % self.workers
+        done = len(range(p, self.start_batch, self.workers))  # plan worker p's batches before b
+        plan = self.plan(p)
+        if done >= len(plan.batches):
+            return
+        k0 = plan.batches[done][0]
+        emitted = set(plan.order[:k0])
+        first = min(plan.order[k0:])
+        stream = self._read(plan.pieces, first, emitted)
+        held: dict[int, Any] = {}
+        for a, b in plan.batches[done:]:
+            samples = []
+            for pos in plan.order[a:b]:
+                while pos not in held:
+                    got = next(stream, None)
+                    if got is None:  # cannot happen: _read yields every wanted position
+                        held[pos] = Skip(f"{self.store.where} position {pos}", "missing from the stream")
+                        break
+                    held[got[0]] = got[1]
+                samples.append(self._decode(held.pop(pos)))
+            yield self._collate(samples)
+
+    def _read(self, pieces: list[Piece], first: int, emitted: set[int]) -> Iterator[tuple[int, Any]]:
+        """(stream position, (name, parts) or Skip) for every position >= first not yet emitted."""
+        for pc in pieces:
+            if pc.base + (pc.stop - pc.start) <= first:
+                continue
+            todo = {q for q in range(pc.base, pc.base + pc.stop - pc.start) if q >= first and q not in emitted}
+
+            def want(ordinal: int, pc: Piece = pc, todo: set[int] = todo) -> bool:
+                return pc.base + ordinal - pc.start in todo
+
+            shard = f"{self.store.where}/{pc.shard}"
+            reason = "sample missing from its shard (fewer samples than index.json says)"
+            for attempt in range(1, READ_ATTEMPTS + 1):
+                try:  # a retry re-opens the shard and reads only what is still to do
+                    for o, key, parts in read_shard(self.store, pc.shard, want, pc.stop):
+                        q = pc.base + o - pc.start
+                        todo.discard(q)
+                        yield q, (f"{shard}:{key}", parts)
+                    break
+                except read_errors() as e:
+                    log.warning("data: reading shard %s failed (attempt %d of %d, %d samples to go): %s",
+                                shard, attempt, READ_ATTEMPTS, len(todo), e)
+                    reason = f"shard unreadable: {type(e).__name__}: {e}"
+                    if attempt < READ_ATTEMPTS:
+                        time.sleep(0.2 * attempt)
+            for q in sorted(todo):
+                yield q, Skip(f"{shard} sample {pc.start + q - pc.base}", reason)
+
+    def _decode(self, item: Any) -> Any:
+        if isinstance(item, Skip):
+            return item
+        name, parts = item
+        rng = sample_rng(self.seed, self.epoch, name.rpartition("/")[2]) if self.recipe.train else None
+        try:
+            data, label = sample_image(parts), sample_label(parts)
+            if data is None:
+                raise ValueError(f"no image member (one of .{', .'.join(IMAGE_MEMBERS)})")
+            if self.gpu:
+                return encode_sample(data, self.recipe, rng, label, name)
+            return crop_image(data, self.recipe, rng), label
+        except DECODE_ERRORS as e:
+            return Skip(name, f"{type(e).__name__}: {e}")
+
+    def _collate(self, samples: list[Any]) -> HostBatch:
+        if self.gpu:
+            from runtime.data.gpu import collate_encoded
+
+            return collate_encoded(samples, self.recipe.size)
+        return collate_crops(samples, self.recipe.size)
+
+
+class ShardLoader(Batches):
+    """EpochLoader over a ShardStream (exact mid-epoch resume, see the module docstring)."""
+
+    def __init__(self, stream: ShardStream, workers: int, pin: bool) -> None:
+        super().__init__(DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=pin))
+        self.stream = stream
+
+    def set_position(self, epoch: int, batch_index: int) -> None:
+        self.stream.epoch, self.stream.start_batch = epoch, batch_index
+
+
+def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
+    store = open_store(cfg.path or "", cfg.endpoint_url)
+    index = load_index(store)
+    train_set = index.splits.get("train")
+    if train_set is None or train_set.total == 0:
+        raise ConfigError(f"data.path: {store.where} has no training samples (train/*.tar)")
+    classes = index.classes
+    if classes is None:
+        classes = _scan_classes(store, train_set)
+    workers = loader_workers(cfg, on_gpu)
+    gpu = use_gpu_decode(cfg, on_gpu)
+    train_recipe, val_recipe = recipes(cfg)
+    common = {"seed": cfg.seed, "world": world, "rank": rank, "workers": workers, "batch_size": cfg.batch_size,
+              "buffer": cfg.shuffle_buffer, "gpu": gpu}
+    train = ShardStream(store, train_set, train_recipe, **common)  # type: ignore[arg-type]
+    n_batches = train.rank_batches()
+    if n_batches == 0:
+        raise ConfigError(f"data: {train_set.total} training samples in {store.where} give each of {world} "
+                          f"workers fewer than data.batch_size={cfg.batch_size}; add data or lower the batch size")
+    _first_readable(store, train_set)
+    val_set = index.splits.get("val")
+    val = None
+    if val_set is not None and val_set.total:
+        val = Batches(DataLoader(ShardStream(store, val_set, val_recipe, **common),  # type: ignore[arg-type]
+                                 batch_size=None, num_workers=workers, pin_memory=on_gpu))
+    bundle = DataBundle(None, None, len(classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, classes)
+    stage = None
+    if gpu:
+        from runtime.data.gpu import DeviceDecodeStage
+
+        stage = DeviceDecodeStage()
+    return Loaders(ShardLoader(train, workers, on_gpu), val, n_batches, bundle, stage)
+
+
+def _scan_classes(store: Store, shards: ShardSet) -> list[str]:
+    """No index: labels are 0..max; names are their numbers (read from the first shard only)."""
+    top = 0
+    for _, _, parts in read_shard(store, shards.names[0], lambda _: True):
+        top = max(top, sample_label(parts))
+    log.warning("data: %s has no %s: class names unknown, %d classes assumed from the first shard",
+                store.where, INDEX, top + 1)
+    return [str(i) for i in range(top + 1)]
+
+
+def _first_readable(store: Store, shards: ShardSet, limit: int = 64) -> None:
+    """Zero readable images is an error before training starts: probe the first shard."""
+    name = shards.names[0]
+    errors = []
+    try:
+        for _, key, parts in read_shard(store, name, lambda o: o < limit, limit):
+            data = sample_image(parts)
+            try:
+                if data is None:
+                    raise ValueError("no image member")
+                crop_image(data, Recipe(8, False), None)
+                return
+            except DECODE_ERRORS as e:
+                errors.append(f"{key}: {e}")
+    except READ_ERRORS as e:
+        raise ConfigError(f"data.path: shard {store.where}/{name} cannot be read ({e})") from e
+    raise ConfigError(f"data.path: no readable image among the first samples of {store.where}/{name} "
+                      f"({errors[0] if errors else 'the shard is empty'})")
+
