@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -47,7 +48,15 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from runtime.checkpoint.format import META, CheckpointRef, Kind, file_digest, step_name
 from runtime.checkpoint.s3 import S3Storage
-from runtime.checkpoint.storage import CheckpointError, LocalStorage, Staging, Storage
+from runtime.checkpoint.storage import (
+    CheckpointError,
+    LocalStorage,
+    Staging,
+    Storage,
+    UnsafeNameError,
+    check_name,
+    safe_join,
+)
 
 log = logging.getLogger("runtime.checkpoint")
 
@@ -93,10 +102,59 @@ class SafeFileSystemReader(FileSystemReader):
                 metadata = _MetadataUnpickler(f).load()
             except (pickle.UnpicklingError, AttributeError, EOFError, ValueError) as exc:
                 raise CheckpointError(f"{path}: refused to load dcp metadata: {exc}") from exc
+        _check_bounds(str(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_bounds(folder: str, metadata: dcp_metadata.Metadata) -> None:
+    """Refuse metadata that would read outside ``folder`` or allocate more than its files hold.
+
+    dcp joins each entry's ``relative_path`` to the folder unchecked and a whole-state read
+    allocates ``torch.empty(size)`` from the declared sizes before reading anything, so a
+    re-signed ``.metadata`` could read any file or ask for terabytes. Every byte range must lie in
+    a file of this folder, and a tensor may not declare more bytes than the ranges stored for it
+    (this runtime writes no compressing transforms, so a tensor's stored bytes are >= its size).
+    """
+    meta_file = os.path.join(folder, ".metadata")
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{meta_file}: no storage entries (not saved by this runtime)")
+    stored: dict[str, int] = {}  # fqn -> bytes its ranges hold
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        try:
+            rel = check_name(getattr(info, "relative_path", None))
+            path = safe_join(folder, rel)
+        except UnsafeNameError as exc:
+            raise CheckpointError(
+                f"{meta_file}: entry {index.fqn!r} names a file outside the checkpoint: {exc}") from None
+        if rel not in sizes:
+            try:
+                sizes[rel] = os.path.getsize(path)
+            except OSError:
+                raise CheckpointError(f"{meta_file}: entry {index.fqn!r} names {rel!r}, which is not in the "
+                                      "checkpoint") from None
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0
+                and offset + length <= sizes[rel]):
+            raise CheckpointError(f"{meta_file}: entry {index.fqn!r} reads bytes {offset}+{length} of {rel!r}, "
+                                  f"which has {sizes[rel]} bytes")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{meta_file}: entry {index.fqn!r} is stored through transforms "
+                                  f"{info.transform_descriptors!r}; this runtime writes none")
+        stored[index.fqn] = stored.get(index.fqn, 0) + length
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, dcp_metadata.TensorStorageMetadata):
+            dims = list(item.size)
+            if any(not isinstance(d, int) or d < 0 for d in dims):
+                raise CheckpointError(f"{meta_file}: tensor {fqn!r} has size {dims}")
+            nbytes = math.prod(dims) * item.properties.dtype.itemsize
+            if nbytes > stored.get(fqn, 0):
+                raise CheckpointError(f"{meta_file}: tensor {fqn!r} declares {nbytes} bytes "
+                                      f"({dims}, {item.properties.dtype}) but its files hold {stored.get(fqn, 0)}")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

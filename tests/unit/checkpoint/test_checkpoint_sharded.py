@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -266,3 +267,50 @@ def test_the_sharded_writer_depends_on_format_and_storage_not_on_the_manager() -
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     ours = {m for m in imported if m.startswith("runtime.")}
     assert ours == {"runtime.checkpoint.format", "runtime.checkpoint.storage", "runtime.checkpoint.s3"}, ours
+
+
+def _replant_metadata(folder: Path, change: Callable[[Any], None]) -> None:
+    """Rewrite step 2's ``.metadata`` with ``change`` applied and re-sign it in the manifest, as
+    anyone who can write the storage can."""
+    import hashlib
+    import pickle
+
+    md = pickle.loads((folder / ".metadata").read_bytes())  # the test's own file: plain pickle is fine here
+    change(md)
+    blob = pickle.dumps(md)
+    (folder / ".metadata").write_bytes(blob)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _escape(md: Any) -> None:
+    for info in md.storage_data.values():
+        info.relative_path = "../../outside.distcp"
+
+
+def _huge(md: Any) -> None:
+    md.state_dict_metadata["model.w"].size = torch.Size([2**40])  # 4 TiB of float32 on a 16-byte entry
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (_escape, r"entry '.*' names a file outside the checkpoint: file name '\.\./\.\./outside\.distcp'"),
+    (_huge, r"tensor 'model\.w' declares 4398046511104 bytes \(\[1099511627776\], torch\.float32\) but its files "
+            r"hold \d+"),
+], ids=["escaping_path", "oversized_tensor"])
+def test_dcp_metadata_reading_outside_the_folder_or_declaring_oversized_tensors_is_refused_and_skipped(
+        tmp_path: Path, change: Callable[[Any], None], why: str) -> None:
+    """dcp joins relative paths unchecked and a whole read allocates the declared sizes up front."""
+    (tmp_path / "outside.distcp").write_bytes(b"\0" * 4096)  # what the planted path would reach
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), keep=0)
+    _commit_dcp(mgr, 1, {"model": {"w": torch.ones(4)}, "trainer": {"step": 1}})
+    folder = _commit_dcp(mgr, 2, {"model": {"w": torch.full((4,), 2.0)}, "trainer": {"step": 2}})
+    _replant_metadata(folder, change)
+    target, warnings = _refused_then_previous_loaded(mgr, tmp_path / "never", why)
+    assert torch.equal(target["model"]["w"], torch.ones(4))
+    ref, whole, warnings_whole = mgr.load_latest()  # the whole read (torch.empty of every size) refuses too
+    assert ref is not None and ref.step == 1 and whole is not None and whole["trainer"] == {"step": 1}
+    for w in (warnings, warnings_whole):
+        assert len(w) == 1 and re.match(rf"step_000000002: .*\.metadata: {why}", w[0]), w
+        assert w[0].endswith("; using step_000000001"), w
+    mgr.close()
