@@ -78,9 +78,18 @@ data "aws_iam_policy_document" "checkpoint" {
   }
 
   statement {
-    sid       = "ReadWriteOwnPrefixes"
-    actions   = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
+    sid = "ReadWriteOwnPrefixes"
+    # The multipart actions let pruning abort the uploads a killed save left behind.
+    actions   = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"]
     resources = [for p in var.s3_prefixes : "${var.checkpoint_bucket_arn}/${p}*"]
+  }
+
+  # Bucket-wide because S3 offers no s3:prefix condition on this action; it lists the keys
+  # and ids of unfinished uploads, never object data.
+  statement {
+    sid       = "ListUnfinishedUploads"
+    actions   = ["s3:ListBucketMultipartUploads"]
+    resources = [var.checkpoint_bucket_arn]
   }
 
   dynamic "statement" {

@@ -173,6 +173,21 @@ resource "aws_vpc_security_group_ingress_rule" "efs" {
   tags = merge({ Name = "${var.name}-efs-nfs" }, var.tags)
 }
 
+# The cluster group allows egress only to its members and to 80/443 (network module):
+# without this rule the nodes could not open NFS connections to the mount targets.
+resource "aws_vpc_security_group_egress_rule" "efs_clients" {
+  count = var.create_efs ? 1 : 0
+
+  security_group_id            = var.client_security_group_id
+  description                  = "NFS to the EFS mount targets"
+  ip_protocol                  = "tcp"
+  from_port                    = 2049
+  to_port                      = 2049
+  referenced_security_group_id = aws_security_group.efs[0].id
+
+  tags = merge({ Name = "${var.name}-efs-nfs-out" }, var.tags)
+}
+
 resource "aws_efs_mount_target" "this" {
   # count, not for_each: subnet IDs are unknown until the VPC exists, their number is not.
   count = var.create_efs ? length(var.subnet_ids) : 0
@@ -231,6 +246,21 @@ resource "aws_vpc_security_group_egress_rule" "fsx" {
   referenced_security_group_id = aws_security_group.fsx[0].id
 
   tags = merge({ Name = "${var.name}-fsx-out" }, var.tags)
+}
+
+# Lustre clients open 988 and 1018-1023 to the servers; the cluster group's egress would
+# otherwise drop them (see efs_clients).
+resource "aws_vpc_security_group_egress_rule" "fsx_clients" {
+  for_each = var.create_fsx_lustre ? { "988" = [988, 988], "1018-1023" = [1018, 1023] } : {}
+
+  security_group_id            = var.client_security_group_id
+  description                  = "Lustre ${each.key} to FSx"
+  ip_protocol                  = "tcp"
+  from_port                    = each.value[0]
+  to_port                      = each.value[1]
+  referenced_security_group_id = aws_security_group.fsx[0].id
+
+  tags = merge({ Name = "${var.name}-fsx-${each.key}-out" }, var.tags)
 }
 
 resource "aws_fsx_lustre_file_system" "this" {
