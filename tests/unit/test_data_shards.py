@@ -182,3 +182,33 @@ def test_a_shard_of_unreadable_images_is_refused_before_training(tmp_path: Path)
                 tf.addfile(info, io.BytesIO(payload))
     with pytest.raises(ConfigError, match="no readable image"):
         file_loaders(DataConfig(source="shards", path=str(tmp_path), batch_size=2), 1, 0, on_gpu=False)
+
+
+@pytest.mark.parametrize("name", ["../outside.tar", "/tmp/outside.tar", "train/../../outside.tar",
+                                  "train/sub/000000.tar", "val/000000.tar", "train/000000.txt", "train/.tar", 7])
+def test_index_shard_names_outside_their_split_folder_or_not_tar_are_refused_naming_the_entry(
+        shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: object) -> None:
+    import shutil
+
+    planted = tmp_path / "planted"
+    shutil.copytree(shards, planted)
+    index = json.loads((planted / "index.json").read_text())
+    index["splits"]["train"][1]["name"] = name
+    (planted / "index.json").write_text(json.dumps(index))
+    cfg = DataConfig(source="shards", path=str(planted), batch_size=2)
+    with pytest.raises(ConfigError, match=r"index.json: splits.train\[1\].name is .*; expected 'train/<name>.tar'"):
+        file_loaders(cfg, 1, 0, on_gpu=False)
+    assert data_cli(["inspect", str(planted)]) == 2
+    assert "splits.train[1].name" in capsys.readouterr().err
+
+
+def test_index_negative_sample_count_is_refused_naming_the_entry(shards: Path, tmp_path: Path) -> None:
+    import shutil
+
+    planted = tmp_path / "planted"
+    shutil.copytree(shards, planted)
+    index = json.loads((planted / "index.json").read_text())
+    index["splits"]["val"][0]["samples"] = -3
+    (planted / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"index.json: splits.val\[0\].samples is -3; expected a sample count >= 0"):
+        file_loaders(DataConfig(source="shards", path=str(planted), batch_size=2), 1, 0, on_gpu=False)

@@ -114,9 +114,11 @@ def load_index(store: Store) -> ShardIndex:
             doc = json.loads(raw)
             splits = {s: ShardSet([e["name"] for e in doc["splits"][s]], [int(e["samples"]) for e in doc["splits"][s]])
                       for s in doc["splits"]}
-            return ShardIndex(doc.get("classes"), splits)
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"data.path: {store.where}/{INDEX} is not a shard index ({e})") from e
+        for split, shards in splits.items():
+            _check_entries(store, split, shards)
+        return ShardIndex(doc.get("classes"), splits)
     splits = {}
     for split in SPLITS:
         names = store.list_tars(split)
@@ -128,6 +130,20 @@ def load_index(store: Store) -> ShardIndex:
         raise ConfigError(f"data.path: no shards under {store.where}/train/ (expected train/000000.tar ...; "
                           "write them with `python -m runtime data pack <imagefolder> <out>`)")
     return ShardIndex(None, splits)
+
+
+def _check_entries(store: Store, split: str, shards: ShardSet) -> None:
+    """index.json names only tars directly in its split's folder: a name is joined to the data set's
+    path or S3 prefix, so ``..``, ``/`` or an absolute path would read outside it."""
+    for i, (name, count) in enumerate(zip(shards.names, shards.counts, strict=True)):
+        where = f"data.path: {store.where}/{INDEX}: splits.{split}[{i}]"
+        folder, slash, base = name.partition("/") if isinstance(name, str) else ("", "", "")
+        if (folder != split or not slash or "/" in base or "\\" in base or "\0" in base
+                or not base.endswith(".tar") or base.startswith(".")):
+            raise ConfigError(f"{where}.name is {name!r}; expected '{split}/<name>.tar' (a tar file directly "
+                              f"in the data set's {split}/ folder)")
+        if count < 0:
+            raise ConfigError(f"{where}.samples is {count}; expected a sample count >= 0")
 
 
 def _count(store: Store, name: str) -> int:
