@@ -36,6 +36,8 @@ class TrainerState:
     nonfinite_total: int = 0
     nonfinite_in_row: int = 0
     world: int = 0  # ranks that trained to here (batch_in_epoch is per rank); 0 = not recorded
+    micro_batch: int = 0  # data.micro_batch's size at this step (0: not guarded); see train.microbatch
+    micro_batch_hardware: int = 0  # train.microbatch.hardware_key of the ranks that chose it
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -200,7 +202,7 @@ def restore_latest(reader: CheckpointReader, t: Trainables, cfg: JobConfig, rank
         ref, loaded, warnings = reader.first_loadable(lambda r: _load_for_fsdp(reader, r, t, rank, world))
         payload, full = loaded if loaded is not None else (None, True)
     else:
-        ref, payload, warnings = reader.load_latest()
+        ref, payload, warnings = reader.first_loadable(lambda r: _complete(r, reader.load(r)))
         full = True
     for w in warnings:
         log.warning("rank %d: %s", rank, w)
@@ -226,8 +228,23 @@ def _load_for_fsdp(reader: CheckpointReader, ref: CheckpointRef, t: Trainables, 
     """
     manifest = reader.manifest(ref)
     if manifest["kind"] == "dcp":
-        return load_sharded_payload(reader, ref, manifest, t, rank, world), False
-    return reader.load(ref), True
+        return load_sharded_payload(reader, ref, manifest, t, rank, world), False  # dcp refuses missing keys
+    return _complete(ref, reader.load(ref)), True
+
+
+REQUIRED = ("model", "optimizer", "scheduler", "trainer")  # what apply_payload reads unconditionally
+
+
+def _complete(ref: CheckpointRef, payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` if it holds every part a resume needs; else a CheckpointError, which the
+    newest-first loop turns into "skip it, warn, try the older one" (a KeyError would end the run)."""
+    from runtime.checkpoint import CheckpointError
+
+    missing = [k for k in REQUIRED if not isinstance(payload.get(k), dict)]
+    if missing:
+        raise CheckpointError(f"{ref.uri}: verified, but its payload has no {', '.join(missing)} "
+                              "(not a training checkpoint of this runtime)")
+    return payload
 
 
 def build_checkpointer(cfg: JobConfig, run: RunInfo, gauges: WorkerMetrics | None) -> CheckpointManager | None:
