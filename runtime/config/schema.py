@@ -86,7 +86,12 @@ class DataConfig(Strict):
     num_classes: int = Field(10, ge=2, description="Classes for synthetic data (real sets know theirs).")
     num_samples: int = Field(2048, ge=1, description="Synthetic training samples.")
     val_samples: int = Field(256, ge=0, description="Synthetic validation samples.")
-    batch_size: int = Field(32, ge=1, description="Per-worker micro-batch size.")
+    batch_size: int = Field(32, ge=1, description="Per-worker batch per accumulation step (the loader's batch).")
+    micro_batch: int | Literal["auto"] | None = Field(
+        None, description="Samples per forward/backward on the device (docs/memory.md): None = the whole "
+                          "batch_size, unguarded; a number = split each batch into micro-batches of it; auto = the "
+                          "largest that fits, probed at start. A number or auto also guards the run: out of memory "
+                          "in a step halves it and redoes the step, keeping the global batch.")
 
     @field_validator("batch_size")
     @classmethod
@@ -95,6 +100,14 @@ class DataConfig(Strict):
             raise ValueError(f"{v} samples per worker in one micro-batch cannot fit in a device's memory (at most "
                              f"{MAX_BATCH}); raise train.grad_accum_steps or distributed.num_workers instead")
         return v
+
+    @model_validator(mode="after")
+    def _micro_within_batch(self) -> DataConfig:
+        if isinstance(self.micro_batch, int) and not 1 <= self.micro_batch <= self.batch_size:
+            raise ValueError(f"data.micro_batch={self.micro_batch} must be between 1 and "
+                             f"data.batch_size={self.batch_size} (it splits each batch; raise batch_size for a "
+                             "larger global batch)")
+        return self
 
     @field_validator("num_classes")
     @classmethod
@@ -486,6 +499,14 @@ class JobConfig(Strict):
         if self.distributed.strategy == "fsdp" and self.train.update_mode != "sync":
             raise ValueError(f"train.update_mode={self.train.update_mode} is a DDP communication hook: "
                              "distributed.strategy=fsdp implements only train.update_mode=sync")
+        micro = self.data.micro_batch
+        if micro is not None and self.train.update_mode == "local_sgd":
+            raise ValueError(f"data.micro_batch={micro} defers DDP's gradient all-reduce to redo a step that ran out "
+                             "of memory; train.update_mode=local_sgd replaces that all-reduce: use one or the other")
+        if micro == "auto" and self.distributed.strategy == "fsdp" and self.distributed.max_workers > 1:
+            raise ValueError("data.micro_batch=auto probes sizes until one fits, and under distributed.strategy=fsdp "
+                             "with several workers a rank out of memory mid-forward would stall the others: give "
+                             "data.micro_batch a number")
         last = self.train.max_steps
         for field, steps in (("checkpoint.at_steps", self.checkpoint.at_steps),
                              ("train.eval_at_steps", self.train.eval_at_steps)):

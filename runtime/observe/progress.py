@@ -114,6 +114,8 @@ class Progress:
     def update(self, m: dict[str, Any]) -> None:
         if "resumed_from_step" in m or m.get("restore_warnings"):
             self._recovery(m)
+        for notice in m.get("notices") or []:  # the workers' one-off lines (e.g. a micro-batch halved)
+            self.event(notice)
         if isinstance(m.get("step"), int):
             self.last_step = m["step"]
         if not self.enabled or "step" not in m:

@@ -4,7 +4,7 @@ over the validation loader, summed on the device, one all-reduce and one read at
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ class Evaluator:
     def __init__(self, model: nn.Module, loader: Iterable[Any] | None, stage: Stage, *, device: torch.device,
                  amp_dtype: torch.dtype | None, batch_size: int, pad_to_batch: bool,
                  memory_format: torch.memory_format, distributed: bool, at_steps: Iterable[int],
-                 every_epochs: int) -> None:
+                 every_epochs: int, micro_batch: Callable[[], int] | None = None) -> None:
         self.model, self.loader, self.stage = model, loader, stage
         self.device, self.amp_dtype, self.memory_format = device, amp_dtype, memory_format
         self.batch_size = batch_size
@@ -31,6 +31,8 @@ class Evaluator:
         self.every_epochs = every_epochs
         self.pending = False  # an epoch ended on an evaluation epoch: evaluate after this step
         self.loss_fn = nn.CrossEntropyLoss()
+        # The training micro-batch (data.micro_batch): a forward without gradients at that size fits.
+        self.micro_batch = micro_batch or (lambda: batch_size)
 
     def epoch_ended(self, epoch: int) -> None:
         """``epoch`` epochs are done: evaluate at the next boundary when it is an evaluation epoch."""
@@ -59,8 +61,9 @@ class Evaluator:
                     # shapes: pad it to the compiled shape and leave the padding out of the sums.
                     x = torch.cat([x, x[:1].expand(full - n, *x.shape[1:])])
                     x = x.contiguous(memory_format=self.memory_format) if x.dim() == 4 else x
+                pieces = x.split(self.micro_batch())
                 with autocast(self.device, self.amp_dtype):
-                    out = self.model(x)[:n]
+                    out = (self.model(x) if len(pieces) == 1 else torch.cat([self.model(p) for p in pieces]))[:n]
                 totals[0] += self.loss_fn(out.float().flatten(0, -2), y.flatten()) * y.numel()
                 totals[1] += (out.argmax(-1) == y).sum()
                 totals[2] += y.numel()

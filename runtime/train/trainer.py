@@ -45,6 +45,15 @@ from runtime.train.device_input import (
 )
 from runtime.train.evaluator import Evaluator
 from runtime.train.metrics_assembler import MetricsAssembler
+from runtime.train.microbatch import (
+    MicroBatcher,
+    MicroBatchOOM,
+    Probe,
+    Snapshot,
+    allreduce_gradients,
+    describe,
+    optimizer_state_to_come,
+)
 from runtime.train.models import build_model
 from runtime.train.parallel import apply_ddp, apply_fsdp, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
@@ -130,6 +139,12 @@ class Trainer:
         self.loss_fn = nn.CrossEntropyLoss()
 
         self.state = TrainerState(world=self.world)
+        # The device batch: the loader batch, or data.micro_batch's size, halved on out-of-memory.
+        self.micro = MicroBatcher(cfg.data.micro_batch, cfg.data.batch_size, self.device, self.rank, self.world,
+                                  self.distributed, cfg.distributed.strategy)
+        self.micro.inject_into(self.raw_model, lambda: self.state.global_step + 1)
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's loader batches (a redo reuses them)
+        self._sync_micro_state()
         self.gauges = build_gauges(cfg, run, self.rank, self.world)
         self.checkpoints = build_checkpointer(cfg, run, self.gauges)
         self.reporter = Reporter(self.rank, self.world, run, progress, lockstep, self.gauges, self.checkpoints,
@@ -146,7 +161,8 @@ class Trainer:
         self.evaluator = Evaluator(
             self.model, self.loaders.val, self.val_stage, device=self.device, amp_dtype=self.amp_dtype,
             batch_size=cfg.data.batch_size, pad_to_batch=self.compiled, memory_format=self.memory_format,
-            distributed=self.distributed, at_steps=tc.eval_at_steps, every_epochs=tc.eval_every_epochs)
+            distributed=self.distributed, at_steps=tc.eval_at_steps, every_epochs=tc.eval_every_epochs,
+            micro_batch=lambda: self.micro.size)
         comm = self.comm
         self.metrics = MetricsAssembler(
             cfg, self.device, self.world, self.total_steps,
@@ -177,6 +193,8 @@ class Trainer:
         if state is None:
             return
         self.state = state
+        self.micro.restore(state.micro_batch, state.micro_batch_hardware)
+        self._sync_micro_state()
         self._reshard(state)
         self.stats = StepStats(self.device, state.nonfinite_total, state.nonfinite_in_row)
         self.recovered = True
@@ -203,6 +221,10 @@ class Trainer:
         """Train until the stop policy says done; every step asks the components whether it is a boundary."""
         batches = self.prefetcher = self._batches()  # a producer thread: closed in close()
         first_step = self.state.global_step + 1
+        if self.micro.needs_probe() and not self.stop.done(self.state):
+            self._probe(batches)
+        elif self.micro.guarded:
+            self.metrics.once.update(describe(None, self.micro))
         while not self.stop.done(self.state):
             with sync_checked(self.cfg.train.sync_debug and self.device.type == "cuda"
                               and self.state.global_step >= first_step):
@@ -266,34 +288,25 @@ class Trainer:
         self.evaluator.epoch_ended(self.state.epoch)
 
     def train_step(self, batches: DevicePrefetcher) -> None:
-        """One optimizer step over ``grad_accum_steps`` micro-batches, with no host sync."""
+        """One optimizer step over ``grad_accum_steps`` loader batches, with no host sync (unless
+        ``data.micro_batch`` guards it against running out of memory: train.microbatch)."""
         tc = self.cfg.train
-        accum = tc.grad_accum_steps
         t0 = time.perf_counter()
         waited = batches.wait_s
-        loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros((), device=self.device)
-        n = items = 0  # samples, and what loss and accuracy average over (samples, or tokens)
         self.model.train()
-        for micro in range(accum):
-            x, y, pos = next(batches)
-            self._consume(pos)
-            # Gradients are all-reduced only on the last micro-step of the accumulation window.
-            sync = micro == accum - 1 or not self.is_ddp
-            ctx = contextlib.nullcontext() if sync else cast(Any, self.model).no_sync()
-            if self.is_fsdp:
-                cast(Any, self.raw_model).set_requires_gradient_sync(micro == accum - 1)
-            with ctx:
-                with autocast(self.device, self.amp_dtype):
-                    out = self.model(x)
-                    # Classes on the last axis: (batch, classes) for images, (batch, seq, vocab) for tokens.
-                    loss = self.loss_fn(out.float().flatten(0, -2), y.flatten())
-                scaled = loss / accum
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach() * y.numel()
-            correct += (out.argmax(-1) == y).sum()
-            n += y.shape[0]
-            items += y.numel()
+        while True:
+            snapshot = Snapshot(self.raw_model, self.device) if self.micro.recoverable else None
+            try:
+                loss_sum, correct, n, items = self._accumulate(batches)
+                break
+            except MicroBatchOOM:  # every rank is here at the same micro-batch: redo the step smaller
+                assert snapshot is not None
+                self.trainables.optimizer.zero_grad(set_to_none=True)
+                snapshot.restore()
+                self.micro.shrink(self.state.global_step + 1)
+                self._sync_micro_state()
+                self.metrics.once.update(describe(None, self.micro), oom_recoveries=self.micro.switches)
+        self._held = []
         opt = self.trainables.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
@@ -339,6 +352,95 @@ class Trainer:
                 m.recovery_seconds.set(time.time() - self.t_start)
                 self._recovery_noted = True
 
+    def _accumulate(self, batches: DevicePrefetcher) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Forward and backward over the step's loader batches, micro-batch by micro-batch; the
+        gradients end reduced over the ranks. Returns (loss x items, correct, samples, items:
+        what loss and accuracy average over, samples or tokens). Raises ``MicroBatchOOM`` when
+        any rank ran out of memory (guarded mode only)."""
+        accum = self.cfg.train.grad_accum_steps
+        # Guarded DDP: the gradient all-reduce waits until every micro-batch of the step succeeded.
+        deferred = self.micro.recoverable and self.is_ddp
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros((), device=self.device)
+        n = items = 0
+        for i in range(accum):
+            x, y = self._loader_batch(batches, i)
+            pieces = self.micro.chunks(x, y)
+            for j, (xc, yc, share) in enumerate(pieces):
+                last = i == accum - 1 and j == len(pieces) - 1
+                try:
+                    loss, hits = self._forward_backward(xc, yc, share, sync=last and not deferred)
+                    failed = False
+                except torch.OutOfMemoryError:
+                    if not self.micro.recoverable:
+                        raise
+                    failed = True
+                if self.micro.any_failed(failed):
+                    raise MicroBatchOOM
+                loss_sum += loss * yc.numel()
+                correct += hits
+                n += yc.shape[0]
+                items += yc.numel()
+        if deferred and self.distributed:
+            allreduce_gradients(self.model.parameters(), self.world)
+        return loss_sum, correct, n, items
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, share: float,
+                          sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch: forward, its loss weighted by its ``share`` of the loader batch and by
+        the accumulation, backward (gradients reduced over ranks only when ``sync``). Returns the
+        detached mean loss and the correct predictions."""
+        accum = self.cfg.train.grad_accum_steps
+        ctx = contextlib.nullcontext() if sync or not self.is_ddp else cast(Any, self.model).no_sync()
+        if self.is_fsdp:
+            cast(Any, self.raw_model).set_requires_gradient_sync(sync)
+        with ctx:
+            with autocast(self.device, self.amp_dtype):
+                out = self.model(x)
+                # Classes on the last axis: (batch, classes) for images, (batch, seq, vocab) for tokens.
+                loss = self.loss_fn(out.float().flatten(0, -2), y.flatten())
+            scaled = loss / accum if share == 1.0 else loss * share / accum
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        return loss.detach(), (out.argmax(-1) == y).sum()
+
+    def _loader_batch(self, batches: DevicePrefetcher, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``i``-th loader batch: taken and counted once, kept until the step succeeds."""
+        if i == len(self._held):
+            x, y, pos = next(batches)
+            self._consume(pos)
+            self._held.append((x, y))
+        return self._held[i]
+
+    def _probe(self, batches: DevicePrefetcher) -> None:
+        """``data.micro_batch=auto``: the largest micro-batch that fits on every rank, tried on the
+        first loader batch (which the first step then trains on); the model is left as it was."""
+        x, y = self._loader_batch(batches, 0)
+        snapshot = Snapshot(self.raw_model, self.device)
+        probe: Probe = self.micro.probe(lambda size: self._probe_attempt(x[:size], y[:size]))
+        snapshot.restore()
+        self._sync_micro_state()
+        self.metrics.once.update(describe(probe, self.micro))
+
+    def _probe_attempt(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        """Forward and backward at ``len(x)`` samples; the peak device bytes it needed with the
+        optimizer state still to come (0 on the CPU). Raises ``torch.OutOfMemoryError``."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            self._forward_backward(x, y, 1.0, sync=False)
+            return torch.cuda.max_memory_allocated(self.device) + optimizer_state_to_come(
+                self.trainables.optimizer) if cuda else 0
+        finally:
+            self.trainables.optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.empty_cache()
+
+    def _sync_micro_state(self) -> None:
+        """The micro-batch goes into the checkpoint's counters (a resume here keeps it)."""
+        for key, value in self.micro.state().items():
+            setattr(self.state, key, value)
+
     def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run evaluation or a checkpoint, keeping its time out of training throughput."""
         return self.stats.timed_out(lambda: fn(*args))
@@ -362,6 +464,8 @@ class Trainer:
     def report(self, b: Boundary, extra: dict[str, Any] | None = None, final: bool = False, *,
                to_ray: bool = False) -> None:
         """All ranks call this together, after an exchange."""
+        if self.micro.notices:  # console lines rank 0's report carries to the driver
+            self.metrics.once["notices"], self.micro.notices = self.micro.notices, []
         metrics = self.metrics.assemble(b, self.state, extra, final)
         if final:
             digest = self.param_digest()
