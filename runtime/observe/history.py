@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -66,20 +67,55 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-def read_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The reports a run folder's history file holds, oldest first ([] without one).
+@dataclass
+class History:
+    """A history file's reports, oldest first, and the lines that held none."""
 
-    A line cut short by a crash mid-write is skipped rather than failing the whole read.
-    """
-    f = run_dir / HISTORY_FILE
-    if not f.exists():
-        return []
-    out = []
-    for line in f.read_text().splitlines():
+    path: Path
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (line number, why)
+
+    def skipped_text(self, shown: int = 5) -> tuple[str, str]:
+        """(``N unreadable lines``, ``line 2: not JSON; ...``): the count, and the first ``shown`` named."""
+        named = "; ".join(f"line {n}: {why}" for n, why in self.skipped[:shown])
+        more = f"; {len(self.skipped) - shown} more" if len(self.skipped) > shown else ""
+        return f"{len(self.skipped)} unreadable line{'s' * (len(self.skipped) != 1)}", named + more
+
+
+def _finite_literal(text: str) -> float:
+    """json.dumps writes a non-finite float as NaN or Infinity, never as a literal too large for a
+    float: one (``1e999``) is damage, not a report."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def load_history(run_dir: Path) -> History:
+    """A run folder's history file, each line that is not a report (a line cut short by a crash
+    mid-write, damage) skipped and named, so a reader can say so instead of failing the whole read."""
+    history = History(run_dir / HISTORY_FILE)
+    if not history.path.exists():
+        return history
+    for n, line in enumerate(history.path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
-            item = json.loads(line)
+            item = json.loads(line, parse_float=_finite_literal)
         except json.JSONDecodeError:
+            history.skipped.append((n, "not JSON"))
+            continue
+        except ValueError:
+            history.skipped.append((n, "a number out of range"))
             continue
         if isinstance(item, dict):
-            out.append(item)
-    return out
+            history.reports.append(item)
+        else:
+            history.skipped.append((n, "not a JSON object"))
+    return history
+
+
+def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The reports a run folder's history file holds, oldest first ([] without one); lines that
+    hold none are skipped (``load_history`` names them)."""
+    return load_history(run_dir).reports

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import statistics
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.layout import LOCAL_RUNS
-from runtime.observe.history import CURVES_FILE, HISTORY_FILE, HistoryLog, ReportError, read_history
+from runtime.observe.cost import LEDGER_FILE, CostLedger
+from runtime.observe.history import CURVES_FILE, HISTORY_FILE, HistoryLog, ReportError, load_history, read_history
 
 if TYPE_CHECKING:
     from runtime.observe.tracking import ModelExporter
@@ -56,6 +59,11 @@ def summary_table(history: list[dict[str, Any]], run_dir: Path) -> list[str]:
         lines.append(f"reported     {len(history)} reports over {max(times) - min(times):.0f} s")
     if restarts:
         lines.append(f"restarts     {restarts} (each resumed from a committed checkpoint)")
+    if (run_dir / LEDGER_FILE).exists():  # a run with a cost rule or a priced instance type (docs/cost.md)
+        try:
+            lines += CostLedger.load(run_dir).summary_lines()
+        except ValueError as e:
+            lines.append(f"cost         unknown: {e}")
     lines.append("")
     lines.append(f"{'metric':<18}{'first':>10}{'last':>10}{'best':>10}")
     for key, label, best in METRICS:
@@ -71,17 +79,47 @@ def summary_table(history: list[dict[str, Any]], run_dir: Path) -> list[str]:
     return lines
 
 
-def report(run: str, runs_root: Path = LOCAL_RUNS) -> tuple[list[str], Path | None]:
-    """(summary lines, the plot written or None) for a run folder or name."""
-    from runtime.observe.tracking import plot_curves
+@dataclass
+class Report:
+    """What ``report`` found: the summary, the plot (or why there is none), and a warning to print."""
 
+    lines: list[str]
+    png: Path | None
+    plots: str  # the ``plots`` line's text
+    warning: str | None = None  # lines of the history file skipped, named
+
+
+def report(run: str, runs_root: Path = LOCAL_RUNS) -> Report:
+    """The summary of a run folder or name, its curves redrawn. Damaged history lines are skipped
+    and named in one warning; a history with no readable report is refused."""
     run_dir = find_run(run, runs_root)
-    history = read_history(run_dir)
-    if not history:
+    history = load_history(run_dir)
+    if not history.reports:
+        if history.skipped:
+            count, named = history.skipped_text()
+            raise ReportError(f"{history.path}: no readable report ({count}: {named})")
         raise ReportError(f"{run_dir / HISTORY_FILE}: no reports recorded (the run folder of a run started "
                           "by `python -m runtime train` holds one once its first report arrives)")
-    png = run_dir / CURVES_FILE
-    return summary_table(history, run_dir), png if plot_curves(history, png) else None
+    warning = None
+    if history.skipped:
+        count, named = history.skipped_text()
+        warning = f"{history.path}: {count} skipped ({named})"
+    png, plots = _plot(history.reports, run_dir / CURVES_FILE)
+    return Report(summary_table(history.reports, run_dir), png, plots, warning)
+
+
+def _plot(history: list[dict[str, Any]], png: Path) -> tuple[Path | None, str]:
+    """The curves and the ``plots`` line. Values matplotlib cannot scale (a range wider than a
+    float holds) make numpy warn and matplotlib raise: that is one line here, not a traceback."""
+    from runtime.observe.tracking import plot_curves
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # numpy's overflow inside matplotlib's scaling
+        try:
+            drawn = plot_curves(history, png)
+        except (ValueError, OverflowError, RuntimeWarning) as e:
+            return None, f"none (matplotlib cannot draw these values: {e})"
+    return (png, str(png)) if drawn else (None, "none (no report carried a training loss)")
 
 
 def main(run: str, sync: bool = False, export_model: ModelExporter | None = None) -> int:
@@ -94,13 +132,15 @@ def main(run: str, sync: bool = False, export_model: ModelExporter | None = None
             from runtime.observe.tracking import sync as sync_run
 
             print("\n".join(sync_run(find_run(run), export_model)) + "\n")
-        lines, png = report(run)
+        got = report(run)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_SERVICE
-    print("\n".join(lines))
-    print(f"\nplots        {png}" if png else "\nplots        none (no report carried a training loss)")
+    if got.warning:
+        print(f"warning: {got.warning}", file=sys.stderr)
+    print("\n".join(got.lines))
+    print(f"\nplots        {got.plots}")
     return 0

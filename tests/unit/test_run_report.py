@@ -42,8 +42,8 @@ def test_report_prints_first_last_best_restarts_and_writes_the_curves(tmp_path: 
 
 def test_report_finds_a_run_by_name_under_the_runs_folder(tmp_path: Path) -> None:
     _history(tmp_path / "runs" / "named", [_item(10, 0.9)])
-    lines, png = report("named", runs_root=tmp_path / "runs")
-    assert lines[0].startswith("run          named") and png is not None and png.exists()
+    got = report("named", runs_root=tmp_path / "runs")
+    assert got.lines[0].startswith("run          named") and got.png is not None and got.png.exists()
 
 
 def test_report_on_a_missing_or_empty_run_exits_2_and_writes_nothing(tmp_path: Path,
@@ -90,3 +90,37 @@ def test_a_full_disk_costs_the_history_file_not_the_run(tmp_path: Path, caplog: 
     history.close()
     assert [r.getMessage() for r in caplog.records] == [
         f"{tmp_path / HISTORY_FILE}: No space left on device; the run goes on without its report history"]
+
+
+def test_report_skips_corrupt_history_lines_with_one_warning_naming_the_file_and_lines(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "r"
+    _history(run, [_item(10, 0.9)], tail='garbage {{\n["not", "a report"]\n{"step": 15, "train/loss": 1e999}\n'
+                                         + json.dumps(_item(20, 0.5)) + "\n" + '{"step": 30, "train/lo')
+    assert main(str(run)) == 0
+    out, err = capsys.readouterr()
+    assert "reported     2 reports" in out and "steps        20 of 30" in out
+    warning = [ln for ln in err.splitlines() if ln]
+    assert len(warning) == 1 and warning[0].startswith(f"warning: {run / HISTORY_FILE}: 4 unreadable lines skipped")
+    assert all(f"line {n}: {why}" in warning[0] for n, why in
+               ((2, "not JSON"), (3, "not a JSON object"), (4, "a number out of range"), (6, "not JSON")))
+
+
+def test_report_refuses_a_history_with_no_readable_line_naming_them(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "r"
+    _history(run, [], tail="\x00\x00\x00\n{oops\n")
+    assert main(str(run)) == 2
+    err = capsys.readouterr().err
+    assert f"error: {run / HISTORY_FILE}: no readable report (2 unreadable lines: line 1: not JSON" in err
+    assert not (run / CURVES_FILE).exists()
+
+
+def test_report_on_values_matplotlib_cannot_draw_says_so_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], recwarn: pytest.WarningsRecorder) -> None:
+    run = tmp_path / "r"
+    _history(run, [_item(10, 0.9, **{"train/learning_rate": 1e308}), _item(20, 0.5, **{"train/learning_rate": -1e308})])
+    assert main(str(run)) == 0
+    out = capsys.readouterr().out
+    assert "train loss" in out and "plots        none (matplotlib cannot draw these values: " in out
+    assert not recwarn.list and not list(run.glob("*.png*")) and not list(run.glob(".*"))
