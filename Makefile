@@ -111,6 +111,23 @@ gpu-check: ## On a GPU host: tests/gpu, then the GPU benchmarks -> benchmarks/re
 	@test -x "$$(command -v $(GPU_PY))" || { echo "gpu-check: $(GPU_PY) not found: run make setup, or pass GPU_PY=python3 on a GPU host"; exit 1; }
 	$(GPU_PY) -m benchmarks.gpu_check
 
+##@ Generated files
+
+# generate.py lists every generated file with the program that writes it (dashboards, runbook
+# links, the PrometheusRule, the KubeRay schemas, Terraform's example inventory). The inventory
+# is rendered by Terraform from .venv-tf (about 1.5 s), hence $(TF_STAMP); defined in
+# mk/terraform.mk, which is included above, so it is set when these lines are read.
+
+.PHONY: generate
+generate: setup $(TF_STAMP) ## Write every generated file whose generator's output differs (generate.py lists them).
+	$(PY) -m generate
+
+.PHONY: generate-check
+generate-check: setup $(TF_STAMP) ## Fail naming each stale generated file and the command that fixes it (changes nothing).
+	$(PY) -m generate --check
+
+TEST_TARGETS += generate-check
+
 ##@ Cluster
 
 # Prerequisite of the targets that need a cluster: the local one unless RAY_ADDRESS names one.

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "kubernetes"))
 
+import k8s_objects  # noqa: E402
 import k8s_render  # noqa: E402
 
 # The job each overlay is rendered with: the GPU overlays run the README's resnet50,
@@ -24,7 +25,7 @@ def kustomized() -> dict[str, list[dict[str, Any]]]:
     """`kubectl kustomize` output per overlay, before any job's values are filled in."""
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl (with kustomize v5) is not installed: the manifests cannot be rendered")
-    return {o: k8s_render.kustomize(k8s_render.OVERLAYS_DIR / o) for o in k8s_render.overlays()}
+    return {o: k8s_objects.kustomize(k8s_objects.OVERLAYS_DIR / o) for o in k8s_objects.overlays()}
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Kubernetes isolation: NetworkPolicies select every pod, MLflow needs a login, pods carry no API token.
 
-The checks live in k8s_render.isolation_problems, so `make k8s-render` refuses what these tests refuse.
+The checks live in k8s_checks.isolation_problems, so `make k8s-render` refuses what these tests refuse.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import k8s_checks
+import k8s_objects
 import k8s_render
 import kubernetes_validate
 import pytest
@@ -25,18 +27,18 @@ def _render(overlay: str, objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policies_match_the_kubernetes_schema_and_select_every_pod(rendered: dict, overlay: str) -> None:
     _v, objs = rendered[overlay]
-    policies = k8s_render.find(objs, "NetworkPolicy")
+    policies = k8s_objects.find(objs, "NetworkPolicy")
     assert {p["metadata"]["name"] for p in policies} >= {"rt-train"}
     for p in policies:
         kubernetes_validate.validate(p, K8S_VERSION, strict=True)
-    assert k8s_render.isolation_problems(objs) == []
-    assert k8s_render.isolation_problems(k8s_render.cluster_objects(objs, _v)) == []
+    assert k8s_checks.isolation_problems(objs) == []
+    assert k8s_checks.isolation_problems(k8s_render.cluster_objects(objs, _v)) == []
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_a_render_without_the_network_policies_is_refused(kustomized: dict, overlay: str) -> None:
     objs = [o for o in copy.deepcopy(kustomized[overlay]) if o["kind"] != "NetworkPolicy"]
-    with pytest.raises(k8s_render.RenderError, match="no NetworkPolicy selects its pods"):
+    with pytest.raises(k8s_objects.RenderError, match="no NetworkPolicy selects its pods"):
         _render(overlay, objs)
 
 
@@ -45,7 +47,7 @@ def test_a_policy_that_admits_every_pod_or_all_ports_from_other_namespaces_is_re
     policy = next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rt-train")
     policy["spec"]["ingress"].append({})
     policy["spec"]["ingress"].append({"from": [{"namespaceSelector": {}, "podSelector": {}}]})
-    problems = k8s_render.isolation_problems(objs)
+    problems = k8s_checks.isolation_problems(objs)
     assert any("ingress[3]: admits every pod" in p for p in problems), problems
     assert any("ingress[4]: pods of other namespaces are admitted to every port" in p for p in problems), problems
 
@@ -64,7 +66,7 @@ def test_metrics_ports_are_open_to_prometheus_only_and_mlflow_to_training_pods_o
 @pytest.mark.parametrize("overlay", ["cpu-demo", "local-gpu"])
 def test_in_cluster_mlflow_requires_a_login_from_a_secret_and_ray_pods_log_in(rendered: dict, overlay: str) -> None:
     _v, objs = rendered[overlay]
-    (server,) = [d for d in k8s_render.find(objs, "Deployment") if d["metadata"]["name"] == "rt-mlflow"]
+    (server,) = [d for d in k8s_objects.find(objs, "Deployment") if d["metadata"]["name"] == "rt-mlflow"]
     pod = server["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"][:4] == ["mlflow", "server", "--app-name", "basic-auth"]
@@ -72,8 +74,8 @@ def test_in_cluster_mlflow_requires_a_login_from_a_secret_and_ray_pods_log_in(re
     env = {e["name"]: e for e in c["env"]}
     for name in ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
         assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "rt-mlflow-auth"
-    (job,) = k8s_render.find(objs, "RayJob")
-    for where, spec in k8s_render.pod_specs(job):
+    (job,) = k8s_objects.find(objs, "RayJob")
+    for where, spec in k8s_objects.pod_specs(job):
         if where == "submitterPodTemplate":
             continue
         env = {e["name"]: e for e in spec["containers"][0]["env"]}
@@ -82,16 +84,16 @@ def test_in_cluster_mlflow_requires_a_login_from_a_secret_and_ray_pods_log_in(re
     server_c = copy.deepcopy(objs)
     dep = next(d for d in server_c if d["kind"] == "Deployment" and d["metadata"]["name"] == "rt-mlflow")
     dep["spec"]["template"]["spec"]["containers"][0]["command"].remove("--app-name")
-    assert any("basic-auth" in p for p in k8s_render.isolation_problems(server_c))
+    assert any("basic-auth" in p for p in k8s_checks.isolation_problems(server_c))
 
 
 def test_only_the_ray_head_mounts_a_service_account_token(kustomized: dict, rendered: dict) -> None:
     _v, objs = rendered["eks"]
-    (job,) = k8s_render.find(objs, "RayJob")
-    tokens = {where: spec.get("automountServiceAccountToken", True) for where, spec in k8s_render.pod_specs(job)}
+    (job,) = k8s_objects.find(objs, "RayJob")
+    tokens = {where: spec.get("automountServiceAccountToken", True) for where, spec in k8s_objects.pod_specs(job)}
     assert tokens == {"submitterPodTemplate": False, "headGroupSpec": True, "workerGroupSpecs[gpu]": False}
     objs = copy.deepcopy(kustomized["eks"])
     next(o for o in objs if o["kind"] == "RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"][
         "spec"].pop("automountServiceAccountToken")
-    with pytest.raises(k8s_render.RenderError, match="automountServiceAccountToken: false"):
+    with pytest.raises(k8s_objects.RenderError, match="automountServiceAccountToken: false"):
         _render("eks", objs)

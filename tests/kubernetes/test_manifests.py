@@ -16,8 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import crd_schemas
 import jsonschema
+import k8s_checks
+import k8s_objects
 import k8s_render
+import k8s_rules
 import kubernetes_validate
 import pytest
 import yaml
@@ -38,7 +42,7 @@ def _errors(validator: jsonschema.Draft202012Validator, obj: Any) -> list[str]:
 
 
 def test_every_overlay_is_tested() -> None:
-    assert sorted(k8s_render.overlays()) == OVERLAYS
+    assert sorted(k8s_objects.overlays()) == OVERLAYS
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -87,9 +91,8 @@ def test_shipped_crd_schemas_equal_a_fresh_conversion_of_the_kuberay_crds() -> N
     files = sorted(crds.glob("ray.io_ray*.yaml"))
     if not files:
         pytest.skip(f"the KubeRay v1.7.0 CRDs are not at {crds} (set RT_KUBERAY_CRDS)")
-    proc = subprocess.run([sys.executable, str(ROOT / "kubernetes" / "crd_schemas.py"), "--check", *map(str, files)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    fresh = crd_schemas.render(files)
+    assert fresh and {n: (ROOT / "kubernetes" / "schemas" / n).read_text() for n in fresh} == fresh
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +125,7 @@ def test_prometheus_operator_check_rejects_a_misspelt_field(rendered: dict, prom
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_rendered_manifests_pass_the_semantic_checks(rendered: dict, overlay: str) -> None:
     v, objs = rendered[overlay]
-    assert k8s_render.problems(objs, v) == []
+    assert k8s_checks.problems(objs, v) == []
 
 
 def test_gpu_pods_get_the_jobs_gpus_per_worker_and_replicas_cover_its_workers(rendered: dict) -> None:
@@ -193,10 +196,7 @@ def test_job_and_dashboard_configmaps_ship_every_file(rendered: dict) -> None:
 
 
 def test_prometheus_rule_is_generated_from_the_alert_files() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "kubernetes" / "k8s_render.py"), "rules", "--check"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    rule = yaml.safe_load(k8s_render.RULES_FILE.read_text())
+    rule = yaml.safe_load((ROOT / k8s_rules.RULES_FILE).read_text())
     groups = [g for f in sorted((ROOT / "alerts").glob("*.rules.yml")) for g in yaml.safe_load(f.read_text())["groups"]]
     assert rule["spec"]["groups"] == groups and any(r.get("alert") for g in groups for r in g["rules"])
 
@@ -205,7 +205,7 @@ def _mutated(rendered: dict, overlay: str, change: Any) -> list[str]:
     v, objs = rendered[overlay]
     objs = copy.deepcopy(objs)
     change(objs)
-    return k8s_render.problems(objs, v)
+    return k8s_checks.problems(objs, v)
 
 
 def _job(objs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -338,6 +338,6 @@ def test_plain_kustomize_output_is_already_the_overlays_default_run(
 
 
 def test_base_renders_on_its_own(kustomized: dict) -> None:
-    objs = k8s_render.kustomize(ROOT / "kubernetes" / "base")
+    objs = k8s_objects.kustomize(ROOT / "kubernetes" / "base")
     v = k8s_render.resolve("resnet50", "local-gpu", base_objs=objs)
-    assert k8s_render.problems(objs, v) == []
+    assert k8s_checks.problems(objs, v) == []

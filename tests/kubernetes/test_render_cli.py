@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import k8s_objects
 import k8s_render
 import pytest
 import yaml
@@ -15,7 +16,7 @@ import yaml
 from tests.kubernetes.conftest import ROOT
 from tests.support import free_port
 
-SCRIPT = ROOT / "kubernetes" / "k8s_render.py"
+SCRIPT = ROOT / "kubernetes" / "k8s_cli.py"
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -41,7 +42,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 def test_bad_values_fail_naming_the_value(kustomized: dict, overlay: str, kwargs: dict[str, Any],
                                           message: str) -> None:
     job = kwargs.pop("job", "resnet50")
-    with pytest.raises(k8s_render.RenderError) as e:
+    with pytest.raises(k8s_objects.RenderError) as e:
         k8s_render.resolve(job, overlay, base_objs=kustomized.get(overlay, []), **kwargs)
     assert message in str(e.value)
     assert e.value.exit_code == 2
@@ -53,7 +54,7 @@ def test_fractional_gpus_per_worker_in_the_job_file_is_refused_for_pods(kustomiz
         "distributed: {num_workers: 2,", "distributed: {num_workers: 2, gpus_per_worker: 0.5,")
     (tmp_path / "half.yaml").write_text(text)
     monkeypatch.setattr(k8s_render, "JOBS_DIR", tmp_path)
-    with pytest.raises(k8s_render.RenderError, match=r"distributed.gpus_per_worker=0.5: a pod gets whole GPUs"):
+    with pytest.raises(k8s_objects.RenderError, match=r"distributed.gpus_per_worker=0.5: a pod gets whole GPUs"):
         k8s_render.resolve("half", "local-gpu", base_objs=kustomized["local-gpu"])
 
 
@@ -71,7 +72,7 @@ def test_gpus_override_sets_pod_limits_and_the_jobs_own_setting(kustomized: dict
     assert "--run-name rn50-a" in job["spec"]["entrypoint"]
     assert job["metadata"]["name"] == "rt-train-rn50-a"
     assert {o["metadata"]["namespace"] for o in objs} == {"ml-team"}
-    images = {c["image"] for o in objs for _w, pod in k8s_render.pod_specs(o) for c in k8s_render.containers(pod)}
+    images = {c["image"] for o in objs for _w, pod in k8s_objects.pod_specs(o) for c in k8s_objects.containers(pod)}
     assert images == {"ghcr.io/example-org/rt-runtime:0.2.0"}
 
 
