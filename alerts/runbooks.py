@@ -1,20 +1,17 @@
-"""make alerts-runbooks  (python3 -m alerts.runbooks [--check])
+"""The one place alert runbook links come from (`make generate` writes them; generate.py lists it).
 
-The one place alert runbook links come from: every alert's ``runbook_url`` is
-``BASE_URL + "alerts/runbook.md#" + <alert name in lower case>``, the anchor of the
-runbook's ``## <AlertName>`` section. This writes that link into each alert rule's
-annotations (alerts/*.rules.yml) and into the annotations the promtool tests expect
+Every alert's ``runbook_url`` is ``BASE_URL + "alerts/runbook.md#" + <alert name in lower case>``,
+the anchor of the runbook's ``## <AlertName>`` section. ``render`` writes that link into each alert
+rule's annotations (alerts/*.rules.yml) and into the annotations the promtool tests expect
 (alerts/tests/*.test.yml: promtool compares every annotation), adding it where missing.
-To point the links elsewhere (a fork), change BASE_URL and run ``make alerts-runbooks``.
-``--check`` (run by ``make alerts-check`` and the tests) fails when a file differs.
-Line-based so comments and layout stay as written; standard library only.
+To point the links elsewhere (a fork), change BASE_URL and run ``make generate``;
+``make generate-check`` fails when a file differs. Line-based so comments and layout stay as
+written; standard library only.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -81,33 +78,3 @@ def render(text: str, source: str, base: str = BASE_URL) -> str:
 def files(folder: Path = HERE) -> list[Path]:
     """The rule files and their promtool tests."""
     return sorted(folder.glob("*.rules.yml")) + sorted((folder / "tests").glob("*.test.yml"))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail when a file's runbook links differ")
-    args = parser.parse_args(argv)
-    stale = []
-    for path in files():
-        text = path.read_text()
-        try:
-            want = render(text, str(path.relative_to(HERE.parent)))
-        except ValueError as e:
-            print(f"alerts: {e}", file=sys.stderr)
-            return 1
-        if want == text:
-            continue
-        stale.append(path.name)
-        if not args.check:
-            path.write_text(want)
-    if stale and args.check:
-        print(f"runbook links out of date in {', '.join(stale)}; run `make alerts-runbooks` and commit",
-              file=sys.stderr)
-        return 1
-    if not args.check:
-        print(f"runbook links: {len(stale)} file(s) rewritten from {runbook_url('<alert>')}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

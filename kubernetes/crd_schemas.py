@@ -1,4 +1,5 @@
-"""python kubernetes/crd_schemas.py /work/shared/kuberay/ray.io_rayclusters.yaml ... [--check]
+"""KubeRay CRDs -> the JSON Schemas in kubernetes/schemas/ (written by `make generate`, from
+$RT_KUBERAY_CRDS or ../shared/kuberay/; generate.py lists it with every other generated file).
 
 Turns CustomResourceDefinitions into the JSON Schemas kubernetes/schemas/ ships
 (one file per kind and served version), so rendered custom resources are checked
@@ -15,15 +16,12 @@ offline against what the API server would enforce. Two differences from the raw
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-SCHEMAS_DIR = Path(__file__).resolve().parent / "schemas"
 # The CRDs are 2.3 MB of YAML: libyaml's safe loader reads them in a second, the pure-Python one in ~20.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -61,31 +59,10 @@ def convert(crd: dict[str, Any], source: str) -> dict[str, dict[str, Any]]:
 
 
 def render(paths: list[Path]) -> dict[str, str]:
+    """{file name in schemas/: JSON text} for the CRD files given."""
     files: dict[str, str] = {}
     for p in paths:
         crd = yaml.load(p.read_text(), Loader=_LOADER)  # noqa: S506 (a safe loader, the C one when built)
         for name, schema in convert(crd, f"ray-project/kuberay v1.7.0 {p.name}").items():
             files[name] = json.dumps(schema, indent=1, sort_keys=True) + "\n"
     return files
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("crds", nargs="+", type=Path)
-    p.add_argument("--check", action="store_true", help="fail when the shipped schemas differ")
-    args = p.parse_args(argv)
-    files = render(args.crds)
-    stale = [n for n, text in files.items()
-             if not (SCHEMAS_DIR / n).is_file() or (SCHEMAS_DIR / n).read_text() != text]
-    if args.check:
-        for n in stale:
-            print(f"kubernetes/schemas/{n} differs from the CRDs given", file=sys.stderr)
-        return 1 if stale else 0
-    for n, text in files.items():
-        (SCHEMAS_DIR / n).write_text(text)
-    print("wrote " + ", ".join(sorted(files)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -118,7 +118,7 @@ def test_node_down_runbooks_give_the_replace_node_command():
 @pytest.mark.parametrize("path", runbooks.files(), ids=lambda p: p.name)
 def test_runbook_links_are_written_from_the_one_pattern(path):
     text = path.read_text()
-    assert runbooks.render(text, path.name) == text, f"{path.name}: run `make alerts-runbooks`"
+    assert runbooks.render(text, path.name) == text, f"{path.name}: run `make generate`"
 
 
 def test_the_runbook_writer_adds_a_missing_link_and_moves_every_link_to_a_new_base():

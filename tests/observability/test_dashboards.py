@@ -6,9 +6,7 @@ Run: .venv/bin/python -m pytest tests/observability
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -96,24 +94,7 @@ def test_committed_dashboard_json_equals_generator_output():
     committed = {p.name for p in DASHBOARDS_DIR.glob("*.json")}
     assert committed == set(rendered), "dashboards/*.json and generate.DASHBOARDS disagree"
     for name, text in rendered.items():
-        assert (DASHBOARDS_DIR / name).read_text() == text, f"{name} is stale: run `make dashboards`"
-    check = subprocess.run(
-        [sys.executable, "-m", "dashboards.generate", "--check"],
-        cwd=DASHBOARDS_DIR.parent,
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert check.returncode == 0, check.stderr
-
-
-def test_generator_check_fails_on_a_hand_edited_dashboard(tmp_path):
-    for name, text in generate.render().items():
-        (tmp_path / name).write_text(text)
-    edited = json.loads((tmp_path / "gpu.json").read_text())
-    edited["panels"][0]["title"] = "edited by hand"
-    (tmp_path / "gpu.json").write_text(json.dumps(edited))
-    assert generate.main(["--check", "--out", str(tmp_path)]) == 1
+        assert (DASHBOARDS_DIR / name).read_text() == text, f"{name} is stale: run `make generate`"
 
 
 def test_dashboard_uids_are_fixed_and_unique():
