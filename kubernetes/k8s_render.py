@@ -84,7 +84,14 @@ def resolve(job: str, overlay: str, *, image: str | None = None, gpus: str | int
         cfg = load_job(job, [], environ={}, jobs_dir=JOBS_DIR)
     except ConfigError as e:
         raise RenderError(str(e)) from None
-    n_workers = _int_at_least(workers, 1, "WORKERS") if workers is not None else cfg.distributed.num_workers
+    size = cfg.distributed.num_workers
+    if workers is not None:
+        n_workers = _int_at_least(workers, 1, "WORKERS")
+    elif isinstance(size, int):
+        n_workers = size
+    else:
+        raise RenderError(f"jobs/{job}.yaml: distributed.num_workers is elastic ({{min: {size.min}, max: {size.max}}}) "
+                          f"and a RayJob's worker group has a fixed size: set WORKERS=<n> (e.g. WORKERS={size.max})")
     if gpus is not None:
         n_gpus = _int_at_least(gpus, 0, "GPUS")
     elif not pod_has_gpus or cfg.distributed.use_gpu is False:

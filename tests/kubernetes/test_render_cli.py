@@ -58,6 +58,18 @@ def test_fractional_gpus_per_worker_in_the_job_file_is_refused_for_pods(kustomiz
         k8s_render.resolve("half", "local-gpu", base_objs=kustomized["local-gpu"])
 
 
+def test_an_elastic_job_needs_a_fixed_worker_count_for_pods(kustomized: dict, monkeypatch: Any,
+                                                           tmp_path: Path) -> None:
+    text = (ROOT / "jobs" / "resnet50.yaml").read_text().replace(
+        "distributed: {num_workers: 2,",
+        "distributed: {num_workers: {min: 2, max: 4}, elastic: {keep: per_worker_batch},")
+    (tmp_path / "elastic.yaml").write_text(text)
+    monkeypatch.setattr(k8s_render, "JOBS_DIR", tmp_path)
+    with pytest.raises(k8s_objects.RenderError, match=r"elastic \(\{min: 2, max: 4\}\).*set WORKERS=<n>"):
+        k8s_render.resolve("elastic", "local-gpu", base_objs=kustomized["local-gpu"])
+    assert k8s_render.resolve("elastic", "local-gpu", workers="3", base_objs=kustomized["local-gpu"]).workers == 3
+
+
 def test_gpus_override_sets_pod_limits_and_the_jobs_own_setting(kustomized: dict) -> None:
     v = k8s_render.resolve("resnet50", "eks", gpus="4", workers="3", run_name="rn50-a", namespace="ml-team",
                            image="ghcr.io/example-org/rt-runtime:0.2.0", base_objs=kustomized["eks"])
