@@ -1,5 +1,6 @@
-"""When training ends: its length (max steps, epochs), the non-finite policy, preemption and
-stop requests (a failed save with ``checkpoint.on_failure=stop``).
+"""When training ends: its length (max steps, epochs), the non-finite policy, preemption, stop
+requests (a failed save with ``checkpoint.on_failure=stop``) and the cost rules (``cost.budget_usd``,
+``cost.pause_above_usd_per_hour``: rank 0's ``CostWatch``, docs/cost.md).
 
 The loop asks ``done`` before every step and ``stopping`` after every boundary; the ranks only
 stop together, because ``agree`` reads what all of them exchanged at the same step.
@@ -7,10 +8,15 @@ stop together, because ``agree`` reads what all of them exchanged at the same st
 
 from __future__ import annotations
 
+import math
 import os
+import time
+from collections.abc import Callable
 
-from runtime.config.schema import NonFiniteConfig, TrainConfig
-from runtime.run import PREEMPT_FILE
+from runtime.config.schema import CostConfig, JobConfig, NonFiniteConfig, TrainConfig
+from runtime.observe.cost import BUDGET_REASON, PRICE_PAUSE_REASON, CostLedger, SpendMeter, budget_reached
+from runtime.observe.prices import PriceSource, Quote, price_source
+from runtime.run import PREEMPT_FILE, RunInfo
 from runtime.train.resume import TrainerState
 from runtime.train.stats import Boundary
 
@@ -24,14 +30,66 @@ def total_steps(tc: TrainConfig, batches_per_epoch: int) -> int:
     return tc.max_steps or steps_per_epoch * (tc.epochs or 1)
 
 
+def billed_nodes(workers: int, cost: CostConfig) -> int:
+    # e.g. 8 workers, 4 per g5.12xlarge -> 2 instances billed
+    return max(1, math.ceil(workers / cost.workers_per_node))
+
+
+class CostWatch:
+    """Rank 0's cost rules, asked at every boundary: the budget and the spot-price pause.
+
+    Bills from the attempt's start (``RunInfo.started_at``, the driver's clock) on top of what the
+    run's ledger says earlier attempts spent, at the price read at each check (docs/cost.md).
+    """
+
+    def __init__(self, cost: CostConfig, source: PriceSource, nodes: int, start: float, spent_before: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cost, self.source, self.clock = cost, source, clock
+        self.quote: Quote | None = None
+        self.meter = SpendMeter(nodes, self._price, start, spent_before)
+
+    def _price(self) -> float:
+        self.quote = self.source.quote()
+        return self.quote.usd_per_hour
+
+    def check(self) -> str | None:
+        """The stop reason the cost rules give now, or None to go on."""
+        c = self.cost
+        before = self.meter.spent
+        spent = self.meter.tick(self.clock())
+        assert self.quote is not None  # tick read it
+        price = self.quote.usd_per_hour
+        if c.pause_above_usd_per_hour is not None and price > c.pause_above_usd_per_hour:
+            return (f"{PRICE_PAUSE_REASON} {price:.4g} USD/h ({self.quote.origin}) above "
+                    f"cost.pause_above_usd_per_hour={c.pause_above_usd_per_hour:g}")
+        if c.budget_usd is not None and budget_reached(spent, spent - before, c.budget_usd):
+            then = ("stopped" if c.on_budget == "stop"
+                    else "paused: raise cost.budget_usd and run again with the same --run-name")
+            return (f"{BUDGET_REASON} spent {spent:.4f} USD of cost.budget_usd={c.budget_usd:g} "
+                    f"(the next interval would cost {spent - before:.4f} at {self.meter.usd_per_hour:.4g} USD/h, "
+                    f"{self.quote.origin}); {then}")
+        return None
+
+
+def build_cost_watch(cfg: JobConfig, run: RunInfo, rank: int, world: int) -> CostWatch | None:
+    """Rank 0's watch when the job has a budget or a pause price; every other rank follows rank 0."""
+    c = cfg.cost
+    if rank != 0 or (c.budget_usd is None and c.pause_above_usd_per_hour is None):
+        return None
+    spent_before = CostLedger.load(run.run_dir).spent_usd
+    return CostWatch(c, price_source(c, c.instance_type or run.instance_type), billed_nodes(world, c),
+                     run.started_at, spent_before)
+
+
 class StopPolicy:
     """Decides when this rank's loop ends, and why (rank 0's reason is the one reported)."""
 
-    def __init__(self, tc: TrainConfig, total: int, run_dir: str) -> None:
+    def __init__(self, tc: TrainConfig, total: int, run_dir: str, cost: CostWatch | None = None) -> None:
         self.total_steps = total
         self.epochs = tc.epochs
         self.nonfinite: NonFiniteConfig = tc.nonfinite
         self.marker = os.path.join(run_dir, PREEMPT_FILE)
+        self.cost = cost  # rank 0 only, and only with cost.budget_usd or cost.pause_above_usd_per_hour
         self.reason: str | None = None  # why this rank wants to stop
         self.stopping = False  # all ranks agreed to stop (set only by agree, so at the same step)
 
@@ -40,7 +98,15 @@ class StopPolicy:
         return state.global_step >= self.total_steps or (self.epochs is not None and state.epoch >= self.epochs)
 
     def preempted(self) -> bool:
-        """The driver (on SIGTERM) or an operator drops a marker file: checkpoint now and stop."""
+        """The driver (on SIGTERM) or an operator drops a marker file: checkpoint now and stop.
+
+        Rank 0 asks this at every boundary, just before the exchange reads ``reason``: so the cost
+        rules are checked here too, and a stop they request is agreed on at this very boundary.
+        """
+        if self.cost is not None and self.reason is None:
+            why = self.cost.check()
+            if why is not None:
+                self.request(why)
         return os.path.exists(self.marker)
 
     def request(self, reason: str) -> None:
