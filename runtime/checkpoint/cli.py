@@ -1,7 +1,7 @@
 """``python -m runtime checkpoints list|verify|prune <storage> [--endpoint-url URL] [--keep N (prune)]``.
 
 Exit codes: 0 ok, 1 an invalid checkpoint was found (verify) or storage failed, 2 bad usage
-(including a local folder that does not exist); verify also exits 1 when there is nothing to verify.
+(including a local folder that does not exist or is a file); verify also exits 1 when there is nothing to verify.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect, verify and rotate checkpoints in a folder or s3://bucket/prefix "
                     "(a run's checkpoints: <checkpoint.storage>/<run name>/checkpoints).",
         epilog="exit codes: 0 ok; 1 an invalid checkpoint (verify), nothing to verify, or storage failed; "
-               "2 bad usage or a local folder that does not exist",
+               "2 bad usage or a local folder that does not exist or is a file",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="{list,verify,prune}")
     helps = {
@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if isinstance(mgr.storage, LocalStorage) and not os.path.isdir(mgr.storage.root):
         # A typo must not read as "0 valid, 0 invalid": nothing was verified.
-        print(f"error: checkpoint folder {mgr.storage.root} does not exist", file=sys.stderr)
+        root = mgr.storage.root
+        why = ("is a file, not a checkpoint folder (give the folder that holds the checkpoints: "
+               "<checkpoint.storage>/<run name>/checkpoints)") if os.path.exists(root) else "does not exist"
+        print(f"error: checkpoint folder {root} {why}", file=sys.stderr)
         mgr.close()
         return 2
     try:

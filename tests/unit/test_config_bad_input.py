@@ -180,6 +180,21 @@ COMMAND_CASES = {
     "checkpoints gcs": Case(["checkpoints", "list", "gs://b/p"], ["gs://"]),
     "checkpoints without arguments": Case(["checkpoints"], ["list,verify,prune"]),
     "data unknown subcommand": Case(["data", "frobnicate"], ["invalid choice"]),
+    "checkpoints verify a regular file": Case(["checkpoints", "verify", "{tmp}/model.pt"],
+                                              ["model.pt is a file, not a checkpoint folder"],
+                                              files={"model.pt": "x"}, absent=["does not exist"]),
+    "checkpoints list a regular file": Case(["checkpoints", "list", "{tmp}/model.pt"], ["is a file"],
+                                            files={"model.pt": "x"}, absent=["does not exist"]),
+    "data pack missing source": Case(["data", "pack", "{tmp}/nope", "{tmp}/out"], ["nope does not exist"],
+                                     absent=["no train/ folder"]),
+    "data pack source is a file": Case(["data", "pack", "{tmp}/photos.zip", "{tmp}/out"],
+                                       ["photos.zip is a file, not a folder"], files={"photos.zip": "x"},
+                                       absent=["no train/ folder"]),
+    "data pack onto a file": Case(["data", "pack", "{tmp}/src", "{tmp}/out.tar"],
+                                  ["out.tar exists and is not a folder"], files={"out.tar": "x", "src/train/a/x": ""}),
+    "report on a history with no readable line": Case(["report", "{tmp}/run"],
+                                                      ["history.jsonl: no readable report", "line 1: not JSON"],
+                                                      files={"run/history.jsonl": "\x00garbage\n"}),
 }
 
 ALL_CASES = {**FILE_CASES, **SET_CASES, **ENV_CASES, **COMMAND_CASES}

@@ -48,8 +48,12 @@ def pack(src: Path, out: Path, shard_size: int) -> PackReport:
     """
     if shard_size < 1:
         raise ConfigError(f"--shard-size must be >= 1, got {shard_size}")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty: pack writes a new folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is {'not empty' if out.is_dir() else 'not a folder'}: "
+                          "pack writes a new folder")
+    if not src.is_dir():
+        raise ConfigError(f"{src} {'is a file, not a folder' if src.exists() else 'does not exist'} "
+                          f"(expected an ImageFolder tree: {src}/train/<class>/<image>)")
     train_dir = src / "train"
     if not train_dir.is_dir():
         raise ConfigError(f"{src} has no train/ folder (expected {src}/train/<class>/<image>)")
