@@ -372,7 +372,7 @@ def test_check_mode_with_forced_gpu_renders_driver_nccl_and_dcgm_config(ansible,
     assert "+NCCL_P2P_LEVEL=NVL" in out
     # DCGM exporter: pinned version, counters and the port Prometheus scrapes.
     assert "+DCGM_FI_DEV_GPU_UTIL, gauge, GPU utilization (in %)." in out
-    assert "--address 0.0.0.0:9400" in out
+    assert "--address 0.0.0.0:" not in out and ":9400 --collect-interval 15000" in out  # private address
     assert "+Description=NVIDIA DCGM exporter 4.1.1-4.0.4" in out
     # Check mode wrote nothing.
     host = hosts("worker1")
