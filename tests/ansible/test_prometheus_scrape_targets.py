@@ -1,0 +1,65 @@
+"""Targets that jobs write (the training file_sd and http_sd, Ray's file_sd) cannot change how
+Prometheus scrapes them: the role's config pins the scheme and path and drops URL parameters.
+
+Renders the role's prometheus.yml, then lets the real promtool discover a planted target file and
+apply the relabelling (`promtool check service-discovery`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSIBLE_DIR = ROOT / "ansible"
+ROLE = ANSIBLE_DIR / "roles" / "prometheus"
+PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+PROMTOOL = shutil.which("promtool") or str(ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool")
+PLANTED = {"__scheme__": "https", "__metrics_path__": "/debug/pprof/heap", "__param_target": "10.0.0.9:22"}
+
+
+def _render(tmp_path: Path) -> Path:
+    variables = {**yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()),
+                 "prometheus_config_dir": str(tmp_path), "prometheus_training_file_sd_dir": str(tmp_path / "training"),
+                 "prometheus_ray_file_sd_files": [str(tmp_path / "ray.json")]}
+    play = [{"hosts": "localhost", "gather_facts": False, "vars": variables, "tasks": [{
+        "name": "Render the config.",
+        "ansible.builtin.template": {"src": str(ROLE / "templates" / "prometheus.yml.j2"),
+                                     "dest": str(tmp_path / "prometheus.yml"), "mode": "0600"}}]}]
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    proc = subprocess.run([str(PLAYBOOK), "-i", "localhost,", "-c", "local", "-e",
+                           json.dumps({"ansible_python_interpreter": sys.executable}), str(tmp_path / "play.yml")],
+                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    (tmp_path / "web-password").write_text("p" * 16)
+    return tmp_path / "prometheus.yml"
+
+
+@pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="promtool: run `make prometheus-tools`")
+def test_planted_target_labels_cannot_change_the_scrape_url(tmp_path: Path) -> None:
+    config = _render(tmp_path)
+    check = subprocess.run([PROMTOOL, "check", "config", "--syntax-only", str(config)],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    (tmp_path / "training").mkdir()
+    planted = [{"targets": ["10.0.1.21:9470"], "labels": PLANTED}]
+    (tmp_path / "training" / "job.json").write_text(json.dumps(planted))
+    (tmp_path / "ray.json").write_text(json.dumps(planted))
+    for job in ("training", "ray"):
+        proc = subprocess.run([PROMTOOL, "check", "service-discovery", "--timeout=1s", str(config), job],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        targets = json.loads(proc.stdout)
+        assert len(targets) == 1, proc.stdout
+        labels = targets[0]["labels"]
+        assert (labels["__scheme__"], labels["__metrics_path__"]) == ("http", "/metrics"), (job, labels)
+        assert not [name for name in labels if name.startswith("__param_")], (job, labels)
+        assert labels["__address__"] == "10.0.1.21:9470"
