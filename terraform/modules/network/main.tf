@@ -318,7 +318,7 @@ resource "aws_vpc_security_group_egress_rule" "https" {
 
 resource "aws_vpc_security_group_egress_rule" "http" {
   security_group_id = aws_security_group.this.id
-  description       = "HTTP out: Debian/Ubuntu apt mirrors (packages are signature-checked)"
+  description       = "HTTP out: Debian apt mirrors (packages are signature-checked)"
   ip_protocol       = "tcp"
   from_port         = 80
   to_port           = 80
