@@ -30,7 +30,8 @@ ops-host-packages: | prometheus-tools ## Install the Debian packages the test ho
 	fi
 
 .PHONY: ansible-lint
-ansible-lint: ops-setup ## Lint roles and playbooks (production profile) and check argument specs against defaults.
+# prometheus-tools: tests/ansible check the rendered Prometheus config with promtool.
+ansible-lint: ops-setup prometheus-tools ## Lint roles and playbooks (production profile) and run tests/ansible (role logic on the controller).
 	cd $(ANSIBLE_DIR) && PATH=$(OPS_BIN):$$PATH $(OPS_BIN)/ansible-lint --offline --profile production
 	$(OPS_BIN)/pytest -q -p no:cacheprovider $(ROOT)/tests/ansible
 
