@@ -15,8 +15,10 @@ Overrides: ``--set a.b=c`` (repeatable), ``--sets "a.b=c d.e='two words'"`` (she
 Exit codes: 0 ok (a run that trained to its end, even when MLflow missed some of it: the summary
 says what, and ``report <run> --sync`` uploads it), 1 the run failed (tune: no trial reported the
 metric), 2 bad input (nothing was started), 3 no cluster or required service to run on (no Ray
-cluster; MLflow unreachable with tracking.required, or for ``report --sync``), 130 tune: the search
-was interrupted (resume with --resume).
+cluster; MLflow unreachable with tracking.required, or for ``report --sync``), 4 train: the run
+reached cost.budget_usd and stopped or paused at a committed checkpoint (docs/cost.md; raise the
+budget and run again with the same --run-name to continue), 130 tune: the search was interrupted
+(resume with --resume).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from runtime.errors import ConfigError
 EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_CLUSTER = 3
+EXIT_BUDGET = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -200,6 +203,7 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     from runtime.cluster import ClusterError, use_cluster_auth
 
     use_cluster_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
+    from runtime.observe.cost import BUDGET_REASON
     from runtime.train.driver import outcome_summary, train
 
     try:
@@ -217,7 +221,12 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
               "(--verbose shows the traceback; the workers' logs are in Ray's session folder)", file=sys.stderr)
         return EXIT_RUN_FAILED
     print(outcome_summary(outcome))
-    if outcome.error or outcome.metrics.get("stop_reason") not in (None, "preempted"):
+    reason = outcome.metrics.get("stop_reason")
+    if outcome.error:
+        return EXIT_RUN_FAILED
+    if isinstance(reason, str) and reason.startswith(BUDGET_REASON):
+        return EXIT_BUDGET
+    if reason not in (None, "preempted"):
         return EXIT_RUN_FAILED
     return 0
 

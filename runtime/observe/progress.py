@@ -72,6 +72,10 @@ class Progress:
         eta = self._eta(m)
         if eta is not None:
             parts.append(f"ETA {eta:.0f}s")
+        if isinstance(m.get("cost/estimated_dollars"), float):  # the driver's spend (runtime.train.spend)
+            projected = m.get("cost/projected_dollars")
+            parts.append(f"${m['cost/estimated_dollars']:.2f}"
+                         + (f" (${projected:.2f} at ETA)" if isinstance(projected, float) else ""))
         return "  ".join(parts)
 
     def _eta(self, m: dict[str, Any]) -> float | None:

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runtime.observe.tracking")
 
-NUMERIC_PREFIXES = ("train/", "val/", "time/")
+NUMERIC_PREFIXES = ("train/", "val/", "time/", "cost/")  # cost/: spend, projection, rate (docs/cost.md)
 # MLflow's HTTP client settings for the runtime's calls (its defaults in brackets). A call against a
 # refused port fails in ~1-3 s; against a server that accepts and never answers in 3 x 5 s + backoff.
 MLFLOW_HTTP_DEFAULTS = {
@@ -124,15 +124,13 @@ def run_tags(cfg: JobConfig, run_name: str, parent_run_id: str | None,
 
 
 def report_metrics(item: dict[str, Any]) -> list[Any]:
-    """The MLflow metrics of one report: its numeric train/val/time values and the cost estimate."""
+    """The MLflow metrics of one report: its numeric train/val/time values and the cost estimates."""
     from mlflow.entities import Metric
 
     step = int(item.get("step", 0))
     ts = int(float(item.get("_time", 0)) * 1000)
     metrics = [Metric(k, float(v), ts, step) for k, v in item.items()
                if k.startswith(NUMERIC_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if "cost/estimated_dollars" in item:
-        metrics.append(Metric("cost/estimated_dollars", float(item["cost/estimated_dollars"]), ts, step))
     return metrics
 
 

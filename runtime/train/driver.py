@@ -31,6 +31,7 @@ from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracki
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
 from runtime.layout import storage_filesystem, storage_paths
+from runtime.observe.cost import BUDGET_REASON
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
 from runtime.run import PREEMPT_FILE, RunInfo, TrainOutcome
@@ -74,7 +75,8 @@ def _reload_ray_auth() -> None:
 WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_TIMEOUT",
               "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
               "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "AWS_ENDPOINT_URL",
-              "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
+              "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2", "AWS_DEFAULT_REGION", "AWS_REGION", "RT_S3_SSE",
+              "RT_S3_SSE_KMS_KEY_ID",
               "PYTHONPATH")
 
 
@@ -320,65 +322,90 @@ def _reported(metrics: dict[str, Any], checkpoint: Any = None) -> None:
 
 def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = None,
           show_progress: bool = True, verbose: bool = False) -> TrainOutcome:
-    """Run one training job to completion (or preemption) on the Ray cluster.
+    """Run one training job to completion (or preemption, or the budget) on the Ray cluster.
 
+    With ``cost.pause_above_usd_per_hour``, a run that rank 0 paused for the spot price waits here
+    (no workers) until the price is back at or below it, then continues from its checkpoint as
+    the same run: one outcome, one history, one MLflow run (runtime.train.spend, docs/cost.md).
     ``verbose``: Ray's worker and controller output on the console too (see :func:`connect`).
     """
     from runtime.observe.tracking import Tracker, plot_curves
     from runtime.train.export import save_final_model
+    from runtime.train.spend import DriverCosts, paused_for_price
 
     if run_name is not None:
         validate_run_name(run_name)  # before the cluster, MLflow or storage are touched
-    connect(address, verbose=verbose)
     run_name = run_name or default_run_name(cfg)
+    _storage, checkpoint_uri, run_folder = storage_paths(cfg, run_name)
+    run_dir = Path(run_folder)
+    costs = DriverCosts(cfg, run_dir)  # a bad price table or a spent budget: refused before Ray starts
+    connect(address, verbose=verbose)
     progress = Progress(total=None, enabled=show_progress)
     # Best-effort: MLflow down (at start or mid-run) costs one console line, never the run (issue 27).
     # The final weights go to MLflow as an MLflow model, registered as tracking.register_as (issue 30).
     tracker = Tracker.for_job(cfg, run_name, keeps_history=True, notify=progress.event, export_model=save_final_model)
-    fitting = StreamingFit(cfg, run_name, mlflow_run_id=(tracker.run_id or None) if tracker else None)
-    run = fitting.run
+    costs.notify, costs.tracker = progress.event, tracker
 
     def on_resize(event: dict[str, Any], step: Any, count: int) -> None:
         progress.event(resize_line(event, step))  # one console line, like failures and recoveries
         record_resize(tracker, event, step, count)
 
-    fitting.on_resize = on_resize
-    outcome = TrainOutcome(run_name=run_name, run_dir=run.run_dir, checkpoint_uri=run.checkpoint_uri, metrics={})
-    previous = _install_sigterm(Path(run.run_dir))
+    outcome = TrainOutcome(run_name=run_name, run_dir=run_folder, checkpoint_uri=checkpoint_uri, metrics={})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # A marker left by the preempted run we now resume would end a pause before its first attempt.
+    (run_dir / PREEMPT_FILE).unlink(missing_ok=True)
+    previous = _install_sigterm(run_dir)
     # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.observe.report).
-    history = HistoryLog(Path(run.run_dir))
+    history = HistoryLog(run_dir)
+    fitting: StreamingFit | None = None
+    pause: str | None = None  # rank 0's reason for pausing the last attempt (the spot price)
     try:
-        for item in fitting.reports(on_event=progress.failure):
-            outcome.history.append(item)
-            outcome.metrics.update(item)
-            progress.update(item)
-            history.append(item)
-            if tracker:
-                tracker.log_step_metrics(item)
+        # An attempt per start of the workers: more than one only when the spot price paused the run.
+        while costs.wait_while_price_high(outcome.metrics.get("step"), (run_dir / PREEMPT_FILE).exists, pause):
+            fitting = StreamingFit(cfg, run_name, mlflow_run_id=(tracker.run_id or None) if tracker else None)
+            fitting.on_resize = on_resize
+            costs.attempt_started(fitting.run.started_at)
+            outcome.metrics.pop("stop_reason", None)  # a pause's reason is not the resumed run's
+            for item in fitting.reports(on_event=progress.failure):
+                costs.annotate(item)
+                outcome.history.append(item)
+                outcome.metrics.update(item)
+                progress.update(item)
+                history.append(item)
+                if tracker:
+                    tracker.log_step_metrics(item)
+            pause = outcome.metrics.get("stop_reason") if fitting.error is None else None
+            if not paused_for_price(pause):
+                costs.attempt_ended(final=True)
+                break
+            costs.attempt_ended(final=False)
+        else:  # SIGTERM while paused: the run stays resumable from the checkpoint its pause committed
+            outcome.metrics["stop_reason"] = "preempted"
+            outcome.preempted = True
     finally:
         history.close()
         if previous is not None:  # None: not the main thread (e.g. Tune or tests), nothing was installed
             signal.signal(signal.SIGTERM, previous)
         progress.close()
     outcome.restarts = progress.failures
-    curves = Path(run.run_dir) / CURVES_FILE
+    curves = run_dir / CURVES_FILE
     try:
-        if plot_curves(read_history(Path(run.run_dir)), curves):
+        if plot_curves(read_history(run_dir), curves):
             outcome.plots.append(str(curves))
     except OSError as e:  # like the history: a full disk costs the picture, not the run's outcome
         log.warning("%s: not written: %s", curves, e.strerror or e)
-    if fitting.error is not None:
+    if fitting is not None and fitting.error is not None:
         if tracker:
             tracker.finish(outcome, status="FAILED")
         raise fitting.error
-    result = fitting.result
+    result = fitting.result if fitting is not None else None
     if result is not None and getattr(result, "error", None):
         outcome.error = str(result.error)
     # Ray keeps the metrics of the last report *with a checkpoint*: older than the final report
     # when the last saves failed, so they only fill in when no report reached the driver.
     if result is not None and result.metrics and not outcome.history:
         outcome.metrics.update(result.metrics)
-    outcome.preempted = bool(outcome.metrics.get("preempted"))
+    outcome.preempted = outcome.preempted or bool(outcome.metrics.get("preempted"))
     if tracker:
         tracker.finish(outcome, status="FAILED" if outcome.error else "FINISHED")
         outcome.mlflow_run_id, outcome.mlflow_uri = tracker.run_id or None, tracker.uri
@@ -401,13 +428,20 @@ def _install_sigterm(run_dir: Path) -> Any:
 
 def outcome_summary(outcome: TrainOutcome) -> str:
     m = outcome.metrics
-    lines = [f"run {outcome.run_name}: " + ("PREEMPTED (resume with --run-name " + outcome.run_name + ")"
-                                          if outcome.preempted else "finished")]
+    if outcome.preempted:
+        state = f"PREEMPTED (resume with --run-name {outcome.run_name})"
+    elif str(m.get("stop_reason", "")).startswith(BUDGET_REASON):
+        state = f"STOPPED BY THE BUDGET (raise cost.budget_usd and resume with --run-name {outcome.run_name})"
+    else:
+        state = "finished"
+    lines = [f"run {outcome.run_name}: {state}"]
     keys = ("step", "train/loss", "train/accuracy", "val/loss", "val/accuracy", "train/throughput")
     lines.append("  " + "  ".join(f"{k}={m[k]:.4g}" if isinstance(m.get(k), float) else f"{k}={m.get(k)}"
                                   for k in keys if k in m))
     if m.get("stop_reason"):
         lines.append(f"  {m['stop_reason']}")
+    if isinstance(m.get("cost/estimated_dollars"), float):
+        lines.append(f"  cost:         {m['cost/estimated_dollars']:.4f} USD (estimate: docs/cost.md)")
     if outcome.restarts:
         lines.append(f"  restarts:     {outcome.restarts} (worker-group failures recovered from checkpoints)")
     lines.append(f"  run folder:   {outcome.run_dir}")
