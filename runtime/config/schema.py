@@ -493,10 +493,10 @@ class CostConfig(Strict):
         if self.pause_above_usd_per_hour is None:
             return self
         if self.pricing != "spot":
-            raise ValueError(f"pause_above_usd_per_hour={self.pause_above_usd_per_hour:g} needs spot pools: "
+            raise ValueError(f"cost.pause_above_usd_per_hour={self.pause_above_usd_per_hour:g} needs spot pools: "
                              f"set cost.pricing=spot (got {self.pricing}; on-demand prices do not move)")
         if self.price_source == "table" and self.price_table is None:
-            raise ValueError(f"pause_above_usd_per_hour={self.pause_above_usd_per_hour:g} needs a price source "
+            raise ValueError(f"cost.pause_above_usd_per_hour={self.pause_above_usd_per_hour:g} needs a price source "
                              "that changes: set cost.price_source=ec2, or cost.price_table to a file your price "
                              "feed updates (the repository's table is fixed)")
         return self
