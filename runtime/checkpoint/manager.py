@@ -51,6 +51,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("runtime.checkpoint")
 
 POINTER = "checkpoint_pointer.json"
+# While saves fail, the next one is tried no sooner than this after the last failure, doubling per
+# failure in a row (2, 4, 8, 16, 30, 30 ... s): each try of a storage that is down costs the writer its
+# whole retry window, and a fast loop would otherwise start one try after another.
+BACKOFF_FIRST_S = 2.0
+BACKOFF_MAX_S = 30.0
 
 # Re-exported: callers import these from the manager as well.
 __all__ = ["CheckpointManager", "CheckpointMetrics", "CheckpointRef", "file_digest", "read_pointer", "step_name",
@@ -70,6 +75,7 @@ class CheckpointMetrics:
 
     saves: int = 0
     failures: int = 0
+    skipped: int = 0  # saves not attempted while storage was failing (backoff, or the last try still running)
     save_seconds: float = 0.0  # of the last successful save
     stall_seconds: float = 0.0  # of the last save() call
     bytes: int = 0  # of the last committed checkpoint
@@ -186,6 +192,11 @@ class CheckpointManager(CheckpointReader):
         self._closed = False
         self._sharded: ShardedWriter | None = None  # made on the first save_sharded
         self._buffers = SnapshotBuffers()  # reused: safe because save() drains the write first
+        # Outage state (written by the writer thread, read by save): failed saves in a row, since when,
+        # and the earliest time the next save is tried. One console line when it starts, one when it ends.
+        self._failed_in_row = 0
+        self._failing_since = 0.0
+        self._next_try = 0.0
 
     # ---------------------------------------------------------------- saving
 
@@ -203,12 +214,28 @@ class CheckpointManager(CheckpointReader):
             if not KEY_RE.match(key) or key in ("meta", "manifest"):
                 raise ValueError(f"state key {key!r} cannot be a checkpoint file name")
         t0 = time.monotonic()
+        if not blocking and self._skip_while_failing(step, t0):
+            return
         self._drain(None)  # back-pressure: at most one save in flight
         snapshot = self._buffers.snapshot(state)
         self.metrics.record_stall(time.monotonic() - t0)
         self._future = self._executor.submit(self._write, snapshot, step, dict(meta), time.time())
         if blocking:
             self.wait()
+
+    def _skip_while_failing(self, step: int, now: float) -> bool:
+        """While saves fail (on_failure=continue), training must not wait for storage: a save is
+        skipped (counted) when the last try still runs or the backoff since the last failure has not
+        passed. Healthy storage is never skipped: there a slow save holds the next one back instead."""
+        if not self._failed_in_row or self.on_failure == "stop":  # stop: the next save raises the failure
+            return False
+        busy = self._future is not None and not self._future.done()
+        if not busy and now >= self._next_try:
+            return False
+        self.metrics.skipped += 1
+        log.debug("checkpoint at step %d skipped: storage %s failing (%s)", step, self.storage.uri,
+                  "a save is still trying" if busy else f"next try in {self._next_try - now:.1f}s")
+        return True
 
     def wait(self, timeout: float | None = None) -> CheckpointRef | None:
         """Flush the save in flight; returns the newest commit of this manager.
@@ -299,6 +326,11 @@ class CheckpointManager(CheckpointReader):
         seconds = time.monotonic() - started
         self.metrics.record_commit(step, seconds, done.nbytes, done.committed_unix)
         log.info("checkpoint %s committed: %d bytes in %.2fs", ref.uri, done.nbytes, seconds)
+        if self._failed_in_row:
+            log.warning("checkpoint storage %s is back: %s committed after %d failed save%s over %.0fs",
+                        self.storage.uri, ref.name, self._failed_in_row, "" if self._failed_in_row == 1 else "s",
+                        time.monotonic() - self._failing_since)
+            self._failed_in_row = 0
         if self.keep:
             try:
                 self.prune(self.keep)
@@ -318,7 +350,16 @@ class CheckpointManager(CheckpointReader):
                 f"the partial folder was removed, older checkpoints are untouched ({exc})"
             )
         self.metrics.record_failure(exc)
-        log.error("%s (on_failure=%s)", msg, self.on_failure)
+        now = time.monotonic()
+        if not self._failed_in_row:
+            self._failing_since = now
+            then = ("training stops" if self.on_failure == "stop" else
+                    "training continues; saves are retried with backoff and a line says when storage is back")
+            log.error("%s; %s (on_failure=%s)", msg, then, self.on_failure)
+        else:  # the same outage: counted (rt_checkpoint_failures), not said again
+            log.debug("%s (failure %d in a row)", msg, self._failed_in_row + 1)
+        self._failed_in_row += 1
+        self._next_try = now + min(BACKOFF_FIRST_S * 2 ** (self._failed_in_row - 1), BACKOFF_MAX_S)
         return CheckpointError(msg)
 
     def last_committed(self) -> CheckpointRef | None:

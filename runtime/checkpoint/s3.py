@@ -136,9 +136,8 @@ class S3Storage:
                         f"{what}: gave up after {attempt} attempts: {exc}"
                     ) from exc
                 sleep = min(delay * (1 + random.random()), left)  # jitter
-                log.warning(
-                    "%s failed (attempt %d): %s; retrying in %.1fs", what, attempt, exc, sleep
-                )
+                # Not on the console: an outage is said once, by the writer (CheckpointManager.save_failed).
+                log.debug("%s failed (attempt %d): %s; retrying in %.1fs", what, attempt, exc, sleep)
                 time.sleep(sleep)
                 delay *= 2
         raise AssertionError("unreachable")
@@ -378,7 +377,7 @@ class _S3Staging:
             return
         try:
             self.storage.delete_keys(self.uploaded)
-        except Exception as exc:  # server may be gone; prune cleans orphans
-            log.warning(
+        except Exception as exc:  # server may be gone (the save's failure is said once); prune cleans orphans
+            log.debug(
                 "could not remove partial upload %s: %s", self.storage.uri_of(self.name), exc
             )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from runtime.checkpoint import CheckpointError, CheckpointManager, S3Storage
 from runtime.checkpoint.cli import main as cli_main
 from tests.support import free_port
 from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
+from tests.support.s3_proxy import S3Proxy
 
 BUCKET = "ckpt-test"
 
@@ -441,3 +444,60 @@ def test_pbt_copy_of_an_s3_checkpoint_fetches_only_its_manifests_files(moto: Mot
     copied = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert copied == [f"a/b/tune-ckpt/step_000000004/{f}" for f in
                       ("manifest.json", "meta.json", "model.pt", "optimizer.pt", "trainer.pt")]
+
+
+def _console(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What reaches the console from the checkpoint layer and boto: WARNING and above."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_s3_throttled_then_refusing_longer_than_the_retry_window_skips_saves_and_says_it_once_each_way(
+        moto: MotoServer, caplog: pytest.LogCaptureFixture) -> None:
+    """One manager through a proxy to moto (which keeps the objects): 503 SlowDown for a while (absorbed by
+    the retries, bounded), then connection refused for longer than a save's retry window (saves fail,
+    are counted, skipped under backoff, training never waits), then back (the next save commits)."""
+    proxy = S3Proxy(moto.endpoint)
+    storage = S3Storage(f"s3://{BUCKET}/outage", endpoint_url=proxy.endpoint, retries=3, retry_seconds=1.5,
+                        connect_timeout=1.0, read_timeout=3.0)
+    mgr = CheckpointManager(storage.uri, keep=2, storage=storage, on_failure="continue")
+    caplog.set_level(logging.DEBUG, logger="runtime.checkpoint")
+    try:
+        mgr.save(_state(1.0), step=1, meta={}, blocking=True)
+        proxy.throttle()
+        threading.Timer(1.0, proxy.throttle, (False,)).start()
+        mgr.save(_state(2.0), step=2, meta={}, blocking=True)  # waited out inside the retry window
+        assert mgr.metrics.failures == 0 and mgr.last_committed().step == 2  # type: ignore[union-attr]
+        assert 1 <= proxy.throttled <= 12, proxy.throttled  # (3 retries + 1) x botocore's 2 attempts, + the next
+        assert _console(caplog) == []
+
+        proxy.down()
+        step, longest = 2, 0.0
+        while mgr.metrics.failures < 2:  # the outage outlasts two saves' retry windows
+            step += 1
+            known, t0 = mgr.metrics.failures > 0, time.monotonic()
+            mgr.save(_state(float(step)), step=step, meta={})  # a training loop saving every step
+            longest = max(longest, time.monotonic() - t0) if known else longest
+            time.sleep(0.1)
+        assert mgr.metrics.skipped > 0
+        # Until the first failure a save waits for the one in flight (back-pressure); after it, none
+        # waits out a retry window.
+        assert longest < 1.0, longest
+        proxy.up()
+        while mgr.last_committed().step == 2:  # type: ignore[union-attr]
+            step += 1
+            mgr.save(_state(float(step)), step=step, meta={})
+            time.sleep(0.1)
+        mgr.wait()
+    finally:
+        proxy.down()
+    console = _console(caplog)
+    assert len(console) == 2, console
+    assert console[0].startswith(f"checkpoint save to s3://{BUCKET}/outage/step_") and "gave up" in console[0]
+    assert "training continues; saves are retried with backoff" in console[0]
+    assert re.match(rf"checkpoint storage s3://{BUCKET}/outage is back: step_\d+ committed after 2 failed saves",
+                    console[1]), console[1]
+    assert mgr.metrics.failures == 2
+    ref, state, warnings = CheckpointManager(storage.uri, storage=_storage(moto, "outage")).load_latest()
+    assert ref is not None and ref.step == mgr.last_committed().step and warnings == []  # type: ignore[union-attr]
+    assert state is not None and state["trainer"]["global_step"] == ref.step
+    mgr.close()

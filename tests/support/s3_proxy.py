@@ -1,0 +1,110 @@
+"""An HTTP proxy in front of moto_server that a test can take down or make throttle, on a fixed port.
+
+moto keeps objects in memory, so killing it to simulate an outage also loses every checkpoint; the
+proxy instead stops listening (new connections are refused, as from a stopped server) or answers
+``503 SlowDown`` (S3's throttling reply) while moto keeps the data. Connections are not kept alive
+(HTTP/1.0), so every request after ``down()`` really meets a refused port.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+from tests.support import free_port
+
+SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>")
+_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
+
+
+class S3Proxy:
+    """``endpoint`` forwards to ``upstream`` while up; ``down()`` refuses, ``throttle()`` answers 503."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlparse(upstream)
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.throttled = 0  # 503 replies served: bounded retries keep this small
+        self._throttling = False
+        self._server: ThreadingHTTPServer | None = None
+        self.up()
+
+    def up(self) -> None:
+        """Listen again on the same port (a server that came back)."""
+        self._throttling = False
+        if self._server is None:
+            self._server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
+            self._server.daemon_threads = True
+            threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def down(self) -> None:
+        """Stop listening: new connections are refused (a stopped server)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def throttle(self, on: bool = True) -> None:
+        """Answer every request with ``503 SlowDown`` (without forwarding) until called with False."""
+        self._throttling = on
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Expect", "").lower() == "100-continue":  # else boto waits 1 s per upload
+                    self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    self.wfile.flush()
+                if "chunked" in self.headers.get("Transfer-Encoding", ""):
+                    out = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return out
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _forward(self) -> None:
+                body = self._body()
+                if proxy._throttling:
+                    proxy.throttled += 1
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOWDOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOWDOWN)
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in _HOP and k.lower() != "content-length":
+                        self.send_header(k, v)
+                # A HEAD reply's length is the object's, not this (empty) body's: boto3 sizes downloads by it.
+                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
+                                 else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        return Handler
