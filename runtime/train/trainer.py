@@ -74,7 +74,7 @@ from runtime.train.setup import (
     step_unless,
 )
 from runtime.train.stats import Boundary, StepStats
-from runtime.train.stop_policy import StopPolicy, total_steps
+from runtime.train.stop_policy import StopPolicy, build_cost_watch, total_steps
 
 log = logging.getLogger("runtime.train")
 
@@ -151,7 +151,7 @@ class Trainer:
                                  report_fn or ray.train.report, report_all=not self.in_ray)
         self.stats = StepStats(self.device)
         # The components: each decides its own cadence; fit asks them after every step.
-        self.stop = StopPolicy(tc, self.total_steps, run.run_dir)
+        self.stop = StopPolicy(tc, self.total_steps, run.run_dir, build_cost_watch(cfg, run, self.rank, self.world))
         self.checkpointer = Checkpointer(
             self.checkpoints, cfg, run, rank=self.rank, world=self.world, distributed=self.distributed,
             sharded=self.is_fsdp, device=self.device, classes=bundle.classes, gauges=self.gauges,
