@@ -65,8 +65,8 @@ $(SETUP_STAMP):
 	@touch $@
 
 .PHONY: lint
-lint: setup ## Ruff over Python code, mypy over runtime/.
-	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes
+lint: setup ## Ruff over the Python code; mypy over runtime/, ops/ and generate.py (pyproject.toml).
+	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes generate.py dashboards alerts ops flows
 	$(VENV)/bin/mypy
 
 TEST_TARGETS += lint

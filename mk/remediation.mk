@@ -30,10 +30,5 @@ $(ALERTMANAGER_STAMP): | prometheus-tools
 	@rm -f "$(PROMETHEUS_TOOLS_DIR)"/.am-stamp-*
 	@touch "$@"
 
-.PHONY: remediation-lint
-remediation-lint: setup ## Ruff and mypy over the remediation service (ops/).
-	$(VENV)/bin/ruff check ops
-	$(VENV)/bin/mypy --disallow-untyped-defs ops
-
-# Its tests run in test-python (tests/unit and tests/integration/test_remediation_loop.py).
-TEST_TARGETS += remediation-lint
+# `make lint` checks ops/ (ruff, and mypy through pyproject.toml); its tests run in test-python
+# (tests/unit and tests/integration/test_remediation_loop.py).
