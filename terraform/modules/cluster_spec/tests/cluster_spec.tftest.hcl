@@ -117,7 +117,7 @@ run "rendered_inventory_matches_the_committed_example" {
 
   assert {
     condition     = output.inventory == file("../../examples/aws_cluster/inventory.example.yml")
-    error_message = "terraform/examples/aws_cluster/inventory.example.yml is stale: re-render it with `make tf-example-inventory`"
+    error_message = "terraform/examples/aws_cluster/inventory.example.yml is stale: re-render it with `make generate`"
   }
 }
 
