@@ -24,6 +24,9 @@ class RunInfo:
     sd_dir: str | None = None
     instance_type: str = "local-cpu"
     started_at: float = field(default_factory=time.time)
+    # What the run's earlier attempts spent (its cost.json, read by the driver): rank 0's budget
+    # check counts from here, wherever rank 0 runs (docs/cost.md).
+    spent_before_usd: float = 0.0
 
 
 @dataclass

@@ -31,7 +31,7 @@ from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracki
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
 from runtime.layout import storage_filesystem, storage_paths
-from runtime.observe.cost import BUDGET_REASON
+from runtime.observe.cost import BUDGET_REASON, CostLedger
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
 from runtime.run import PREEMPT_FILE, RunInfo, TrainOutcome
@@ -109,8 +109,13 @@ def new_run(cfg: JobConfig, run_name: str) -> RunInfo:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     # A marker left by the preempted run we now resume would stop this one at its first step.
     (Path(run_dir) / PREEMPT_FILE).unlink(missing_ok=True)
+    try:
+        spent = CostLedger.load(run_dir).spent_usd
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return RunInfo(run_name=run_name, job_id=run_name, checkpoint_uri=ckpt_uri, run_dir=run_dir,
-                   sd_dir=prometheus_sd_dir(), instance_type=os.environ.get("RT_INSTANCE_TYPE", "local-cpu"))
+                   sd_dir=prometheus_sd_dir(), instance_type=os.environ.get("RT_INSTANCE_TYPE", "local-cpu"),
+                   spent_before_usd=spent)
 
 
 def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,

@@ -119,7 +119,8 @@ class DriverCosts:
         if reason is None and high is None:
             return True
         limit = self.cost.pause_above_usd_per_hour
-        price = high.usd_per_hour if high is not None else float("nan")
+        # The price that paused the run: rank 0's (in its reason) when the driver's read is already lower.
+        price = high.usd_per_hour if high is not None else None
         started = self.clock()
         line = reason or (f"{PRICE_PAUSE_REASON} {price:.4g} USD/h "
                           f"({high.origin if high else '?'}) above cost.pause_above_usd_per_hour={limit:g}")
@@ -148,12 +149,12 @@ class DriverCosts:
         self._event(step, paused=False, price=self.quote.usd_per_hour, at=now, line=back)
         return True
 
-    def _event(self, step: Any, paused: bool, price: float, at: float, line: str) -> None:
+    def _event(self, step: Any, paused: bool, price: float | None, at: float, line: str) -> None:
         """MLflow: the pause as a metric (1 paused, 0 running) with the price, and the state as tags."""
         if self.tracker is None:
             return
         metrics = {"cost/paused": 1.0 if paused else 0.0, "cost/paused_seconds": self.ledger.paused_s}
-        if price == price:  # not NaN
+        if price is not None:
             metrics["cost/spot_usd_per_hour"] = price
         self.tracker.log_event(metrics, int(step or 0),
                                {"cost.state": "paused" if paused else "running", "cost.last_pause": line}, at)

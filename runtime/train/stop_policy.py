@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from runtime.config.schema import CostConfig, JobConfig, NonFiniteConfig, TrainConfig
-from runtime.observe.cost import BUDGET_REASON, PRICE_PAUSE_REASON, CostLedger, SpendMeter, budget_reached
+from runtime.observe.cost import BUDGET_REASON, PRICE_PAUSE_REASON, SpendMeter, budget_reached
 from runtime.observe.prices import PriceSource, Quote, price_source
 from runtime.run import PREEMPT_FILE, RunInfo
 from runtime.train.resume import TrainerState
@@ -38,8 +38,9 @@ def billed_nodes(workers: int, cost: CostConfig) -> int:
 class CostWatch:
     """Rank 0's cost rules, asked at every boundary: the budget and the spot-price pause.
 
-    Bills from the attempt's start (``RunInfo.started_at``, the driver's clock) on top of what the
-    run's ledger says earlier attempts spent, at the price read at each check (docs/cost.md).
+    Bills from the attempt's start (``RunInfo.started_at``, the driver's clock) on top of what
+    earlier attempts spent (``RunInfo.spent_before_usd``, the driver's ledger), at the price read
+    at each check (docs/cost.md).
     """
 
     def __init__(self, cost: CostConfig, source: PriceSource, nodes: int, start: float, spent_before: float,
@@ -76,9 +77,8 @@ def build_cost_watch(cfg: JobConfig, run: RunInfo, rank: int, world: int) -> Cos
     c = cfg.cost
     if rank != 0 or (c.budget_usd is None and c.pause_above_usd_per_hour is None):
         return None
-    spent_before = CostLedger.load(run.run_dir).spent_usd
     return CostWatch(c, price_source(c, c.instance_type or run.instance_type), billed_nodes(world, c),
-                     run.started_at, spent_before)
+                     run.started_at, run.spent_before_usd)
 
 
 class StopPolicy:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from runtime.config import load_job
+from runtime.config.schema import CostConfig
 from runtime.observe.cost import (
     BUDGET_REASON,
     PRICE_PAUSE_REASON,
-    CostLedger,
     SpendMeter,
     budget_reached,
     eta_seconds,
@@ -42,12 +42,12 @@ class Prices:
         return Quote(self.usd_per_hour, "test", 0.0)
 
 
-def cost_cfg(*overrides: str):
+def cost_cfg(*overrides: str) -> CostConfig:
     return load_job("digits_smoke", list(overrides), environ={}).cost
 
 
 def run_to_stop(watch: CostWatch, clock: Clock, prices: Prices, intervals: list[float],
-                price_at: list[float]) -> tuple[float, float, float | None]:
+                price_at: list[float]) -> tuple[float, float, str | None]:
     """Boundaries `intervals[i]` seconds apart at `price_at[i]`: (spent at the stop, the dearest
     interval's cost, the reason), as rank 0 would see them."""
     dearest = 0.0
@@ -137,10 +137,9 @@ def test_rank0_stop_policy_requests_the_budget_stop_at_the_boundary_it_is_asked(
     assert policy.reason == first  # asked once: a later boundary does not rewrite why the run stops
 
 
-def test_only_rank0_with_a_cost_rule_watches_and_it_starts_from_the_ledger(tmp_path: Path) -> None:
+def test_only_rank0_with_a_cost_rule_watches_and_it_counts_from_the_earlier_attempts_spend(tmp_path: Path) -> None:
     run = RunInfo(run_name="r", job_id="r", checkpoint_uri=str(tmp_path / "c"), run_dir=str(tmp_path),
-                  instance_type="g5.12xlarge", started_at=123.0)
-    CostLedger(spent_usd=7.5).save(tmp_path)
+                  instance_type="g5.12xlarge", started_at=123.0, spent_before_usd=7.5)
     with_budget = load_job("digits_smoke", ["cost.budget_usd=20", "cost.workers_per_node=4"], environ={})
     assert build_cost_watch(load_job("digits_smoke", [], environ={}), run, 0, 8) is None
     assert build_cost_watch(with_budget, run, 1, 8) is None

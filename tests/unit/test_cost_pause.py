@@ -185,3 +185,13 @@ def test_the_cli_exits_4_when_the_budget_stopped_the_run(tmp_path: Path, monkeyp
     assert "cost:         1.0000 USD" in out and reason in out
     outcome.metrics["stop_reason"] = "stopped: 5 non-finite losses in a row"
     assert main(["train", "digits_smoke", "--no-progress"]) == 1
+
+
+def test_each_attempt_tells_rank0_what_the_earlier_ones_spent(tmp_path: Path) -> None:
+    """Through RunInfo, not the run folder: rank 0 may run on a node without it."""
+    from runtime.train.driver import new_run
+
+    cfg = load_job("digits_smoke", [f"checkpoint.storage={tmp_path}"], environ={})
+    assert new_run(cfg, "r").spent_before_usd == 0.0
+    CostLedger(spent_usd=4.25).save(tmp_path / "r")
+    assert new_run(cfg, "r").spent_before_usd == 4.25
