@@ -8,6 +8,7 @@ whole run (a reference run that a Ray run must match bit for bit, at a fraction 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,33 @@ def train_ranks(name: str, folder: Path, *overrides: str, world: int = 2) -> Tra
     history = json.loads((folder / REPORTS_FILE).read_text())
     return TrainOutcome(run_name=folder.name, run_dir=str(folder), checkpoint_uri=str(folder / "checkpoints"),
                         metrics=folded(history), history=history)
+
+
+def train_ranks_in_turn(name: str, runs: list[tuple[Path, tuple[str, ...], dict[str, str]]],
+                        world: int = 2) -> list[TrainOutcome]:
+    """Several runs of the shipped job ``name``, one after another on the same ``world`` spawned
+    ranks (one start-up for all): each run is (folder, overrides, environment variables set for it)."""
+    spawn_ranks(_train_runs, world, name, [(str(f), o, e) for f, o, e in runs])
+    out = []
+    for folder, _, _ in runs:
+        history = json.loads((folder / REPORTS_FILE).read_text())
+        out.append(TrainOutcome(run_name=folder.name, run_dir=str(folder), metrics=folded(history),
+                                checkpoint_uri=str(folder / "checkpoints"), history=history))
+    return out
+
+
+def _train_runs(rank: int, world: int, name: str, runs: list[tuple[str, tuple[str, ...], dict[str, str]]]) -> None:
+    for folder, overrides, env in runs:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            _train_rank(rank, world, name, folder, overrides)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def folded(reports: list[dict[str, Any]]) -> dict[str, Any]:
