@@ -370,6 +370,17 @@ def test_the_head_and_the_workers_get_different_bucket_prefixes() -> None:
     assert modules["pool"]["s3_prefixes"] == ["ray/"]
 
 
+def test_only_the_head_gets_a_public_address_and_the_admin_group() -> None:
+    example = parse_dir(TERRAFORM / "examples" / "aws_cluster")
+    modules = {name: body for block in example["module"] for name, body in block.items()}
+    pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
+    assert variables(pool)["associate_public_ip_address"]["default"] is False
+    assert "associate_public_ip_address" not in modules["pool"]
+    assert modules["pool"]["subnet_ids"] == ["${module.network.private_subnet_ids[0]}"]
+    assert modules["pool"]["security_group_ids"] == ["${module.network.security_group_id}"]
+    assert modules["head"]["associate_public_ip_address"] is True
+
+
 def test_nodes_boot_a_pinned_debian_12_image_not_a_latest_pointer() -> None:
     # The Ansible roles are tested on Debian 12 (tests/hosts) and pin +deb12 package versions.
     pool = parse_dir(TERRAFORM / "modules" / "gpu_node_pool")
