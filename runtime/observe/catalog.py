@@ -4,7 +4,8 @@ Everything that names a metric reads it here: the loop's reporter and the export
 (runtime/train/reporter.py, runtime/observe/metrics.py) build and set their series from
 ``SERIES``; Tune accepts as its search metric only ``metric_names(searchable=True)``;
 the dashboards (dashboards/lib.py) refuse to query a runtime series not declared here.
-Standard library only: ``python3 -m dashboards.generate`` imports it without the venv.
+Standard library only: the dashboards' generator (dashboards/generate.py, run by ``make generate``)
+imports it without torch or Ray.
 docs/metrics.md describes the same series for operators (a test keeps the two equal).
 """
 
