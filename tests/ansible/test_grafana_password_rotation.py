@@ -81,8 +81,7 @@ def test_a_rotated_admin_password_reaches_a_running_grafana_once(
     assert first.returncode == 0, first.stdout[-3000:]
     assert database.read_text() == NEW
     calls = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
-    assert calls == [["--configOverrides", "cfg:default.paths.data=/var/lib/grafana", "admin",
-                      "reset-admin-password", "--password-from-stdin"]]
+    assert calls == [["admin", "reset-admin-password", "--password-from-stdin"]]
     assert NEW not in first.stdout
     assert "changed=1" in first.stdout, first.stdout[-2000:]
 
