@@ -167,3 +167,22 @@ def test_budget_rule_and_eta_arithmetic() -> None:
     assert budget_reached(9.0, 1.0, 10.0) and not budget_reached(8.9, 1.0, 10.0)
     assert eta_seconds(100.0, 10, 30) == pytest.approx(300.0)
     assert eta_seconds(5.0, 0, 30) is None
+
+
+def test_the_real_trainer_stops_at_the_first_boundary_over_budget_with_a_committed_checkpoint(tmp_path: Path) -> None:
+    """The trainer wiring, without Ray: rank 0's StopPolicy stops a run whose price makes the first
+    log interval cost more than the budget; the run ends at that step with a final checkpoint."""
+    from tests.support.cluster import committed_steps
+    from tests.support.trainer import train_in_process
+
+    table = tmp_path / "prices.yaml"
+    table.write_text("instances:\n  g5.xlarge: {on_demand: 3600000.0, spot: 1.0}\n")  # 1000 USD a second
+    cfg = load_job("digits_smoke", ["distributed.num_workers=1", "train.max_steps=40", "train.log_every_steps=5",
+                                    "checkpoint.interval_steps=20", "tracking.mlflow=false",
+                                    "tracking.prometheus=false", "cost.instance_type=g5.xlarge",
+                                    f"cost.price_table={table}", "cost.budget_usd=0.001"], environ={})
+    _trainer, reports = train_in_process(cfg, tmp_path / "run")
+    final = reports[-1]
+    assert final["final"] and final["step"] == 5, final
+    assert str(final.get("stop_reason", "")).startswith(BUDGET_REASON), final
+    assert committed_steps(tmp_path / "run" / "checkpoints") == [5]
