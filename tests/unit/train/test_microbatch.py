@@ -13,6 +13,7 @@ import torch
 
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
+from runtime.run import TrainOutcome
 from runtime.train.microbatch import INJECT_OOM_ENV, MicroBatcher, candidates
 from runtime.train.trainer import Trainer
 from tests.support.trainer import train_in_process, train_ranks_in_turn
@@ -97,14 +98,25 @@ def test_probe_sizes_halve_down_to_one() -> None:
     assert candidates(100) == [100, 50, 25, 13, 7, 4, 2, 1]
 
 
-def test_one_rank_out_of_memory_mid_run_switches_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    sets = ("train.max_steps=8", "train.log_every_steps=1", "checkpoint.interval_steps=100",
-            "model.name=mlp", "data.batch_size=48", "train.deterministic=true",
-            "tracking.mlflow=false", "tracking.prometheus=false")
-    plain, switched = train_ranks_in_turn("digits_smoke", [
-        (tmp_path / "plain", sets, {}),
-        # rank 1 only, from step 5 on: more than 24 samples in one forward fail
-        (tmp_path / "oom", (*sets, "data.micro_batch=48"), {INJECT_OOM_ENV: "24@5:1"})])
+SETS = ("train.max_steps=8", "train.log_every_steps=1", "checkpoint.interval_steps=100", "model.name=mlp",
+        "data.batch_size=48", "train.deterministic=true", "tracking.mlflow=false", "tracking.prometheus=false")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainOutcome]:
+    """Four 2-rank gloo runs on one spawn: DDP plain and with rank 1 out of memory from step 5
+    (over 24 samples), FSDP plain and split into micro-batches of 16."""
+    root = tmp_path_factory.mktemp("ranks")
+    runs = {"ddp": (SETS, {}), "ddp_oom": ((*SETS, "data.micro_batch=48"), {INJECT_OOM_ENV: "24@5:1"}),
+            "fsdp": ((*SETS, "distributed.strategy=fsdp"), {}),
+            "fsdp_micro": ((*SETS, "distributed.strategy=fsdp", "data.micro_batch=16"), {})}
+    done = train_ranks_in_turn("digits_smoke", [(root / k, sets, env) for k, (sets, env) in runs.items()])
+    return dict(zip(runs, done, strict=True))
+
+
+def test_one_rank_out_of_memory_mid_run_switches_every_rank_at_the_same_step(
+        two_ranks: dict[str, TrainOutcome]) -> None:
+    plain, switched = two_ranks["ddp"], two_ranks["ddp_oom"]
     steps = {r["step"]: r for r in switched.history if "train/loss" in r}
     assert "oom_recoveries" not in steps[4]
     assert steps[5]["oom_recoveries"] == 1 and steps[5]["micro_batch"] == 24  # rank 0 switched with rank 1
@@ -112,6 +124,13 @@ def test_one_rank_out_of_memory_mid_run_switches_every_rank_at_the_same_step(tmp
     assert _losses(switched.history) == pytest.approx(_losses(plain.history), rel=1e-4)
     digests = switched.metrics["rank_param_digests"]
     assert digests[0] == digests[1]  # the ranks stayed in step through the switch
+
+
+def test_fsdp_micro_batches_train_like_the_whole_batch(two_ranks: dict[str, TrainOutcome]) -> None:
+    whole, split = two_ranks["fsdp"], two_ranks["fsdp_micro"]
+    assert split.history[0]["micro_batches_per_loader_batch"] == 3
+    assert _losses(split.history) == pytest.approx(_losses(whole.history), rel=1e-4)
+    assert split.metrics["samples_seen"] == whole.metrics["samples_seen"]
 
 
 @pytest.mark.parametrize(("over", "names"), [
