@@ -175,14 +175,15 @@ def _checked_job(args: argparse.Namespace) -> Any:
             raise ConfigError(f"--sets {args.set_list!r}: {e} (quote values with spaces: "
                               "SET=\"description='two words'\")") from None
     applied: list[str] = []
-    cfg = load_job(args.job, overrides, environ=os.environ, applied=applied)
+    origins: dict[tuple[str, ...], str] = {}  # where each key was set: parse_tune's errors name it
+    cfg = load_job(args.job, overrides, environ=os.environ, applied=applied, origins=origins)
     use_gpu, why = planned_device(cfg)
     if args.command == "validate" or cfg.distributed.use_gpu != "auto":
         preflight(cfg, use_gpu)  # with use_gpu=auto, train checks again once it knows the cluster
     if cfg.tune is not None or args.command == "tune":
         from runtime.tune import parse_tune
 
-        parse_tune(cfg)  # a training job's tune: section is checked too: junk there is a typo somewhere
+        parse_tune(cfg, origins)  # a training job's tune: section is checked too: junk there is a typo somewhere
     for w in job_warnings(cfg):
         print(f"warning: {w}", file=sys.stderr)
     if args.command == "validate":

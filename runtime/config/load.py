@@ -238,15 +238,20 @@ def load_job(
     jobs_dir: Path = JOBS_DIR,
     *,
     applied: list[str] | None = None,
+    origins: Origins | None = None,
 ) -> JobConfig:
     """Load a job file, apply environment then ``--set`` overrides (``--set`` wins), validate.
 
     ``environ``: RT_* overrides are read only from this mapping (the CLI passes ``os.environ``);
     None reads none, so a notebook's environment cannot change a job behind its back.
     ``applied``: filled with one line per override that took effect (``validate --show``).
+    ``origins``: filled with where each key was set (``file:line``, ``--set ...``, the RT_ variable),
+    for checks made after loading to name it too (``parse_tune(cfg, origins)``: the tune section).
     """
     path = resolve_job_path(job, jobs_dir)
-    raw, origins = read_job_file(path)
+    raw, found = read_job_file(path)
+    origins = {} if origins is None else origins
+    origins.update(found)
     raw.setdefault("name", path.stem)
     items = (env_overrides(environ) if environ is not None else []) + [
         (o, f"--set {short(o)}") for o in overrides or []]

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from runtime.config import JobConfig, Strict, config_from_dict, format_errors, set_dotted, short
+from runtime.config.base import Origins
 from runtime.errors import ConfigError
 from runtime.observe.catalog import metric_names
 
@@ -181,14 +182,18 @@ class TuneSpec:
         return self.job.model_dump(mode="json", exclude={"tune"})
 
 
-def parse_tune(cfg: JobConfig) -> TuneSpec:
-    """Validate the tune section against the job before anything runs (ConfigError names the field)."""
+def parse_tune(cfg: JobConfig, origins: Origins | None = None) -> TuneSpec:
+    """Validate the tune section against the job before anything runs (ConfigError names the field).
+
+    ``origins``: where each key was set, as ``load_job(..., origins=...)`` records them: an error
+    then names its source (file:line, --set or RT_ variable) as the job's other sections do.
+    """
     if not cfg.tune:
         raise ConfigError(f"job {cfg.name!r} has no tune: section; add one (see docs/tune.md)")
     try:
         tc = TuneConfig.model_validate(cfg.tune)
     except ValidationError as e:
-        raise ConfigError(format_errors(e, f"job {cfg.name!r}, tune: section", root=TuneConfig,
+        raise ConfigError(format_errors(e, f"job {cfg.name!r}, tune: section", origins, root=TuneConfig,
                                         prefix=("tune",))) from None
     base = cfg.model_dump(mode="json", exclude={"tune"})
     for p in tc.params:

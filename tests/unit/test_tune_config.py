@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from runtime.config import load_job
 from runtime.errors import ConfigError
 from runtime.tune import parse_tune
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _job(**tune: Any) -> Any:
@@ -211,3 +214,33 @@ def test_boolean_given_for_a_number_in_the_tune_section_is_refused() -> None:
 def test_search_key_below_a_plain_value_is_refused_naming_it() -> None:
     msg = _error(space={"optimizer.lr.peak": {"uniform": [0.1, 0.2]}})
     assert "tune.space.optimizer.lr.peak" in msg and "'lr' is not a section" in msg
+
+
+def _tune_cli_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    from runtime.cli import main
+
+    assert main(["tune", *argv]) == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_tune_field_in_the_job_file_names_its_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = tmp_path / "job.yaml"
+    text = (ROOT / "jobs" / "digits_tune.yaml").read_text()
+    text = text.replace("  method: random\n", "  method: random\n  frob: 1\n")
+    job.write_text(text)
+    line = text.splitlines().index("  frob: 1") + 1
+    err = _tune_cli_error([str(job)], capsys)
+    assert "tune.frob: unknown field" in err and f"[from {job}:{line}]" in err
+
+
+def test_unknown_tune_field_from_set_names_the_override(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _tune_cli_error(["digits_tune", "--set", "tune.frob=1"], capsys)
+    assert "tune.frob: unknown field" in err and "[from --set 'tune.frob=1']" in err
+
+
+def test_unknown_tune_field_from_the_environment_names_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RT_TUNE__FROB", "1")
+    err = _tune_cli_error(["digits_tune"], capsys)
+    assert "tune.frob: unknown field" in err and "[from RT_TUNE__FROB]" in err
