@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from runtime.config.schema import CostConfig, JobConfig, NonFiniteConfig, TrainConfig
+from runtime.errors import ConfigError
 from runtime.observe.cost import BUDGET_REASON, PRICE_PAUSE_REASON, SpendMeter, budget_reached
 from runtime.observe.prices import PriceSource, Quote, price_source
 from runtime.run import PREEMPT_FILE, RunInfo
@@ -28,6 +29,23 @@ def total_steps(tc: TrainConfig, batches_per_epoch: int) -> int:
     if tc.max_steps and tc.epochs:
         return min(tc.max_steps, steps_per_epoch * tc.epochs)
     return tc.max_steps or steps_per_epoch * (tc.epochs or 1)
+
+
+def check_step_lists(tc: TrainConfig, checkpoint_at: Sequence[int], total: int) -> None:
+    """Refuse ``checkpoint.at_steps`` / ``train.eval_at_steps`` past the run's ``total`` steps.
+
+    The job's schema checks them against ``train.max_steps``; a run bounded by ``train.epochs``
+    has a length only once its data is open, and a step it never reaches would silently never
+    checkpoint or evaluate (the ConfigError exits 2).
+    """
+    late = [f"{field} {sorted(s for s in steps if s > total)}"
+            for field, steps in (("checkpoint.at_steps", checkpoint_at), ("train.eval_at_steps", tc.eval_at_steps))
+            if any(s > total for s in steps)]
+    if late:
+        # e.g. 22 steps an epoch x train.epochs=2 = 44 steps: at_steps [50] is never reached
+        raise ConfigError(f"{' and '.join(late)}: past the end of the run, which trains {total} steps on this data "
+                          f"(train.epochs={tc.epochs}, train.max_steps={tc.max_steps or 'null'}); "
+                          f"name steps from 1 to {total}")
 
 
 def billed_nodes(workers: int, cost: CostConfig) -> int:
@@ -84,7 +102,9 @@ def build_cost_watch(cfg: JobConfig, run: RunInfo, rank: int, world: int) -> Cos
 class StopPolicy:
     """Decides when this rank's loop ends, and why (rank 0's reason is the one reported)."""
 
-    def __init__(self, tc: TrainConfig, total: int, run_dir: str, cost: CostWatch | None = None) -> None:
+    def __init__(self, tc: TrainConfig, total: int, run_dir: str, cost: CostWatch | None = None, *,
+                 checkpoint_at: Sequence[int] = ()) -> None:
+        check_step_lists(tc, checkpoint_at, total)  # the first place the run's length is known
         self.total_steps = total
         self.epochs = tc.epochs
         self.nonfinite: NonFiniteConfig = tc.nonfinite
@@ -98,16 +118,16 @@ class StopPolicy:
         return state.global_step >= self.total_steps or (self.epochs is not None and state.epoch >= self.epochs)
 
     def preempted(self) -> bool:
-        """The driver (on SIGTERM) or an operator drops a marker file: checkpoint now and stop.
+        """The driver (on SIGTERM) or an operator drops a marker file: checkpoint now and stop."""
+        return os.path.exists(self.marker)
 
-        Rank 0 asks this at every boundary, just before the exchange reads ``reason``: so the cost
-        rules are checked here too, and a stop they request is agreed on at this very boundary.
-        """
+    def check_cost(self) -> None:
+        """Rank 0, at every boundary before its flags are exchanged: a stop the cost rules ask for
+        (budget, spot-price pause) is agreed on at this very boundary."""
         if self.cost is not None and self.reason is None:
             why = self.cost.check()
             if why is not None:
                 self.request(why)
-        return os.path.exists(self.marker)
 
     def request(self, reason: str) -> None:
         """Stop at the next boundary for ``reason`` (it replaces an earlier one: the newest cause is reported)."""

@@ -75,6 +75,7 @@ from runtime.train.setup import (
 )
 from runtime.train.stats import Boundary, StepStats
 from runtime.train.stop_policy import StopPolicy, build_cost_watch, total_steps
+from runtime.train.timeline import worker_timeline
 
 log = logging.getLogger("runtime.train")
 
@@ -151,7 +152,8 @@ class Trainer:
                                  report_fn or ray.train.report, report_all=not self.in_ray)
         self.stats = StepStats(self.device)
         # The components: each decides its own cadence; fit asks them after every step.
-        self.stop = StopPolicy(tc, self.total_steps, run.run_dir, build_cost_watch(cfg, run, self.rank, self.world))
+        self.stop = StopPolicy(tc, self.total_steps, run.run_dir, build_cost_watch(cfg, run, self.rank, self.world),
+                               checkpoint_at=cfg.checkpoint.at_steps)
         self.checkpointer = Checkpointer(
             self.checkpoints, cfg, run, rank=self.rank, world=self.world, distributed=self.distributed,
             sharded=self.is_fsdp, device=self.device, classes=bundle.classes, gauges=self.gauges,
@@ -182,6 +184,7 @@ class Trainer:
             return
         from runtime.checkpoint import read_pointer
 
+        restore_start = time.time()  # the restart's timeline (issue 33): read + verify + load from here
         pointer_step = None
         ray_ckpt = ray.train.get_checkpoint() if self.in_ray else None
         if ray_ckpt is not None:
@@ -190,6 +193,7 @@ class Trainer:
             pointer_step = pointed.step if pointed else None
         state, self.metrics.once = restore_latest(self.checkpoints, self.trainables, self.cfg, self.rank,
                                                   self.world, pointer_step, sharded=self.is_fsdp)
+        self.metrics.once["timeline"] = worker_timeline(self.t_start, restore_start)
         if state is None:
             return
         self.state = state
@@ -232,6 +236,7 @@ class Trainer:
             step = self.state.global_step
             if step == first_step:
                 self.stats.first_step_done()
+                self.metrics.once.setdefault("timeline", {})["first_step_end"] = time.time()
             evaluate, log_step = self.evaluator.due(step), self.metrics.should_log(step)
             commit, save = self.checkpointer.commit_due(step), self.checkpointer.interval_due(step)
             if not (evaluate or log_step or save or commit):
@@ -451,6 +456,7 @@ class Trainer:
         """All ranks at the same step: agree on rank 0's flags, read the window (one sync)."""
         flags = (False, False, False)
         if self.rank == 0:
+            self.stop.check_cost()
             flags = (self.stop.preempted(), self.stop.reason is not None,
                      self.reporter.unregistered_commit() is not None)
         b = self.stats.exchange(flags, self.distributed, self.world, want_metrics)

@@ -121,19 +121,21 @@ def test_a_spot_price_above_the_limit_pauses_the_run_and_at_the_limit_does_not(t
 
 
 def test_rank0_stop_policy_requests_the_budget_stop_at_the_boundary_it_is_asked(tmp_path: Path) -> None:
-    """preempted() is what rank 0 asks just before the exchange: the stop it requests is in the same flags."""
+    """check_cost() is what rank 0 asks just before the exchange: the stop it requests is in the same flags."""
     clock, source = Clock(), Prices(3600.0)
     cfg = load_job("digits_smoke", ["cost.budget_usd=5"], environ={})
     watch = CostWatch(cfg.cost, source, nodes=1, start=clock.t, spent_before=0.0, clock=clock)
     policy = StopPolicy(cfg.train, 100, str(tmp_path), watch)
     clock.t += 1
-    assert policy.preempted() is False and policy.reason is None
+    policy.check_cost()
+    assert policy.reason is None
     clock.t += 3  # 4 spent, the last interval cost 3: the next would cross 5
+    policy.check_cost()
     assert policy.preempted() is False  # a budget stop is a stop with a final checkpoint, not a preemption
     assert policy.reason is not None and policy.reason.startswith(BUDGET_REASON)
     first = policy.reason
     clock.t += 100
-    policy.preempted()
+    policy.check_cost()
     assert policy.reason == first  # asked once: a later boundary does not rewrite why the run stops
 
 
