@@ -6,7 +6,10 @@ max: 3}``, one worker per raylet. Three times: once the run trains on 3 workers,
 process group (the node is lost), time until the first step completed on 2 workers (failure
 detection, Ray's resize decision, new worker group, restore, first step), count the steps redone,
 then add a node back and time until the run is on 3 workers again. Median of the three losses.
-Goal: <= 30 s, with at most one checkpoint interval (10 steps) redone.
+Goal: <= 15 s each way on a quiet 2-core machine (issue 33), with at most one checkpoint interval
+(10 steps) redone. Each shrink and grow is split into phases as the recovery benchmark's are
+(runtime.train.timeline): ``shrink``/``grow`` hold their medians and shares; a grow's ``node_start``
+(the new raylet joining) comes before them and is part of its total.
 
 The driver streams in lockstep (each report waits until it is taken), so the run keeps pace with
 the measurement and cannot end between rounds; it is stopped through the preemption marker after.
@@ -45,7 +48,11 @@ def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
         "distributed.poll_interval_s=0.25", "distributed.cpus_per_worker=1",
         f"distributed.resources_per_worker={{{SLOT}: 1}}", "distributed.num_workers={min: 1, max: 3}",
         f"distributed.elastic.resize_check_interval_s={CHECK_S}"], environ={})
+    from runtime.train.timeline import phases, read_timeline, summarise
+
     fit = StreamingFit(cfg, "bench-elastic", lockstep=True)
+    faults: list[tuple[str, float, dict[str, Any]]] = []  # (shrink|grow, wall time of the fault, first report)
+    node_start: list[float] = []
     shrink_s: list[float] = []
     grow_s: list[float] = []
     redone: list[int] = []
@@ -58,17 +65,21 @@ def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
             steady_from = steady_from if steady_from is not None else step
             if step >= steady_from + INTERVAL + 3:  # a checkpoint committed on 3 workers, a few steps past it
                 victim = max(int(n["index"]) for n in rc.load_state(cluster_dir)["nodes"])
-                t0 = time.monotonic()
+                t0, wall = time.monotonic(), time.time()
                 rc.remove_node(victim, cluster_dir)
                 phase = "lost"
         elif phase == "lost" and world == 2:
             shrink_s.append(time.monotonic() - t0)
+            faults.append(("shrink", wall, item))
             redone.append(last_step - int(item.get("resumed_from_step", last_step)))
             t0 = time.monotonic()
             rc.add_node(cluster_dir, num_cpus=2, resources={SLOT: 1})
+            node_start.append(time.monotonic() - t0)
+            wall = time.time()  # the grow's phases start once the head lists the node
             phase = "rejoined"
         elif phase == "rejoined" and world == 3:
             grow_s.append(time.monotonic() - t0)
+            faults.append(("grow", wall, item))
             phase, steady_from = "steady", step
             if len(shrink_s) == LOSSES:
                 (Path(fit.run.run_dir) / PREEMPT_FILE).write_text("bench done\n")  # checkpoint and stop
@@ -78,7 +89,15 @@ def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
             time.sleep(0.02)  # keep the run's pace bounded: it must not finish between rounds
     if fit.error is not None:
         raise fit.error
+    controller = read_timeline(fit.run.run_dir)
+    split: dict[str, list[dict[str, float]]] = {"shrink": [], "grow": []}
+    for kind, at, report in faults:
+        p = phases(at, controller, report.get("timeline") or {}, float(report["_time"]))
+        if p is not None:
+            split[kind].append(p)
     return {
+        "shrink": summarise(split["shrink"]),
+        "grow": {**summarise(split["grow"]), "node_start_seconds": [round(s, 2) for s in node_start]},
         "node_losses": len(shrink_s),
         "shrink_seconds": [round(s, 2) for s in shrink_s],
         "shrink_seconds_median": round(statistics.median(shrink_s), 2),
@@ -88,7 +107,9 @@ def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
         "checkpoint_interval_steps": INTERVAL,
         "resize_check_interval_s": CHECK_S,
         "resizes": reasons,
-        "goal_seconds": 30,
+        "goal_seconds": 15,
+        # The machine is shared: the 1/5/15-minute load at the end says how inflated the seconds are.
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
 

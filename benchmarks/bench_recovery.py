@@ -3,7 +3,10 @@
 One 2-worker digits job (``log_every_steps=1`` so every step is reported) is killed three times,
 each time shortly after a checkpoint commits; the figure is the time from the SIGKILL to the
 first report of a step after the restart (failure detection, gloo teardown, new worker group,
-restore, first step). Median of the kills. Goal: <= 20 s (the requirement: < 2 min).
+restore, first step). Median of the kills. Goal: <= 5 s on a quiet 2-core machine (issue 33).
+Each recovery is also split into phases (runtime.train.timeline.PHASES: the controller's stamps in the
+run's timeline.jsonl and the first resumed report's ``timeline``): ``phases_median_s`` and
+``phases_share`` hold their medians and shares, ``phase_<name>_seconds`` each recovery's.
 
 Uses the running cluster (RAY_ADDRESS or `make cluster-up`'s) and kills only this job's workers there;
 with none running it starts a throwaway one (Ray only) on free ports and restores the environment after.
@@ -48,6 +51,7 @@ def _measure(storage: Path) -> dict[str, Any]:
 
     from runtime.config import load_job
     from runtime.train.driver import connect, train
+    from runtime.train.timeline import phases, read_timeline, summarise
 
     run = "bench-recovery"
     cfg = load_job("digits_smoke", [
@@ -65,7 +69,8 @@ def _measure(storage: Path) -> dict[str, Any]:
         killer.stop()
         killer.join(timeout=10)
     kills = [k.time for k in killer.kills]
-    resumed_at = [h["_time"] for h in out.history if "resumed_from_step" in h]
+    resumed = [h for h in out.history if "resumed_from_step" in h]
+    resumed_at = [h["_time"] for h in resumed]
     redone = []
     last = 0
     for h in out.history:
@@ -74,15 +79,24 @@ def _measure(storage: Path) -> dict[str, Any]:
         last = h.get("step", last)
     paired = pair_recoveries(kills, resumed_at)
     seconds = [s for s in paired if s is not None]
+    # Where each recovery's seconds went (runtime.train.timeline): the controller's stamps and the
+    # timeline of the first report after the kill.
+    controller = read_timeline(out.run_dir)
+    split = []
+    for i, k in enumerate(kills):
+        end = kills[i + 1] if i + 1 < len(kills) else float("inf")
+        report = next((h for h in resumed if k < h["_time"] <= end), None)
+        p = phases(k, controller, report.get("timeline") or {}, report["_time"]) if report else None
+        if p is not None:
+            split.append(p)
     return {
+        **summarise(split),
         "kills": len(kills),
         "recoveries_seen": len(seconds),
         "recovery_seconds": [round(s, 2) for s in seconds],
         "recovery_seconds_median": round(statistics.median(seconds), 2) if seconds else None,
         "steps_redone": redone,
-        "checkpoint_interval_steps": 10,
         "final_step": out.metrics.get("step"),
-        "goal_seconds": 20,
     }
 
 
@@ -103,7 +117,11 @@ def run(results_dir: Path) -> dict[str, Any]:
             if started is not None:  # stops exactly the throwaway's own processes at the end
                 stack.enter_context(local_cluster(started, num_cpus=4, with_mlflow=False, with_prometheus=False))
             result = _measure(tmp / "runs")
+        result["checkpoint_interval_steps"] = 10
+        result["goal_seconds"] = 5
         result["poll_interval_s"] = POLL_S
+        # The machine is shared: the 1/5/15-minute load at the end says how inflated the seconds are.
+        result["load_average"] = [round(x, 2) for x in os.getloadavg()]
         result["cluster"] = "throwaway" if started is not None else "running"
         return result
     finally:

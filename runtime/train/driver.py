@@ -36,6 +36,7 @@ from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
 from runtime.run import PREEMPT_FILE, RunInfo, TrainOutcome
 from runtime.train.elastic import RESIZE_EVENT, record_resize, resize_line
+from runtime.train.timeline import PhaseClock
 from runtime.train.trainer import run_rank, train_loop_per_worker
 
 log = logging.getLogger("runtime.train.driver")
@@ -149,7 +150,8 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
         storage_path = storage_path.removeprefix("s3://")
-    callbacks: list[Any] = []
+    # The controller's side of every worker-group restart, for the timeline of where its seconds go.
+    callbacks: list[Any] = [PhaseClock(run.run_dir)]
     num_workers: int | tuple[int, int] = d.max_workers
     if d.is_elastic:
         from runtime.train.elastic import ElasticWatch
