@@ -6,7 +6,8 @@ Ray runs in each worker, without Ray: what is measured is the step, not the clus
 nothing runs out of memory, so the probe is made to walk three sizes (16 -> 8 -> 4) by the
 ``RUNTIME_INJECT_OOM`` hook, which raises before the forward: here a failed size costs nothing,
 on a GPU up to one forward/backward, so the upper bound adds a whole step per failed size.
-Guarded vs plain are interleaved A B A B; steady-state samples/s from the reports' throughput.
+Guarded vs plain: two trainers in one process, blocks of steps interleaved A B A B, CPU seconds
+of the process per step (little moved by other load on the machine) beside wall seconds.
 Goals: probe <= 2% of an hour; guarded >= 0.97 x plain on one rank (a buffer copy per step is
 all it adds there).
 """
@@ -16,22 +17,20 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
-STEPS = int(os.environ.get("BENCH_STEPS", "10"))
+STEPS = int(os.environ.get("BENCH_STEPS", "4"))
 BATCH = 16
 HOUR_S = 3600.0
 
 
-def _train(micro: int | str | None, steps: int) -> list[dict[str, Any]]:
-    from runtime.config import JobConfig
-    from tests.support.trainer import train_in_process
-
-    doc: dict[str, Any] = {
+def _doc(micro: int | str | None, steps: int) -> dict[str, Any]:
+    return {
         "model": {"name": "resnet50"},
         "data": {"source": "synthetic", "image_size": 32, "num_samples": 1024, "val_samples": 0,
                  "batch_size": BATCH, "micro_batch": micro},
@@ -39,37 +38,70 @@ def _train(micro: int | str | None, steps: int) -> list[dict[str, Any]]:
         "train": {"max_steps": steps, "log_every_steps": 4, "torch_threads": 1},
         "checkpoint": {"enabled": False}, "tracking": {"mlflow": False, "prometheus": False},
     }
+
+
+def _train(micro: int | str | None, steps: int) -> list[dict[str, Any]]:
+    from runtime.config import JobConfig
+    from tests.support.trainer import train_in_process
+
     with tempfile.TemporaryDirectory() as d:
-        return train_in_process(JobConfig(name="bench-micro", **doc), Path(d))[1]
+        return train_in_process(JobConfig(name="bench-micro", **_doc(micro, steps)), Path(d))[1]
 
 
-def _throughput(reports: list[dict[str, Any]]) -> float:
-    """Median samples/s over the reports after the first (warm-up) one."""
-    return statistics.median(r["train/throughput"] for r in reports[1:] if "train/throughput" in r)
+def _trainer(micro: int | None, folder: str) -> tuple[Any, Any]:
+    """A trainer at ``micro`` and its batch stream, ready for ``train_step``."""
+    from runtime.config import JobConfig
+    from runtime.run import RunInfo
+    from runtime.train.setup import Placement
+    from runtime.train.trainer import Trainer
+
+    cfg = JobConfig(name="bench-micro", **_doc(micro, STEPS * ROUNDS * 4))
+    run = RunInfo(run_name="b", job_id="b", checkpoint_uri=f"{folder}/c", run_dir=folder)
+    t = Trainer(cfg, run, placement=Placement(0, 1, torch.device("cpu")), report_fn=lambda m, checkpoint=None: None)
+    t.prefetcher = t._batches()  # closed by t.close()
+    return t, t.prefetcher
 
 
 def run(results_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
-    plain, guarded, probes, step_s = [], [], [], []
+    probes = []
     for _ in range(ROUNDS):
-        plain.append(_throughput(_train(None, STEPS)))
-        guarded.append(_throughput(_train(BATCH, STEPS)))
         os.environ["RUNTIME_INJECT_OOM"] = str(BATCH // 4)
         try:
-            first = _train("auto", 1)[0]
+            probes.append(_train("auto", 1)[0]["micro_batch_probe_s"])
         finally:
             del os.environ["RUNTIME_INJECT_OOM"]
-        probes.append(first["micro_batch_probe_s"])
-        step_s.append(BATCH / plain[-1])
-    probe = statistics.median(probes)
+    # Guarded vs plain: two trainers in this process, blocks of STEPS steps interleaved A B A B;
+    # CPU seconds of this process per step (the machine's other load barely moves them) and wall.
+    cpu: dict[str, list[float]] = {"plain": [], "guarded": []}
+    wall: dict[str, list[float]] = {"plain": [], "guarded": []}
+    with tempfile.TemporaryDirectory() as d:
+        trainers = {"plain": _trainer(None, f"{d}/p"), "guarded": _trainer(BATCH, f"{d}/g")}
+        try:
+            for t, batches in trainers.values():
+                t.train_step(batches)  # warm-up
+            for _ in range(ROUNDS * 2):
+                for name, (t, batches) in trainers.items():
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    for _ in range(STEPS):
+                        t.train_step(batches)
+                    cpu[name].append((time.process_time() - c0) / STEPS)
+                    wall[name].append((time.perf_counter() - w0) / STEPS)
+        finally:
+            for t, _ in trainers.values():
+                t.close()
+    probe, step_s = statistics.median(probes), statistics.median(cpu["plain"])
     return {
         "description": "auto micro-batch probe cost vs a 1-hour run; guarded vs plain step, 1 CPU rank",
         "probe_seconds": probes, "probe_seconds_median": probe,
         "probe_share_of_an_hour": probe / HOUR_S,
-        "probe_in_steps": probe / statistics.median(step_s),
+        "probe_in_steps": probe / step_s,
         # On a GPU each failed size (16, 8) may run up to a whole step before it runs out.
-        "probe_upper_bound_share_of_an_hour": (probe + 2 * statistics.median(step_s)) / HOUR_S,
-        "plain_samples_per_s": plain, "guarded_samples_per_s": guarded,
-        "guarded_vs_plain": statistics.median(guarded) / statistics.median(plain),
-        "samples": {"rounds": ROUNDS, "steps": STEPS, "batch": BATCH},
+        "probe_upper_bound_share_of_an_hour": (probe + 2 * step_s) / HOUR_S,
+        "plain_cpu_s_per_step": cpu["plain"], "guarded_cpu_s_per_step": cpu["guarded"],
+        "plain_wall_s_per_step": wall["plain"], "guarded_wall_s_per_step": wall["guarded"],
+        # Speed ratio (time plain / time guarded): 1.0 = free, below 1 = the guard's cost.
+        "guarded_vs_plain_cpu": step_s / statistics.median(cpu["guarded"]),
+        "guarded_vs_plain_wall": statistics.median(wall["plain"]) / statistics.median(wall["guarded"]),
+        "samples": {"rounds": ROUNDS, "steps_per_block": STEPS, "batch": BATCH},
     }
