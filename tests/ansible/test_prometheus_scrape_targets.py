@@ -8,37 +8,23 @@ apply the relabelling (`promtool check service-discovery`).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.support.ansible import render_template
 
 ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE_DIR = ROOT / "ansible"
-ROLE = ANSIBLE_DIR / "roles" / "prometheus"
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 PROMTOOL = shutil.which("promtool") or str(ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool")
 PLANTED = {"__scheme__": "https", "__metrics_path__": "/debug/pprof/heap", "__param_target": "10.0.0.9:22"}
 
 
 def _render(tmp_path: Path) -> Path:
-    variables = {**yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()),
-                 "prometheus_config_dir": str(tmp_path), "prometheus_training_file_sd_dir": str(tmp_path / "training"),
-                 "prometheus_ray_file_sd_files": [str(tmp_path / "ray.json")]}
-    play = [{"hosts": "localhost", "gather_facts": False, "vars": variables, "tasks": [{
-        "name": "Render the config.",
-        "ansible.builtin.template": {"src": str(ROLE / "templates" / "prometheus.yml.j2"),
-                                     "dest": str(tmp_path / "prometheus.yml"), "mode": "0600"}}]}]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
-    proc = subprocess.run([str(PLAYBOOK), "-i", "localhost,", "-c", "local", "-e",
-                           json.dumps({"ansible_python_interpreter": sys.executable}), str(tmp_path / "play.yml")],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    render_template("prometheus", "prometheus.yml.j2", tmp_path, prometheus_config_dir=str(tmp_path),
+                    prometheus_training_file_sd_dir=str(tmp_path / "training"),
+                    prometheus_ray_file_sd_files=[str(tmp_path / "ray.json")])
     (tmp_path / "web-password").write_text("p" * 16)
     return tmp_path / "prometheus.yml"
 

@@ -3,32 +3,15 @@ in the file, and without a replacement command the rules keep only their drain."
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-ANSIBLE_DIR = Path(__file__).resolve().parents[2] / "ansible"
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
-ROLE = ANSIBLE_DIR / "roles" / "remediation"
+from tests.support.ansible import render_template
 
 
 def _render(tmp_path: Path, **overrides: object) -> dict:
-    variables = {**yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()), **overrides}
-    play = [{"hosts": "localhost", "gather_facts": False, "vars": variables, "tasks": [{
-        "name": "Render the policy.",
-        "ansible.builtin.template": {"src": str(ROLE / "templates" / "policy.yml.j2"),
-                                     "dest": str(tmp_path / "policy.yml"), "mode": "0600"}}]}]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
-    proc = subprocess.run([str(PLAYBOOK), "-i", "localhost,", "-c", "local", "-e",
-                           json.dumps({"ansible_python_interpreter": sys.executable}), str(tmp_path / "play.yml")],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return yaml.safe_load((tmp_path / "policy.yml").read_text())
+    return yaml.safe_load(render_template("remediation", "policy.yml.j2", tmp_path, **overrides))
 
 
 def test_the_policy_carries_the_nodes_guard_rails_and_replacement_site_wires(tmp_path):

@@ -7,18 +7,14 @@ also rendered to check the paths it may write.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.support.ansible import render_template
 
 ANSIBLE_DIR = Path(__file__).resolve().parents[2] / "ansible"
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 UNITS = sorted(ANSIBLE_DIR.glob("roles/*/templates/*.service.j2"))
 DROP_INS = sorted(ANSIBLE_DIR.glob("roles/*/templates/override.conf.j2"))
 # Option -> the values that count as hardened.
@@ -80,19 +76,7 @@ def test_no_unit_runs_as_root() -> None:
 
 
 def _render_mlflow_unit(tmp_path: Path, **overrides: object) -> str:
-    role = ANSIBLE_DIR / "roles" / "mlflow"
-    variables = {**yaml.safe_load((role / "defaults" / "main.yml").read_text()), **overrides}
-    play = [{"hosts": "localhost", "gather_facts": False, "vars": variables, "tasks": [{
-        "name": "Render the unit.",
-        "ansible.builtin.template": {"src": str(role / "templates" / "mlflow.service.j2"),
-                                     "dest": str(tmp_path / "mlflow.service"), "mode": "0600"}}]}]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
-    proc = subprocess.run([str(PLAYBOOK), "-i", "localhost,", "-c", "local", "-e",
-                           json.dumps({"ansible_python_interpreter": sys.executable}), str(tmp_path / "play.yml")],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return (tmp_path / "mlflow.service").read_text()
+    return render_template("mlflow", "mlflow.service.j2", tmp_path, **overrides)
 
 
 def test_mlflow_may_write_only_its_home_its_local_artifacts_and_its_sqlite_folder(tmp_path: Path) -> None:

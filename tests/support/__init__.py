@@ -40,6 +40,16 @@ def job(name: str, storage: str, *overrides: str) -> Any:
     return load_job(name, [f"checkpoint.storage={storage}", *overrides], environ={})
 
 
+def job_config(base: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> Any:
+    """A JobConfig named "unit" from ``base`` with each of ``sections`` merged into its section."""
+    from runtime.config import JobConfig
+
+    doc: dict[str, Any] = {k: dict(v) for k, v in base.items()}
+    for k, v in sections.items():
+        doc[k] = {**doc.get(k, {}), **v}
+    return JobConfig(name="unit", **doc)
+
+
 class QuietHandler(BaseHTTPRequestHandler):
     """A test server's request handler that keeps stderr clean (no line per request)."""
 

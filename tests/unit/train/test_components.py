@@ -18,16 +18,14 @@ from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.resume import TrainerState
 from runtime.train.stats import Boundary
 from runtime.train.stop_policy import StopPolicy, total_steps
+from tests.support import job_config
 
 CPU = torch.device("cpu")
 
 
 def _cfg(**sections: dict[str, Any]) -> JobConfig:
-    doc: dict[str, Any] = {"model": {"name": "mlp"}, "data": {"source": "digits", "batch_size": 4},
-                           "tracking": {"mlflow": False, "prometheus": False}}
-    for k, v in sections.items():
-        doc[k] = {**doc.get(k, {}), **v}
-    return JobConfig(name="unit", **doc)
+    return job_config({"model": {"name": "mlp"}, "data": {"source": "digits", "batch_size": 4},
+                       "tracking": {"mlflow": False, "prometheus": False}}, **sections)
 
 
 def _boundary(**kw: Any) -> Boundary:

@@ -16,6 +16,7 @@ from runtime.errors import ConfigError
 from runtime.run import TrainOutcome
 from runtime.train.microbatch import INJECT_OOM_ENV, MicroBatcher, candidates
 from runtime.train.trainer import Trainer
+from tests.support import job_config
 from tests.support.trainer import train_in_process, train_ranks_in_turn
 
 # digits: 1438 samples / 64 per batch = 22 batches an epoch; small_cnn has batch norm, mlp has none.
@@ -28,10 +29,7 @@ BASE: dict[str, dict[str, Any]] = {
 
 
 def _cfg(**over: dict[str, Any]) -> JobConfig:
-    doc = {k: dict(v) for k, v in BASE.items()}
-    for section, values in over.items():
-        doc[section].update(values)
-    return JobConfig(name="unit", **doc)
+    return job_config(BASE, **over)
 
 
 def _params(t: Trainer) -> list[torch.Tensor]:

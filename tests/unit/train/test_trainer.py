@@ -12,6 +12,7 @@ from runtime.config import JobConfig
 from runtime.run import PREEMPT_FILE, RunInfo
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
+from tests.support import job_config
 from tests.support.trainer import train_in_process
 
 # digits: 1438 training samples / 128 per batch = 11 batches an epoch, so runs cross epochs.
@@ -23,10 +24,7 @@ BASE = {"model": {"name": "mlp"}, "data": {"source": "digits", "batch_size": 128
 
 
 def _cfg(**over: dict[str, Any]) -> JobConfig:
-    doc = {k: dict(v) for k, v in BASE.items()}
-    for section, values in over.items():
-        doc[section].update(values)
-    return JobConfig(name="unit", **doc)
+    return job_config(BASE, **over)
 
 
 def _params(t: Trainer) -> list[torch.Tensor]:

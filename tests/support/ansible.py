@@ -1,0 +1,34 @@
+"""Render one of a role's templates with the real ``ansible-playbook`` (the ops venv's), with the
+role's defaults and a test's overrides as variables: what the role would write, without a host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.support import ROOT
+
+ANSIBLE_DIR = ROOT / "ansible"
+
+
+def render_template(role: str, template: str, out: Path, **overrides: object) -> str:
+    """``roles/<role>/templates/<template>`` rendered into ``out`` (a folder); returns its text."""
+    role_dir = ANSIBLE_DIR / "roles" / role
+    variables = {**yaml.safe_load((role_dir / "defaults" / "main.yml").read_text()), **overrides}
+    dest = out / template.removesuffix(".j2")
+    play = [{"hosts": "localhost", "gather_facts": False, "vars": variables, "tasks": [{
+        "name": "Render the template.",
+        "ansible.builtin.template": {"src": str(role_dir / "templates" / template), "dest": str(dest),
+                                     "mode": "0600"}}]}]
+    (out / "play.yml").write_text(yaml.safe_dump(play))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", json.dumps({"ansible_python_interpreter": sys.executable}), str(out / "play.yml")],
+                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return dest.read_text()
