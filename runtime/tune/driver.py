@@ -20,7 +20,7 @@ from typing import Any
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
 from runtime.layout import TRIAL_TRAINABLE, search_paths, storage_filesystem, trial_checkpoints, trial_folder
-from runtime.tune.config import SCHEDULERS, parse_tune
+from runtime.tune.config import SCHEDULERS, TuneSpec, parse_tune
 from runtime.tune.report import SearchOutcome, collect_trials, finish_parent, pick_best, write_report
 from runtime.tune.schedulers import param_space, scheduler, search_alg
 from runtime.tune.state import sealed_filesystem, verify_sealed
@@ -133,9 +133,16 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     if not resume and rt.Tuner.can_restore(search_dir, storage_filesystem=fs):
         raise ConfigError(f"search folder {search_dir} already holds a search: pass --resume (RESUME=1) "
                           "or a new --run-name")
+    # The parent run goes through the train driver's bounded path: MLflow's HTTP settings lowered, and
+    # None (after one console line) when MLflow cannot be reached; the search never depends on it.
     parent = Tracker.for_job(spec.job, name, extra_tags={"tune.method": tc.method, "tune.metric": tc.metric,
                                                          "tune.mode": tc.mode, "tune.search_dir": search_dir})
-    ctx = SearchContext(search_name=name, search_dir=search_dir, base=trial_base(spec), metric=tc.metric,
+    base = trial_base(spec)
+    if parent is None and spec.job.tracking.mlflow:
+        # MLflow was unreachable at the start: the trials do not try it again each (a line and a
+        # bounded wait per trial); the search's report, in its folder, holds every trial's results.
+        base = {**base, "tracking": {**base["tracking"], "mlflow": False}}
+    ctx = SearchContext(search_name=name, search_dir=search_dir, base=base, metric=tc.metric,
                         trial_keep=tc.trial_keep, parent_run_id=parent.run_id if parent else None,
                         mlflow_uri=parent.uri if parent else (cfg.tracking.mlflow_uri or tracking_uri()),
                         endpoint_url=cfg.checkpoint.endpoint_url, poll_interval_s=tc.trial_poll_interval_s,
@@ -181,5 +188,16 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
                         wall_seconds=time.time() - t0)
     out.report_files = write_report(out, spec, job or cfg.name)
     if parent:
-        finish_parent(parent, out, spec)
+        _finish_parent(parent, out, spec)
     return out
+
+
+def _finish_parent(parent: Any, out: SearchOutcome, spec: TuneSpec) -> None:
+    """The parent run's report artifacts, tags and end, best-effort: MLflow gone by the end of the search
+    costs one console line (its calls are bounded by Tracker.for_job's HTTP settings), never the search."""
+    try:
+        finish_parent(parent, out, spec)
+    except Exception as e:  # noqa: BLE001 (MLflow raises many kinds; none may fail a finished search)
+        log.debug("MLflow parent run %s: %s", parent.run_id, e)
+        log.warning("MLflow at %s unreachable at the end of the search: the parent run %s lacks the report; "
+                    "it is in %s", parent.uri, parent.run_id, out.search_dir)
