@@ -127,8 +127,9 @@ class TrainFlow(FlowSpec):
         """A new registry version (run's final metrics and this evaluation as tags); promoted if better."""
         from pathlib import Path
 
+        from runtime.observe.mlflow_sync import register_run
+        from runtime.observe.mlflow_upload import SyncState
         from runtime.observe.registry import PromotionRefused, promote
-        from runtime.observe.tracking import SyncState, register_run
         from runtime.train.export import save_final_model
 
         version, run_id = register_run(Path(self.run_dir), self.registered_name, save_final_model, self.metrics)

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _uri(given: str | None) -> str:
-    from runtime.observe.tracking import local_store_uri
+    from runtime.observe.mlflow_http import local_store_uri
 
     return given or tracking_uri() or local_store_uri()
 
@@ -92,8 +92,8 @@ def _run(args: argparse.Namespace) -> int:
         before = f" (was version {p.previous.version})" if p.previous else ""
         print(f"{args.name}@{args.alias} -> version {p.version.version}{before}: {p.reason}")
         return 0
+    from runtime.observe.mlflow_sync import register_run
     from runtime.observe.report import find_run
-    from runtime.observe.tracking import register_run
     from runtime.train.export import save_final_model
 
     version, run_id = register_run(Path(find_run(args.run)), args.name, save_final_model)
@@ -105,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from runtime.observe.history import ReportError
-    from runtime.observe.tracking import bound_mlflow_http
+    from runtime.observe.mlflow_http import bound_mlflow_http
 
     bound_mlflow_http()
 

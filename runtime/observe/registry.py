@@ -44,7 +44,7 @@ class Version:
 
 def client(uri: str) -> Any:
     """A registry client. Its callers (the tracker, ``models`` commands, the flow) have bounded MLflow's
-    HTTP settings for the process first (runtime.observe.tracking.bound_mlflow_http): a dead server
+    HTTP settings for the process first (runtime.observe.mlflow_http.bound_mlflow_http): a dead server
     then fails a call in seconds, not minutes."""
     from mlflow.tracking import MlflowClient
 

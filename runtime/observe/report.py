@@ -4,7 +4,7 @@ Reads the run folder's ``history.jsonl`` (every report the driver received, appe
 arrived, runtime.observe.history.HISTORY_FILE), prints where each metric started, ended and was best,
 the throughput median, restarts and wall time, and rewrites ``training_curves.png`` next to it.
 Works without a cluster, MLflow or the checkpoints. ``--sync`` first uploads to MLflow what it
-missed of the run (runtime.observe.tracking.sync).
+missed of the run (runtime.observe.mlflow_sync.sync).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from runtime.observe.cost import LEDGER_FILE, CostLedger
 from runtime.observe.history import CURVES_FILE, HISTORY_FILE, HistoryLog, ReportError, load_history, read_history
 
 if TYPE_CHECKING:
-    from runtime.observe.tracking import ModelExporter
+    from runtime.observe.mlflow_upload import ModelExporter
 
 # (key, label, which end is best); throughput and learning rate are described, not ranked.
 METRICS = (("train/loss", "train loss", min), ("train/accuracy", "train accuracy", max),
@@ -111,7 +111,7 @@ def report(run: str, runs_root: Path = LOCAL_RUNS) -> Report:
 def _plot(history: list[dict[str, Any]], png: Path) -> tuple[Path | None, str]:
     """The curves and the ``plots`` line. Values matplotlib cannot scale (a range wider than a
     float holds) make numpy warn and matplotlib raise: that is one line here, not a traceback."""
-    from runtime.observe.tracking import plot_curves
+    from runtime.observe.curves import plot_curves
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # numpy's overflow inside matplotlib's scaling
@@ -124,12 +124,12 @@ def _plot(history: list[dict[str, Any]], png: Path) -> tuple[Path | None, str]:
 
 def main(run: str, sync: bool = False, export_model: ModelExporter | None = None) -> int:
     """The summary; with ``sync``, first upload what MLflow missed (exit 3 while it is unreachable);
-    ``export_model`` writes the final model as an MLflow model (runtime.observe.tracking.ModelExporter)."""
+    ``export_model`` writes the final model as an MLflow model (runtime.observe.mlflow_upload.ModelExporter)."""
     from runtime.cluster import ClusterError
 
     try:
         if sync:
-            from runtime.observe.tracking import sync as sync_run
+            from runtime.observe.mlflow_sync import sync as sync_run
 
             print("\n".join(sync_run(find_run(run), export_model)) + "\n")
         got = report(run)

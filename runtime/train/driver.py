@@ -336,7 +336,8 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     the same run: one outcome, one history, one MLflow run (runtime.train.spend, docs/cost.md).
     ``verbose``: Ray's worker and controller output on the console too (see :func:`connect`).
     """
-    from runtime.observe.tracking import Tracker, plot_curves
+    from runtime.observe.curves import plot_curves
+    from runtime.observe.tracking import Tracker
     from runtime.train.export import save_final_model
     from runtime.train.spend import DriverCosts, paused_for_price
 

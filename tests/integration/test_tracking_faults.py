@@ -21,7 +21,9 @@ import pytest
 
 from runtime.cli import main as cli_main
 from runtime.observe.history import HistoryLog, read_history
-from runtime.observe.tracking import QUEUE_MAX, STATE_FILE, SyncState, Tracker, sync
+from runtime.observe.mlflow_sync import sync
+from runtime.observe.mlflow_upload import STATE_FILE, SyncState
+from runtime.observe.tracking import QUEUE_MAX, Tracker
 from runtime.run import TrainOutcome
 from tests.support import ROOT, job, wait_for
 from tests.support.mlflow import MlflowServer

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from runtime.observe.curves import curve_rows, plot_curves
 from runtime.observe.report import CURVES_FILE, HISTORY_FILE, HistoryLog, main, report
-from runtime.observe.tracking import curve_rows, plot_curves
 
 
 def _history(run_dir: Path, items: list[dict], tail: str = "") -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from runtime.observe.history import HistoryLog, read_history
-from runtime.observe.tracking import MLFLOW_HTTP_DEFAULTS, bound_mlflow_http
+from runtime.observe.mlflow_http import MLFLOW_HTTP_DEFAULTS, bound_mlflow_http
 from runtime.train.driver import _worker_env
 
 
