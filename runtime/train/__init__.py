@@ -5,7 +5,7 @@ small parts (torchtitan-style).
   summary (``train()``); ``elastic``: the controller callback that reports resizes.
 - ``models``: the model zoo (torchvision ResNets/ViT, an MLP, the GPT-style decoder).
 - ``trainer``: the core: build the parts, then ``while not done: step; maybe_checkpoint;
-  maybe_report`` (and the Ray Train entry point ``train_loop_per_worker``).
+  maybe_report`` (and the Ray Train entry point ``train_loop_per_worker``, in ``worker``).
 - ``setup``: builders (placement, precision, optimizer, schedule, seeding, DDP comm hooks,
   compile) and the device-side skip of a non-finite step.
 - ``parallel``: FSDP2 applied block by block.

@@ -37,7 +37,7 @@ from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
 from runtime.run import PREEMPT_FILE, RunInfo, TrainOutcome
 from runtime.train.elastic import RESIZE_EVENT, record_resize, resize_line
 from runtime.train.timeline import PhaseClock
-from runtime.train.trainer import run_rank, train_loop_per_worker
+from runtime.train.worker import run_rank, train_loop_per_worker
 
 log = logging.getLogger("runtime.train.driver")
 

@@ -511,32 +511,3 @@ def sync_checked(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
-
-def run_rank(cfg: JobConfig, run: RunInfo, *, progress: Any = None, lockstep: bool = False,
-             mlflow: dict[str, Any] | None = None, placement: Placement | None = None,
-             report_fn: Callable[..., None] | None = None) -> None:
-    """One rank from start to end: build, restore, fit, close. Rank 0 also samples its node's
-    CPU/memory/disk/network (and GPU) into the run's MLflow run."""
-    trainer = Trainer(cfg, run, progress=progress, lockstep=lockstep, placement=placement, report_fn=report_fn)
-    monitor = None
-    if trainer.rank == 0:
-        from runtime.observe.tracking import attach_system_metrics
-
-        ml = mlflow or {}
-        monitor = attach_system_metrics(ml.get("run_id"), ml.get("uri"))
-    try:
-        trainer.restore()
-        trainer.fit()
-    finally:
-        trainer.close()
-        if monitor is not None:
-            monitor.finish()
-
-
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train worker entry point: ``config = {"job": JobConfig dump, "run": RunInfo fields}``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Train logs every report at INFO
-    run_rank(JobConfig.model_validate(config["job"]), RunInfo(**config["run"]), progress=config.get("progress"),
-             lockstep=bool(config.get("progress_lockstep")), mlflow=config.get("mlflow"))

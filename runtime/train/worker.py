@@ -1,0 +1,44 @@
+"""What runs on each worker: Ray Train's entry point (``train_loop_per_worker``) and the whole life
+of one rank (``run_rank``: build the trainer, restore, fit, close), which the driver also calls
+in its own process for a one-worker run. The trainer itself is ``runtime.train.trainer``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from runtime.config import JobConfig
+from runtime.run import RunInfo
+from runtime.train.setup import Placement
+from runtime.train.trainer import Trainer
+
+
+def run_rank(cfg: JobConfig, run: RunInfo, *, progress: Any = None, lockstep: bool = False,
+             mlflow: dict[str, Any] | None = None, placement: Placement | None = None,
+             report_fn: Callable[..., None] | None = None) -> None:
+    """One rank from start to end: build, restore, fit, close. Rank 0 also samples its node's
+    CPU/memory/disk/network (and GPU) into the run's MLflow run."""
+    trainer = Trainer(cfg, run, progress=progress, lockstep=lockstep, placement=placement, report_fn=report_fn)
+    monitor = None
+    if trainer.rank == 0:
+        from runtime.observe.tracking import attach_system_metrics
+
+        ml = mlflow or {}
+        monitor = attach_system_metrics(ml.get("run_id"), ml.get("uri"))
+    try:
+        trainer.restore()
+        trainer.fit()
+    finally:
+        trainer.close()
+        if monitor is not None:
+            monitor.finish()
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train worker entry point: ``config = {"job": JobConfig dump, "run": RunInfo fields}``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Train logs every report at INFO
+    run_rank(JobConfig.model_validate(config["job"]), RunInfo(**config["run"]), progress=config.get("progress"),
+             lockstep=bool(config.get("progress_lockstep")), mlflow=config.get("mlflow"))
