@@ -4,7 +4,7 @@ The writer. The folder layout (``step_<n>/``: one ``torch.save`` file per top-le
 ``meta.json``, and ``manifest.json`` written last = the commit) and the commit protocol live
 in ``format``; sharded (FSDP) saves write the same layout through ``sharded.ShardedWriter``,
 which commits through ``commit`` here. Reading, and skipping a folder that does not verify,
-is the base class's (``reader.CheckpointReader``).
+is the base class's (``reader.CheckpointReader``); the pointer file Ray persists is ``pointer``'s.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import io
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -31,8 +29,6 @@ from runtime.checkpoint.format import (
     InvalidCheckpoint,
     Kind,
     commit_staged,
-    file_digest,
-    is_int,
     step_name,
 )
 from runtime.checkpoint.reader import CheckpointReader
@@ -50,16 +46,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runtime.checkpoint")
 
-POINTER = "checkpoint_pointer.json"
 # While saves fail, the next one is tried no sooner than this after the last failure, doubling per
 # failure in a row (2, 4, 8, 16, 30, 30 ... s): each try of a storage that is down costs the writer its
 # whole retry window, and a fast loop would otherwise start one try after another.
 BACKOFF_FIRST_S = 2.0
 BACKOFF_MAX_S = 30.0
-
-# Re-exported: callers import these from the manager as well.
-__all__ = ["CheckpointManager", "CheckpointMetrics", "CheckpointRef", "file_digest", "read_pointer", "step_name",
-           "write_pointer"]
 
 
 @dataclass
@@ -126,37 +117,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self._out.flush()
-
-
-def write_pointer(ref: CheckpointRef, directory: str) -> str:
-    """Write a tiny pointer file for ``ray.train.report(checkpoint=Checkpoint.from_directory(d))``.
-
-    Ray then persists kilobytes instead of a second copy of the weights; the real data
-    stays in our verified storage.
-    """
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, POINTER)
-    with open(path, "w") as f:
-        json.dump({"uri": ref.uri, "step": ref.step, "name": ref.name}, f)
-    return path
-
-
-def read_pointer(directory: str) -> CheckpointRef | None:
-    """The CheckpointRef in a directory written by write_pointer (e.g. ray.train.get_checkpoint);
-    None when there is none or it is malformed (with a warning)."""
-    path = os.path.join(directory, POINTER)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            d = json.load(f)
-        if not (isinstance(d, dict) and isinstance(d.get("uri"), str) and is_int(d.get("step"))
-                and d.get("name") == step_name(d["step"])):
-            raise ValueError(f"expected {{uri, step, name}}, got {d!r:.200}")
-    except ValueError as exc:  # the pointer is advisory: a bad one must not stop a resume
-        log.warning("ignoring checkpoint pointer %s: %s", path, exc)
-        return None
-    return CheckpointRef(uri=d["uri"], step=d["step"], name=d["name"])
 
 
 class CheckpointManager(CheckpointReader):

@@ -128,7 +128,7 @@ def _commit_dcp(mgr: CheckpointManager, step: int, state: dict[str, Any]) -> Pat
     through the manager's public commit API: the same protocol ShardedWriter uses."""
     from torch.distributed.checkpoint import save as dcp_save
 
-    from runtime.checkpoint.manager import file_digest
+    from runtime.checkpoint.format import file_digest
 
     staging = mgr.storage.stage(step_name(step))
     folder = Path(staging.local_path("meta.json")).parent
