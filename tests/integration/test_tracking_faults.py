@@ -1,15 +1,15 @@
 """A run survives its tracking server (issue 27): MLflow killed mid-run, down at start-up, back later.
 
 Each test runs an MLflow server of its own (tests.support.mlflow) and SIGKILLs it; the session
-cluster's server is left alone. What is checked is what a user sees and keeps: the exit code,
-the console lines (one when MLflow goes away, one when it is back, no urllib3 retry lines, no
-traceback), the run folder's history, and the MLflow run after ``report <run> --sync``: the same
-run, each reported step exactly once.
+cluster's server is left alone. MLflow SIGKILLed in the middle of a training run is a row of the fault
+matrix (test_fault_matrix.py), whose run also takes a checkpoint-disk fault. What is checked is what a
+user sees and keeps: the exit code, the console lines (one when MLflow goes away, one when it is back,
+no urllib3 retry lines, no traceback), the run folder's history, and the MLflow run after
+``report <run> --sync``: the same run, each reported step exactly once.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +22,7 @@ import pytest
 from runtime.cli import main as cli_main
 from runtime.observe.history import HistoryLog, read_history
 from runtime.observe.mlflow_sync import sync
-from runtime.observe.mlflow_upload import STATE_FILE, SyncState
+from runtime.observe.mlflow_upload import SyncState
 from runtime.observe.tracking import QUEUE_MAX, Tracker
 from runtime.run import TrainOutcome
 from tests.support import ROOT, job, wait_for
@@ -31,8 +31,6 @@ from tests.support.mlflow import MlflowServer
 UNREACHABLE = "unreachable; metrics kept in"
 BACK = "reachable again; uploading what it missed"
 NOISE = ("Traceback", "Retrying", "MlflowException", "urllib3")
-# Long enough that MLflow dies mid-run (digits takes 20 ms to 1 s a step on 2 shared cores).
-MID_RUN_STEPS = 400
 
 
 def mlflow_steps(url: str, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -151,59 +149,6 @@ def _sync(run_dir: Path) -> subprocess.CompletedProcess[str]:
 def _assert_quiet(console: str) -> None:
     for noise in NOISE:
         assert noise not in console, f"{noise!r} reached the console:\n{console}"
-
-
-@pytest.mark.slow
-def test_mlflow_killed_mid_run_costs_one_line_not_the_run_and_sync_restores_it(cluster: dict,
-                                                                              tmp_path: Path) -> None:
-    server = MlflowServer(tmp_path / "mlflow").start()
-    storage, run = tmp_path / "runs", "mlflow-killed"
-    run_dir = storage / run
-    proc = _train(run, storage, server.url, f"train.max_steps={MID_RUN_STEPS}", "train.log_every_steps=10",
-                  "checkpoint.interval_steps=100")
-    try:
-        def uploading() -> bool:
-            state = SyncState.load(run_dir)
-            return proc.poll() is not None or (state is not None and state.uploaded >= 2)
-
-        wait_for(uploading, "the run's first reports in MLflow")
-        assert proc.poll() is None, "the run ended before MLflow could be killed"
-        run_id = json.loads((run_dir / STATE_FILE).read_text())["run_id"]
-        server.kill()
-        console, _ = proc.communicate(timeout=600)
-        ended = time.time()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        server.kill()
-    history = read_history(run_dir)
-    # Measured, not asserted (a loaded machine decides): the issue's run took 27 minutes here.
-    print(f"run ended {ended - history[-1]['_time']:.1f} s after its last report")
-    assert proc.returncode == 0, console[-4000:]
-    assert history[-1].get("final") and history[-1]["step"] == MID_RUN_STEPS
-    lines = console.splitlines()
-    assert sum(UNREACHABLE in ln for ln in lines) == 1, console
-    assert f"{run_dir / 'history.jsonl'}, will upload later" in console
-    assert any("not in MLflow" in ln and f"report {run_dir} --sync" in ln for ln in lines), console
-    _assert_quiet(console)
-
-    server.start()
-    try:
-        synced = _sync(run_dir)
-        assert synced.returncode == 0, synced.stdout + synced.stderr
-        assert "created now" not in synced.stdout and f"MLflow run   {run_id}" in synced.stdout, synced.stdout
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=server.url)
-        assert client.get_run(run_id).info.status == "FINISHED"
-        for key in ("train/loss", "train/accuracy", "val/accuracy"):
-            assert mlflow_steps(server.url, run_id, key) == history_steps(history, key), key
-        artifacts = {a.path for a in client.list_artifacts(run_id)}
-        assert {"resolved_config.yaml", "training_curves.png", "model"} <= artifacts, artifacts
-        again = _sync(run_dir)
-        assert again.returncode == 0 and "0 uploaded now" in again.stdout, again.stdout
-    finally:
-        server.kill()
 
 
 @pytest.mark.slow
