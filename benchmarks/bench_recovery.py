@@ -108,7 +108,9 @@ def run(results_dir: Path) -> dict[str, Any]:
     saved_env = dict(os.environ)
     try:
         try:
-            ray_address()  # the cluster `make cluster-up` started (or RAY_ADDRESS): kill only our workers there
+            # The cluster `make cluster-up` started (or RAY_ADDRESS): kill only our workers there. Named for
+            # Ray's state API too, which finds every Ray instance on the machine otherwise.
+            os.environ["RAY_ADDRESS"] = ray_address()
         except ClusterError:
             started = tmp / "cluster"
             # Before Ray is imported: it reads its auth settings once per process (as the test cluster does).
