@@ -322,6 +322,11 @@ class CheckpointManager(CheckpointReader):
         self._next_try = now + min(BACKOFF_FIRST_S * 2 ** (self._failed_in_row - 1), BACKOFF_MAX_S)
         return CheckpointError(msg)
 
+    @property
+    def failing(self) -> bool:
+        """The newest save failed and none has committed since (an outage in progress)."""
+        return self._failed_in_row > 0
+
     def last_committed(self) -> CheckpointRef | None:
         """Newest checkpoint committed by this manager (updated by the writer on commit)."""
         return self._last

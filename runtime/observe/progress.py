@@ -62,6 +62,8 @@ class Progress:
         self.t0 = time.time()
         self.last_step: int | None = None
         self.failures = 0
+        self.save_failures = 0  # failed checkpoint saves the reports counted (checkpoint_failures)
+        self.saves_failing = False  # between a report with new failures and the next committed checkpoint
 
     def _line(self, m: dict[str, Any]) -> str:
         parts = [f"step {m.get('step')}/{m.get('total_steps', '?')}"]
@@ -115,11 +117,27 @@ class Progress:
         for warning in m.get("restore_warnings") or []:
             self.event(f"  {warning}")
 
+    def _storage(self, m: dict[str, Any]) -> None:
+        """One line when checkpoint saves start failing and one when a checkpoint commits again: the
+        workers say it in their logs, which the console does not show (docs/checkpoints.md)."""
+        failures = m.get("checkpoint_failures")
+        if isinstance(failures, int) and failures > self.save_failures:
+            if not self.saves_failing:
+                self.event(f"checkpoint saves failing at step {m.get('step')}: training continues, saves are "
+                           "retried with backoff (the worker log has the cause)")
+            self.saves_failing = True
+        if isinstance(failures, int):
+            self.save_failures = failures  # a restarted worker group counts from 0 again
+        if self.saves_failing and "checkpoint_step" in m:
+            self.event(f"checkpoint storage is back: {_step_name(int(m['checkpoint_step']))} committed")
+            self.saves_failing = False
+
     def update(self, m: dict[str, Any]) -> None:
         if "resumed_from_step" in m or m.get("restore_warnings"):
             self._recovery(m)
         for notice in m.get("notices") or []:  # the workers' one-off lines (e.g. a micro-batch halved)
             self.event(notice)
+        self._storage(m)
         if isinstance(m.get("step"), int):
             self.last_step = m["step"]
         if not self.enabled or "step" not in m:

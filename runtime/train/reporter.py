@@ -46,8 +46,12 @@ class Reporter:
         self._outbox: queue.Queue[dict[str, Any]] | None = None  # reports the sender thread delivers in order
 
     def unregistered_commit(self) -> CheckpointRef | None:
-        """Rank 0: the newest commit if Ray Train has not been handed it yet, else None."""
-        last = self.checkpoints.last_committed() if self.checkpoints is not None else None
+        """Rank 0: the newest commit if Ray Train has not been handed it yet, else None. None too while
+        saves are failing: Ray Train copies a reported checkpoint to the same storage, and a copy that
+        fails there fails the worker; the next commit, once storage is back, is registered instead."""
+        if self.checkpoints is None or self.checkpoints.failing:
+            return None
+        last = self.checkpoints.last_committed()
         return last if last is not None and last.step != self._reported_step else None
 
     def publish(self, metrics: dict[str, Any], final: bool, to_ray: bool, comm_seconds: float) -> None:

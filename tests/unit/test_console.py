@@ -62,3 +62,25 @@ def test_the_failure_past_the_allowed_count_says_the_run_fails() -> None:
     p = Progress(total=None, enabled=False, stream=out)
     p.failure({"message": "rank 0 failed: ValueError: bad", "failures": 2, "max_failures": 1})
     assert _lines(out) == ["[runtime] rank 0 failed: ValueError: bad; no restarts left (1 allowed): the run fails"]
+
+
+def test_a_checkpoint_outage_is_one_line_when_saves_fail_and_one_when_a_checkpoint_commits_again() -> None:
+    out = io.StringIO()
+    p = Progress(total=None, enabled=False, stream=out)
+    p.update({"step": 50, "checkpoint_step": 50, "checkpoint_failures": 0})
+    for step, failures in ((60, 1), (70, 3), (80, 4)):  # the same outage: counted, not said again
+        p.update({"step": step, "checkpoint_failures": failures})
+    p.update({"step": 100, "checkpoint_step": 100, "checkpoint_failures": 4})
+    p.update({"step": 110, "checkpoint_failures": 4})
+    assert _lines(out) == [
+        "[runtime] checkpoint saves failing at step 60: training continues, saves are retried with backoff "
+        "(the worker log has the cause)",
+        "[runtime] checkpoint storage is back: step_000000100 committed"]
+
+
+def test_notices_from_the_workers_reach_the_console_once() -> None:
+    out = io.StringIO()
+    p = Progress(total=None, enabled=False, stream=out)
+    p.update({"step": 1, "notices": ["out of memory at micro-batch 64 (step 1): redoing the step at micro-batch 32"]})
+    p.update({"step": 2})
+    assert _lines(out) == ["[runtime] out of memory at micro-batch 64 (step 1): redoing the step at micro-batch 32"]

@@ -63,6 +63,7 @@ def test_a_disk_turned_read_only_fails_saves_once_said_skips_under_backoff_and_c
     assert mgr.metrics.failures >= 1 and mgr.metrics.skipped >= 1
     assert mgr.metrics.failures + mgr.metrics.skipped == 4
     assert sorted(p.name for p in (disk / "ckpt").iterdir()) == ["step_000000001"]  # nothing half-written
+    assert mgr.failing  # the reporter hands Ray Train no checkpoint meanwhile (it copies to the same storage)
     _readonly(disk, False)
     mgr._next_try = 0.0  # the backoff's end, without sleeping through it in a unit test
     mgr.save(_state(6), step=6, meta={}, blocking=True)
@@ -72,7 +73,28 @@ def test_a_disk_turned_read_only_fails_saves_once_said_skips_under_backoff_and_c
     assert "Read-only file system" in console[0] and "training continues" in console[0]
     assert re.match(rf"checkpoint storage {disk}/ckpt is back: step_000000006 committed after "
                     rf"{mgr.metrics.failures} failed saves? over \d+s$", console[1]), console[1]
+    assert not mgr.failing
     ref, state, warnings = mgr.load_latest()
     assert ref is not None and ref.step == 6 and state is not None and warnings == []
     assert state["trainer"]["global_step"] == 6
+    mgr.close()
+
+
+def test_no_checkpoint_is_handed_to_ray_train_while_saves_fail_and_the_next_commit_is(disk: Path) -> None:
+    from runtime.run import RunInfo
+    from runtime.train.reporter import Reporter
+
+    mgr = CheckpointManager(str(disk / "ckpt"), keep=2, on_failure="continue")
+    handed: list[object] = []
+    run = RunInfo(run_name="r", job_id="j", checkpoint_uri=str(disk / "ckpt"), run_dir=str(disk))
+    reporter = Reporter(0, 1, run, None, False, None, mgr, lambda m, checkpoint=None: handed.append(checkpoint))
+    mgr.save(_state(1), step=1, meta={}, blocking=True)
+    _readonly(disk, True)
+    mgr.save(_state(2), step=2, meta={}, blocking=True)  # fails: the commit of step 1 is still unregistered
+    reporter.publish({"step": 2}, final=False, to_ray=True, comm_seconds=0.0)
+    _readonly(disk, False)
+    mgr._next_try = 0.0
+    mgr.save(_state(3), step=3, meta={}, blocking=True)
+    reporter.publish({"step": 3}, final=False, to_ray=True, comm_seconds=0.0)
+    assert handed[0] is None and handed[1] is not None  # Ray Train would copy it to the failing storage
     mgr.close()
