@@ -45,3 +45,28 @@ class TrainOutcome:
     error: str | None = None
     restarts: int = 0  # worker-group failures Ray Train recovered from during this call
     plots: list[str] = field(default_factory=list)  # files written into the run folder (training_curves.png)
+
+
+# ---------------------------------------------------------------- the driver's event stream
+# What arrives on the driver's report queue besides rank 0's reports: typed, so the stream is told
+# apart by type, never by a magic key.
+
+
+@dataclass(frozen=True)
+class WorkerGroupFailed:
+    """Ray Train's controller saw the worker group fail (runtime.train.driver.FailureNotices)."""
+
+    message: str  # one line naming the dead rank or the error (runtime.observe.progress.failure_line)
+    failures: int  # failures so far in this run
+    max_failures: int  # checkpoint.max_failures (-1: unlimited)
+    at: float  # unix time
+
+
+@dataclass(frozen=True)
+class Resized:
+    """The controller changed the worker count (runtime.train.elastic.ElasticWatch)."""
+
+    before: int
+    after: int
+    reason: str  # e.g. "node 5f2c... lost", "capacity changed"
+    at: float  # unix time

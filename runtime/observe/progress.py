@@ -12,7 +12,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-FAILURE_EVENT = "failure"  # the "_event" of an item Ray Train's controller queues (runtime.train.driver.FailureNotices)
+from runtime.run import WorkerGroupFailed
+
 MAX_LINE = 160
 
 
@@ -94,16 +95,15 @@ class Progress:
         else:
             print(f"[runtime] {text}", file=self.stream, flush=True)
 
-    def failure(self, item: dict[str, Any]) -> None:
+    def failure(self, item: WorkerGroupFailed) -> None:
         """Ray Train's controller saw a worker-group failure (runtime.train.driver.FailureNotices)."""
         self.failures += 1
-        count, allowed = item.get("failures", self.failures), item.get("max_failures")
-        message = item.get("message", "worker group failed")
-        if isinstance(allowed, int) and allowed >= 0 and count > allowed:
-            self.event(f"{message}; no restarts left ({allowed} allowed): the run fails")
+        count, allowed = item.failures, item.max_failures
+        if allowed >= 0 and count > allowed:
+            self.event(f"{item.message}; no restarts left ({allowed} allowed): the run fails")
             return
-        budget = f" (failure {count} of {allowed} allowed)" if isinstance(allowed, int) and allowed >= 0 else ""
-        self.event(f"{message}; restarting the workers{budget}")
+        budget = f" (failure {count} of {allowed} allowed)" if allowed >= 0 else ""
+        self.event(f"{item.message}; restarting the workers{budget}")
 
     def _recovery(self, m: dict[str, Any]) -> None:
         """The first report of a worker group that restored state (or found none valid)."""

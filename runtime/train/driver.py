@@ -33,9 +33,9 @@ from runtime.errors import ConfigError
 from runtime.layout import storage_filesystem, storage_paths
 from runtime.observe.cost import BUDGET_REASON, CostLedger
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
-from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
-from runtime.run import PREEMPT_FILE, RunInfo, TrainOutcome
-from runtime.train.elastic import RESIZE_EVENT, record_resize, resize_line
+from runtime.observe.progress import Progress, failure_line
+from runtime.run import PREEMPT_FILE, Resized, RunInfo, TrainOutcome, WorkerGroupFailed
+from runtime.train.elastic import record_resize, resize_line
 from runtime.train.timeline import PhaseClock
 from runtime.train.worker import run_rank, train_loop_per_worker
 
@@ -204,8 +204,7 @@ class FailureNotices(ray.train.UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self.failures += 1
-        item = {"_event": FAILURE_EVENT, "message": failure_line(worker_exceptions), "failures": self.failures,
-                "max_failures": self.max_failures, "_time": time.time()}
+        item = WorkerGroupFailed(failure_line(worker_exceptions), self.failures, self.max_failures, time.time())
         try:
             self.queue.actor.put_nowait.remote(item)
         except Exception as e:  # the console line must never change how Train handles the failure
@@ -228,7 +227,7 @@ class ReportStream:
         self.last_step: Any = None  # the newest step reported (where a resize interrupted training)
         self.resizes = 0
         # Called with each resize event and the step it interrupted; train() prints it and tags MLflow.
-        self.on_resize: Callable[[dict[str, Any], Any, int], None] | None = None
+        self.on_resize: Callable[[Resized, Any, int], None] | None = None
 
     def _fit(self) -> None:
         raise NotImplementedError
@@ -239,7 +238,7 @@ class ReportStream:
         except BaseException as e:  # noqa: BLE001 (the caller re-raises it on its own thread)
             self.error = e
 
-    def reports(self, on_event: Callable[[dict[str, Any]], None] | None = None) -> Iterator[dict[str, Any]]:
+    def reports(self, on_event: Callable[[WorkerGroupFailed], None] | None = None) -> Iterator[dict[str, Any]]:
         """Start the run and yield each report until it has ended and the queue is empty.
 
         Failure notices from the controller (FailureNotices) go to ``on_event``, never into the reports.
@@ -251,14 +250,14 @@ class ReportStream:
                 item = self._queue.get(timeout=0.5)
             except queue.Empty:  # nothing reported this half second (Ray's Empty is a queue.Empty too)
                 continue
-            if item.get("_event") == RESIZE_EVENT:  # from the controller (runtime.train.elastic), not a report
+            if isinstance(item, Resized):  # from the controller (runtime.train.elastic), not a report
                 self.resizes += 1
                 if self.on_resize is not None:
                     self.on_resize(item, self.last_step, self.resizes)
                 else:
                     log.warning(resize_line(item, self.last_step))
                 continue
-            if "_event" in item:  # a failure notice (FailureNotices)
+            if isinstance(item, WorkerGroupFailed):  # from the controller (FailureNotices)
                 if on_event is not None:
                     on_event(item)
                 continue
@@ -354,7 +353,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     tracker = Tracker.for_job(cfg, run_name, keeps_history=True, notify=progress.event, export_model=save_final_model)
     costs.notify, costs.tracker = progress.event, tracker
 
-    def on_resize(event: dict[str, Any], step: Any, count: int) -> None:
+    def on_resize(event: Resized, step: Any, count: int) -> None:
         progress.event(resize_line(event, step))  # one console line, like failures and recoveries
         record_resize(tracker, event, step, count)
 

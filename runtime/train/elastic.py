@@ -9,7 +9,7 @@ the size changed. It
 - exports ``rt_train_workers`` / ``rt_train_workers_max`` / ``rt_train_resizes_total``
   (runtime.observe.metrics.ControllerMetrics): the controller outlives every worker group, so the
   resize counter is not reset by the restarts it counts;
-- streams a ``{"_event": "resize", ...}`` item to the driver's progress queue, which prints
+- streams a ``runtime.run.Resized`` event to the driver's progress queue, which prints
   ``resized 3 -> 2 workers at step 120: node 5f2c... lost`` and tags the MLflow run;
 - fails the run with a message naming ``distributed.elastic.min_wait_s`` when fewer than
   ``min`` workers fit for that long (Ray itself would wait forever).
@@ -25,9 +25,10 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from runtime.run import Resized
+
 log = logging.getLogger("runtime.train.elastic")
 
-RESIZE_EVENT = "resize"
 _NODE_RE = re.compile(r"node (?:has )?died.*?(?:Node ID|node_id|NodeID|Node Id)[:= ]+([0-9a-f]{8,})", re.I | re.S)
 
 
@@ -109,7 +110,7 @@ class ElasticWatch(ControllerCallback):
         if self.metrics is not None:
             self.metrics.resizes.inc()
         reason = self.reason or "capacity changed"
-        event = {"_event": RESIZE_EVENT, "from": previous, "to": n, "reason": reason, "_time": time.time()}
+        event = Resized(previous, n, reason, time.time())
         log.warning("resizing %d -> %d workers: %s", previous, n, reason)
         if self.progress is not None:
             try:
@@ -219,17 +220,17 @@ class MinWorkersTimeout(RuntimeError):
     """Fewer than min workers fitted for distributed.elastic.min_wait_s."""
 
 
-def resize_line(event: dict[str, Any], step: Any) -> str:
+def resize_line(event: Resized, step: Any) -> str:
     """The console line for a resize event, e.g. ``resized 3 -> 2 workers at step 120: node ab12 lost``."""
     where = f" at step {step}" if step is not None else " before the first report"
-    return f"resized {event['from']} -> {event['to']} workers{where}: {event['reason']}"
+    return f"resized {event.before} -> {event.after} workers{where}: {event.reason}"
 
 
-def record_resize(tracker: Any, event: dict[str, Any], step: Any, count: int) -> None:
+def record_resize(tracker: Any, event: Resized, step: Any, count: int) -> None:
     """MLflow: the worker count as a metric at the step it changed, the latest resize as tags
     (queued: runtime.observe.tracking.Tracker.log_event never waits for MLflow)."""
     if tracker is None:
         return
-    tracker.log_event({"elastic/workers": float(event["to"])}, int(step or 0),
+    tracker.log_event({"elastic/workers": float(event.after)}, int(step or 0),
                       {"elastic.resizes": str(count), "elastic.last_resize": resize_line(event, step)},
-                      float(event.get("_time", time.time())))
+                      event.at)

@@ -7,7 +7,8 @@ import io
 from ray.exceptions import ActorDiedError
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
-from runtime.observe.progress import FAILURE_EVENT, Progress, failure_line
+from runtime.observe.progress import Progress, failure_line
+from runtime.run import WorkerGroupFailed
 
 
 def _lines(stream: io.StringIO) -> list[str]:
@@ -34,7 +35,7 @@ def test_one_line_per_report_and_one_per_failure_and_recovery() -> None:
     p = Progress(total=None, stream=out)
     for step in (10, 20, 30):
         p.update({"step": step, "total_steps": 100, "train/loss": 1.0 / step, "train/throughput": 50.0})
-    p.failure({"_event": FAILURE_EVENT, "message": "worker died (rank 1)", "failures": 1, "max_failures": 3})
+    p.failure(WorkerGroupFailed("worker died (rank 1)", failures=1, max_failures=3, at=0.0))
     p.update({"step": 21, "total_steps": 100, "resumed_from_step": 20, "train/loss": 0.05})
     lines = _lines(out)
     assert len(lines) == 6, lines
@@ -60,7 +61,7 @@ def test_recovery_lines_show_without_progress_and_name_skipped_checkpoints() -> 
 def test_the_failure_past_the_allowed_count_says_the_run_fails() -> None:
     out = io.StringIO()
     p = Progress(total=None, enabled=False, stream=out)
-    p.failure({"message": "rank 0 failed: ValueError: bad", "failures": 2, "max_failures": 1})
+    p.failure(WorkerGroupFailed("rank 0 failed: ValueError: bad", failures=2, max_failures=1, at=0.0))
     assert _lines(out) == ["[runtime] rank 0 failed: ValueError: bad; no restarts left (1 allowed): the run fails"]
 
 

@@ -16,6 +16,7 @@ from runtime.config import config_from_dict
 from runtime.data.loaders import ResumableSampler
 from runtime.data.synthetic import SyntheticLoader
 from runtime.errors import ConfigError
+from runtime.run import Resized
 from runtime.train.elastic import ElasticWatch, MinWorkersTimeout, failure_reason, resize_line
 from runtime.train.setup import for_world, reshard_position
 
@@ -139,7 +140,7 @@ def test_failure_reason_names_the_lost_node() -> None:
     assert failure_reason(text) == "node fd9b2301c972 lost"
     assert failure_reason("Training failed due to controller error:\nThe worker group startup timed out") == (
         "The worker group startup timed out")
-    assert resize_line({"from": 3, "to": 2, "reason": "node fd9b2301c972 lost"}, 120) == (
+    assert resize_line(Resized(3, 2, "node fd9b2301c972 lost", at=0.0), 120) == (
         "resized 3 -> 2 workers at step 120: node fd9b2301c972 lost")
 
 
