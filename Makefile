@@ -68,6 +68,9 @@ $(SETUP_STAMP):
 lint: setup ## Ruff over the Python code; mypy over runtime/, ops/ and generate.py (pyproject.toml).
 	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes generate.py dashboards alerts ops flows
 	$(VENV)/bin/mypy
+	@# tests/ has no packages: two test files with one basename stop pytest at collection.
+	@dups=$$(find tests -name 'test_*.py' -printf '%f\n' | sort | uniq -d); \
+	  if [ -n "$$dups" ]; then echo "lint: test file names used twice under tests/: $$dups (rename one)"; exit 1; fi
 
 TEST_TARGETS += lint
 
