@@ -7,16 +7,12 @@ any task that looks at the host.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ANSIBLE_DIR = Path(__file__).resolve().parents[2] / "ansible"
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+from tests.support.ansible import run_preflight
+
 BIND = {
     "ray": "Assert the dashboard does not listen on every interface.",
     "grafana": "Assert Grafana does not listen on every interface.",
@@ -33,16 +29,7 @@ BASE = {"ray": {"ray_node_role": "head"}, "grafana": {"grafana_admin_password": 
 
 def _task_output(tmp_path: Path, role: str, task: str, role_vars: dict) -> str:
     """What one assert of the role's preflight printed (its section of the play output)."""
-    play = [{"hosts": "localhost", "gather_facts": False, "vars": {**BASE.get(role, {}), **role_vars},
-             "tasks": [{"ansible.builtin.include_role": {"name": role, "tasks_from": "preflight"}}]}]
-    (tmp_path / "play.yml").write_text(json.dumps(play))
-    inventory = {"all": {"hosts": {"localhost": {"ansible_connection": "local",
-                                                 "ansible_python_interpreter": sys.executable}}}}
-    (tmp_path / "inventory.json").write_text(json.dumps(inventory))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{PLAYBOOK.parent}:{os.environ['PATH']}")
-    proc = subprocess.run([str(PLAYBOOK), "-i", str(tmp_path / "inventory.json"), str(tmp_path / "play.yml")],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_preflight(role, {**BASE.get(role, {}), **role_vars}, tmp_path)
     marker = f"TASK [{role} : {task}]"
     assert marker in proc.stdout, proc.stdout[-3000:]
     return proc.stdout.split(marker, 1)[1].split("TASK [", 1)[0].split("PLAY RECAP", 1)[0]

@@ -6,30 +6,18 @@ task that looks at the host.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ANSIBLE_DIR = Path(__file__).resolve().parents[2] / "ansible"
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+from tests.support.ansible import run_preflight
+
 TASK = "Assert the GCS fault-tolerance settings fit together."
 
 
 def _preflight(tmp_path: Path, ray_vars: dict) -> subprocess.CompletedProcess:
-    play = [{"hosts": "localhost", "gather_facts": False, "vars": {"ray_node_role": "head", **ray_vars},
-             "tasks": [{"ansible.builtin.include_role": {"name": "ray", "tasks_from": "preflight"}}]}]
-    (tmp_path / "play.yml").write_text(json.dumps(play))
-    inventory = {"all": {"hosts": {"localhost": {"ansible_connection": "local",
-                                                 "ansible_python_interpreter": sys.executable}}}}
-    (tmp_path / "inventory.json").write_text(json.dumps(inventory))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{PLAYBOOK.parent}:{os.environ['PATH']}")
-    return subprocess.run([str(PLAYBOOK), "-i", str(tmp_path / "inventory.json"), str(tmp_path / "play.yml")],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
+    return run_preflight("ray", {"ray_node_role": "head", **ray_vars}, tmp_path)
 
 
 @pytest.mark.parametrize("bad", [

@@ -32,3 +32,19 @@ def render_template(role: str, template: str, out: Path, **overrides: object) ->
                           cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return dest.read_text()
+
+
+def run_preflight(role: str, role_vars: dict[str, object], out: Path) -> subprocess.CompletedProcess[str]:
+    """``roles/<role>/tasks/preflight.yml`` run on localhost with ``role_vars`` (the real
+    ``ansible-playbook``, play and inventory written into ``out``); the finished process."""
+    playbook = Path(sys.executable).parent / "ansible-playbook"
+    play = [{"hosts": "localhost", "gather_facts": False, "vars": role_vars,
+             "tasks": [{"ansible.builtin.include_role": {"name": role, "tasks_from": "preflight"}}]}]
+    (out / "play.yml").write_text(json.dumps(play))
+    inventory = {"all": {"hosts": {"localhost": {"ansible_connection": "local",
+                                                 "ansible_python_interpreter": sys.executable}}}}
+    (out / "inventory.json").write_text(json.dumps(inventory))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{playbook.parent}:{os.environ['PATH']}")
+    return subprocess.run([str(playbook), "-i", str(out / "inventory.json"), str(out / "play.yml")],
+                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
