@@ -16,6 +16,7 @@ from typing import Any
 
 from runtime.cluster import ClusterError
 from runtime.errors import ConfigError
+from runtime.observe.mlflow_http import first_line
 
 METRIC_TAG = "metric."  # version tags holding metric values: metric.val/accuracy = "0.93"
 DEFAULT_ALIAS = "champion"
@@ -57,13 +58,8 @@ def metric_tags(metrics: dict[str, Any]) -> dict[str, str]:
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
-
-
 def _unreachable(uri: str, e: BaseException) -> ClusterError:
-    return ClusterError(f"MLflow at {uri} unreachable: {_first_line(e)}")
+    return ClusterError(f"MLflow at {uri} unreachable: {first_line(e)}")
 
 
 def _call(uri: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -94,7 +90,7 @@ def register(uri: str, name: str, run_id: str, source: str, tags: dict[str, str]
         _call(uri, c.create_registered_model, name)
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise RegistryError(f"{name}: {_first_line(e)}") from None
+            raise RegistryError(f"{name}: {first_line(e)}") from None
     return _version(_call(uri, c.create_model_version, name, source, run_id, tags=tags))
 
 

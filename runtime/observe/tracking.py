@@ -283,6 +283,7 @@ class Tracker:
         pending = self._pending(live, newest)
         try:
             self.upload.open()  # MLflow was down at start-up: the run is created now
+            self._came_back()  # said before the catch-up it announces (and before `uploaded` moves)
             for i in range(0, len(pending), 100):
                 chunk = pending[i : i + 100]
                 self.upload.metrics([item for _, item in chunk])
@@ -295,8 +296,6 @@ class Tracker:
             log.debug("MLflow at %s: %s", self.uri, e)
             self._save()
             self._went_away()
-            return
-        self._came_back()
 
     def _close(self, end: _End) -> None:
         source = read_history(self.run_dir) if self.keeps_history else end.history

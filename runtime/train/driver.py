@@ -7,7 +7,7 @@ FailureConfig, CheckpointConfig))``, streams progress from the workers' reports
 and prints where the results are. On SIGTERM it asks the workers to write an
 emergency checkpoint and stop (spot preemption), then exits cleanly.
 
-Over 400 lines (421): the run's whole driver-side life (connect, build, stream, preempt, summarise)
+Over 400 lines: the run's whole driver-side life (connect, build, stream, preempt, summarise)
 reads in one place; the elastic controller and the tracker already live apart.
 """
 
