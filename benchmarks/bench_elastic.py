@@ -57,7 +57,7 @@ def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
     grow_s: list[float] = []
     redone: list[int] = []
     reasons: list[str] = []
-    fit.on_resize = lambda event, _step, _n: reasons.append(f"{event['from']}->{event['to']}: {event['reason']}")
+    fit.on_resize = lambda event, _step, _n: reasons.append(f"{event.before}->{event.after}: {event.reason}")
     phase, t0, last_step, steady_from = "steady", 0.0, 0, None
     for item in fit.reports():
         world, step = item.get("world_size"), item.get("step", last_step)

@@ -20,6 +20,7 @@ import torch
 
 from runtime import cluster as rc
 from runtime.checkpoint import CheckpointManager
+from runtime.run import Resized
 from runtime.train.driver import StreamingFit, connect
 from runtime.train.elastic import refresh_capacity
 from tests.support import job, wait_for
@@ -80,7 +81,7 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
     cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers={min: 1, max: 3}")
     assert cfg.global_batch_size() == GLOBAL_BATCH
     fit = StreamingFit(cfg, "elastic", lockstep=True)
-    events: list[tuple[dict[str, Any], Any]] = []
+    events: list[tuple[Resized, Any]] = []
     fit.on_resize = lambda event, step, _count: events.append((event, step))
     history: list[dict[str, Any]] = []
     killed_at = rejoined_at = 0.0
@@ -120,10 +121,10 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
     # before the cluster settles (a returning raylet slow to heartbeat): the chain of resizes after
     # the first step still starts with the loss and ends with the return.
     events = [(e, s) for e, s in events if s is not None]
-    chain = [(e["from"], e["to"]) for e, _ in events]
+    chain = [(e.before, e.after) for e, _ in events]
     assert chain[0] == (3, 2) and chain[-1] == (2, 3), events
     assert all(a[1] == b[0] for a, b in zip(chain, chain[1:])), events
-    assert "lost" in events[0][0]["reason"] and events[-1][0]["reason"] == "capacity came back", events
+    assert "lost" in events[0][0].reason and events[-1][0].reason == "capacity came back", events
     assert history[-1]["final"] and history[-1]["step"] == MAX_STEPS
 
     # An uninterrupted run with the same global batch (1 worker x 8 x 6) ends at the same parameters.
