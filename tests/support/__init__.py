@@ -50,6 +50,16 @@ def job_config(base: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> A
     return JobConfig(name="unit", **doc)
 
 
+class FakeClock:
+    """A clock the test moves by hand (``clock.t += 3``): what cost and budget code read as time.time."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 class QuietHandler(BaseHTTPRequestHandler):
     """A test server's request handler that keeps stderr clean (no line per request)."""
 

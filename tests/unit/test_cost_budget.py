@@ -22,14 +22,7 @@ from runtime.observe.prices import Quote
 from runtime.run import RunInfo
 from runtime.train.spend import paused_for_price
 from runtime.train.stop_policy import CostWatch, StopPolicy, billed_nodes, build_cost_watch
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support import FakeClock
 
 
 class Prices:
@@ -46,7 +39,7 @@ def cost_cfg(*overrides: str) -> CostConfig:
     return load_job("digits_smoke", list(overrides), environ={}).cost
 
 
-def run_to_stop(watch: CostWatch, clock: Clock, prices: Prices, intervals: list[float],
+def run_to_stop(watch: CostWatch, clock: FakeClock, prices: Prices, intervals: list[float],
                 price_at: list[float]) -> tuple[float, float, str | None]:
     """Boundaries `intervals[i]` seconds apart at `price_at[i]`: (spent at the stop, the dearest
     interval's cost, the reason), as rank 0 would see them."""
@@ -75,7 +68,7 @@ def test_a_run_never_overspends_its_budget_by_more_than_one_log_interval(pattern
               "jittery intervals": [2.35] * n,
               "price rising": [1.0 + 0.05 * i for i in range(n)],
               "price spikes": [2.35 if i % 9 else 9.0 for i in range(n)]}[pattern]
-    clock, source = Clock(), Prices(prices[0])
+    clock, source = FakeClock(1000.0), Prices(prices[0])
     watch = CostWatch(cost_cfg(f"cost.budget_usd={budget}"), source, nodes=4, start=clock.t, spent_before=0.0,
                       clock=clock)
     spent, dearest, reason = run_to_stop(watch, clock, source, intervals, prices)
@@ -87,7 +80,7 @@ def test_a_run_never_overspends_its_budget_by_more_than_one_log_interval(pattern
 
 
 def test_the_budget_counts_what_earlier_attempts_spent() -> None:
-    clock, source = Clock(), Prices(3600.0)  # 1 USD per node-second
+    clock, source = FakeClock(1000.0), Prices(3600.0)  # 1 USD per node-second
     watch = CostWatch(cost_cfg("cost.budget_usd=10"), source, nodes=1, start=clock.t, spent_before=9.5, clock=clock)
     clock.t += 0.2
     assert watch.check() is None  # 9.7 spent; another 0.2 makes 9.9: go on
@@ -97,7 +90,7 @@ def test_the_budget_counts_what_earlier_attempts_spent() -> None:
 
 
 def test_on_budget_pause_says_how_to_continue() -> None:
-    clock, source = Clock(), Prices(3600.0)
+    clock, source = FakeClock(1000.0), Prices(3600.0)
     watch = CostWatch(cost_cfg("cost.budget_usd=1", "cost.on_budget=pause"), source, nodes=1, start=clock.t,
                       spent_before=0.0, clock=clock)
     clock.t += 2
@@ -108,7 +101,7 @@ def test_on_budget_pause_says_how_to_continue() -> None:
 
 def test_a_spot_price_above_the_limit_pauses_the_run_and_at_the_limit_does_not(tmp_path: Path) -> None:
     table = tmp_path / "prices.yaml"
-    clock, source = Clock(), Prices(2.0)
+    clock, source = FakeClock(1000.0), Prices(2.0)
     cfg = cost_cfg("cost.pricing=spot", f"cost.price_table={table}", "cost.pause_above_usd_per_hour=2.0")
     watch = CostWatch(cfg, source, nodes=2, start=clock.t, spent_before=0.0, clock=clock)
     clock.t += 10
@@ -122,7 +115,7 @@ def test_a_spot_price_above_the_limit_pauses_the_run_and_at_the_limit_does_not(t
 
 def test_rank0_stop_policy_requests_the_budget_stop_at_the_boundary_it_is_asked(tmp_path: Path) -> None:
     """check_cost() is what rank 0 asks just before the exchange: the stop it requests is in the same flags."""
-    clock, source = Clock(), Prices(3600.0)
+    clock, source = FakeClock(1000.0), Prices(3600.0)
     cfg = load_job("digits_smoke", ["cost.budget_usd=5"], environ={})
     watch = CostWatch(cfg.cost, source, nodes=1, start=clock.t, spent_before=0.0, clock=clock)
     policy = StopPolicy(cfg.train, 100, str(tmp_path), watch)

@@ -18,20 +18,13 @@ from runtime.observe.progress import Progress
 from runtime.observe.report import summary_table
 from runtime.run import TrainOutcome
 from runtime.train.spend import DriverCosts
-
-
-class Clock:
-    def __init__(self, t: float = 10_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support import FakeClock
 
 
 class Market:
     """A spot price that falls to ``after`` once the driver has polled ``polls`` times."""
 
-    def __init__(self, high: float, after: float, polls: int, clock: Clock) -> None:
+    def __init__(self, high: float, after: float, polls: int, clock: FakeClock) -> None:
         self.price, self.after, self.polls, self.clock = high, after, polls, clock
         self.slept: list[float] = []
 
@@ -62,7 +55,7 @@ def spot_job(tmp_path: Path, *extra: str) -> Any:
                                      "cost.pause_above_usd_per_hour=1.0", "cost.price_poll_s=30", *extra], environ={})
 
 
-def driver_costs(tmp_path: Path, cfg: Any, market: Market, clock: Clock) -> tuple[DriverCosts, list[str], Events]:
+def driver_costs(tmp_path: Path, cfg: Any, market: Market, clock: FakeClock) -> tuple[DriverCosts, list[str], Events]:
     lines: list[str] = []
     events = Events()
     costs = DriverCosts(cfg, tmp_path / "run", notify=lines.append, tracker=events, clock=clock, sleep=market.sleep)
@@ -71,7 +64,7 @@ def driver_costs(tmp_path: Path, cfg: Any, market: Market, clock: Clock) -> tupl
 
 
 def test_a_run_paused_for_the_price_polls_it_and_resumes_at_or_below_the_limit(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(10_000.0)
     market = Market(high=1.5, after=1.0, polls=4, clock=clock)
     costs, lines, events = driver_costs(tmp_path, spot_job(tmp_path), market, clock)
     reason = "paused: spot price 1.5 USD/h (ec2 us-east-1a) above cost.pause_above_usd_per_hour=1"
@@ -88,7 +81,7 @@ def test_a_run_paused_for_the_price_polls_it_and_resumes_at_or_below_the_limit(t
 
 
 def test_a_run_that_would_start_above_the_limit_waits_before_its_workers_start(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(10_000.0)
     market = Market(high=2.0, after=0.5, polls=2, clock=clock)
     costs, lines, _ = driver_costs(tmp_path, spot_job(tmp_path), market, clock)
     assert costs.wait_while_price_high(None, lambda: False) is True
@@ -99,7 +92,7 @@ def test_a_run_that_would_start_above_the_limit_waits_before_its_workers_start(t
 
 
 def test_sigterm_while_paused_ends_the_wait_and_leaves_the_run_paused(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(10_000.0)
     market = Market(high=2.0, after=2.0, polls=1, clock=clock)
     costs, _, _ = driver_costs(tmp_path, spot_job(tmp_path), market, clock)
     asked = iter([False, False, True])
@@ -108,7 +101,7 @@ def test_sigterm_while_paused_ends_the_wait_and_leaves_the_run_paused(tmp_path: 
 
 
 def test_paused_time_is_not_billed_and_reports_show_spend_and_projection(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(10_000.0)
     market = Market(high=0.9, after=0.9, polls=1, clock=clock)  # 0.9 USD/h per node, 2 nodes: 1.8 USD/h
     costs, _, _ = driver_costs(tmp_path, spot_job(tmp_path), market, clock)
     costs.attempt_started(clock.t)
