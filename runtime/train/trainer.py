@@ -14,8 +14,10 @@ optimizers' ``found_inf``); the ranks exchange statistics and control flags once
 *boundary* — a step that reports (``train.log_every_steps``), checkpoints
 (``checkpoint.interval_steps``) or evaluates — in one all-reduce and one read.
 
-Over 400 lines because the step itself (``train_step``, the GPU-sensitive part) and the
-boundary's exchange and report stay next to the loop that calls them.
+Over 400 lines because the step itself (``train_step`` and its micro-batch pieces, the
+GPU-sensitive part) and the boundary's exchange and report stay next to the loop that calls
+them; what decides a micro-batch lives in ``train.microbatch``, the worker entry points in
+``train.worker``.
 """
 
 from __future__ import annotations
