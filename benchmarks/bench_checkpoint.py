@@ -41,8 +41,8 @@ def job_state() -> tuple[dict[str, Any], dict[str, Any]]:
     from runtime.checkpoint import capture_rng_state
     from runtime.config import load_job
     from runtime.train.models import build_model
-    from runtime.train.resume import TrainerState
     from runtime.train.setup import build_optimizer, lr_lambda
+    from runtime.train.state import TrainState
 
     cfg = load_job("resnet50", [], environ={})
     model = build_model(cfg.model, cfg.data.num_classes, 3, cfg.data.image_size)
@@ -53,7 +53,7 @@ def job_state() -> tuple[dict[str, Any], dict[str, Any]]:
     opt.step()  # fills the momentum buffers: the optimizer state is as large as the model
     sched.step()
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-             "trainer": TrainerState(global_step=1).as_dict(), "rng": {"0": capture_rng_state()}}
+             "trainer": TrainState(global_step=1).state_dict(), "rng": {"0": capture_rng_state()}}
     return state, {"config": cfg.model_dump(mode="json"), "world_size": 1}
 
 
@@ -93,8 +93,9 @@ def _sharded_worker(rank: int, world: int, work: str) -> None:
     from runtime.config import load_job
     from runtime.train.models import build_model
     from runtime.train.parallel import apply_fsdp
-    from runtime.train.resume import Trainables, TrainerState, build_payload
+    from runtime.train.resume import Trainables, build_payload
     from runtime.train.setup import build_optimizer, lr_lambda
+    from runtime.train.state import TrainState
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     cfg = load_job("resnet50", [], environ={})
@@ -109,7 +110,7 @@ def _sharded_worker(rank: int, world: int, work: str) -> None:
     trainables = Trainables(model, opt, sched)
 
     def payload(step: int) -> dict[str, Any]:  # built at every save, as the trainer does
-        return build_payload(trainables, TrainerState(global_step=step), True, world, sharded=True)
+        return build_payload(trainables, TrainState(global_step=step).state_dict(), True, world, sharded=True)
 
     def train_step(mgr: CheckpointManager, save_at: int | None) -> float:
         """One training step as the trainer runs it: save (if due), forward, backward, settle, update."""

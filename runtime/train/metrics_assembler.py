@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from runtime.config import JobConfig
-from runtime.train.resume import TrainerState
+from runtime.train.state import TrainState
 from runtime.train.stats import Boundary
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity): the MFU denominator.
@@ -53,7 +53,7 @@ class MetricsAssembler:
         """A report step (``train.log_every_steps``)."""
         return step % self.log_every == 0
 
-    def assemble(self, b: Boundary, state: TrainerState, extra: dict[str, Any] | None, final: bool) -> dict[str, Any]:
+    def assemble(self, b: Boundary, state: TrainState, extra: dict[str, Any] | None, final: bool) -> dict[str, Any]:
         """The report for the boundary ``b`` at ``state``; ``extra`` (evaluation, stop reason) goes on top."""
         metrics: dict[str, Any] = dict(b.metrics)
         metrics.update({
@@ -62,7 +62,7 @@ class MetricsAssembler:
             "samples_seen": state.samples_seen,
             "total_steps": self.total_steps,
             "train/learning_rate": self.learning_rate(),
-            "train/nonfinite_steps": state.nonfinite_total,
+            "train/nonfinite_steps": b.nonfinite_total,
             "world_size": self.world,
             "comm_seconds": self.comm_seconds(),
             "final": final,

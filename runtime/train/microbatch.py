@@ -24,7 +24,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,11 +185,12 @@ class MicroBatcher:
 
     # ------------------------------------------------------------- checkpoint
 
-    def state(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int]:
         return {"micro_batch": self.size if self.guarded else 0, "micro_batch_hardware": self.hardware}
 
-    def restore(self, size: int, hardware: int) -> None:
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Keep a checkpoint's size (possibly shrunk by an OOM) when it was written on this hardware."""
+        size, hardware = int(state.get("micro_batch", 0)), int(state.get("micro_batch_hardware", 0))
         if self.guarded and size and hardware == self.hardware:
             self.size, self.resumed = min(size, self.batch_size), True
 

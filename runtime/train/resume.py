@@ -1,12 +1,14 @@
 """The checkpoint payload a rank writes, and restoring the newest one that verifies.
 
-Unit-testable without Ray: the functions take the model, optimizer, scheduler and a
-CheckpointReader (or for a new run the CheckpointManager), not the trainer.
+Unit-testable without Ray: the functions take the model, optimizer, scheduler, the loop
+components' merged state (``train.state``) and a CheckpointReader (or for a new run the
+CheckpointManager), not the trainer.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,24 +28,6 @@ log = logging.getLogger("runtime.train")
 
 
 @dataclass
-class TrainerState:
-    """Loop counters saved with every checkpoint; enough to continue at the next batch."""
-
-    epoch: int = 0
-    global_step: int = 0
-    samples_seen: int = 0
-    batch_in_epoch: int = 0  # micro-batches this rank trained on in `epoch`
-    nonfinite_total: int = 0
-    nonfinite_in_row: int = 0
-    world: int = 0  # ranks that trained to here (batch_in_epoch is per rank); 0 = not recorded
-    micro_batch: int = 0  # data.micro_batch's size at this step (0: not guarded); see train.microbatch
-    micro_batch_hardware: int = 0  # train.microbatch.hardware_key of the ranks that chose it
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-@dataclass
 class Trainables:
     """What a checkpoint holds besides the counters."""
 
@@ -53,9 +37,10 @@ class Trainables:
     scaler: torch.amp.GradScaler | None = None
 
 
-def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: int,
+def build_payload(t: Trainables, trainer: Mapping[str, int], distributed: bool, world: int,
                   sharded: bool = False) -> dict[str, Any]:
-    """The state to save. A collective when distributed (every rank's RNG): all ranks call it.
+    """The state to save, with ``trainer`` the loop components' merged state (``train.state``).
+    A collective when distributed (every rank's RNG): all ranks call it.
 
     Model and optimizer state are keyed by parameter name (torch's
     ``distributed.checkpoint.state_dict`` helpers), whatever the strategy, so a DDP checkpoint
@@ -92,7 +77,7 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
         "model": model_state,
         "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=opts),
         "scheduler": t.scheduler.state_dict(),
-        "trainer": state.as_dict(),
+        "trainer": dict(trainer),
         "rng": {str(r): s for r, s in enumerate(rng_all)},
     }
     if t.scaler is not None:
@@ -101,8 +86,8 @@ def build_payload(t: Trainables, state: TrainerState, distributed: bool, world: 
 
 
 def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: int, world: int,
-                  full: bool = True) -> TrainerState:
-    """Load a verified payload into the trainables; returns the loop counters to continue from.
+                  full: bool = True) -> dict[str, int]:
+    """Load a verified payload into the trainables; returns the loop components' state to continue from.
 
     ``full``: the payload holds whole tensors (a DDP checkpoint, or a sharded one read whole);
     with FSDP each rank keeps its own shard of them. Otherwise it holds this run's shards
@@ -131,15 +116,16 @@ def apply_payload(t: Trainables, payload: dict[str, Any], cfg: JobConfig, rank: 
     rng = payload.get("rng", {}).get(str(rank))
     if rng is not None and len(payload["rng"]) == world:
         restore_rng_state(rng)
-    return TrainerState(**{k: int(v) for k, v in payload["trainer"].items()})
+    return {k: int(v) for k, v in payload["trainer"].items()}
 
 
 def load_sharded_payload(reader: CheckpointReader, ref: CheckpointRef, manifest: dict[str, Any], t: Trainables,
-                         rank: int, world: int) -> dict[str, Any]:
+                         trainer: Mapping[str, int], rank: int, world: int) -> dict[str, Any]:
     """Every rank, together: this run's shards of a sharded checkpoint (DCP reshards from the
     world size that wrote it), as a payload for ``apply_payload(full=False)``.
 
-    The target is a copy of this rank's model and optimizer shards, so a load that fails
+    The target is a copy of this rank's model and optimizer shards and of ``trainer`` (the
+    components' merged state: DCP reads the keys its target names), so a load that fails
     half way (then skipped for an older checkpoint) leaves the trainables untouched. The
     extra memory is one copy of this rank's shards, for the duration of the resume.
     """
@@ -154,7 +140,7 @@ def load_sharded_payload(reader: CheckpointReader, ref: CheckpointRef, manifest:
         # Creates zero optimizer state first when there is none (its lr-0 step changes nothing).
         "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
         "scheduler": t.scheduler.state_dict(),
-        "trainer": TrainerState().as_dict(),
+        "trainer": dict(trainer),
     }
     if fresh_optimizer:
         t.optimizer.state.clear()  # a fresh start after every load failed must stay fresh
@@ -190,16 +176,21 @@ def apply_config_hyperparameters(cfg: JobConfig, optimizer: torch.optim.Optimize
 
 
 def restore_latest(reader: CheckpointReader, t: Trainables, cfg: JobConfig, rank: int, world: int,
-                   ray_pointer_step: int | None, sharded: bool = False) -> tuple[TrainerState | None, dict[str, Any]]:
+                   ray_pointer_step: int | None, sharded: bool = False,
+                   trainer: Mapping[str, int] | None = None) -> tuple[dict[str, int] | None, dict[str, Any]]:
     """Resume from the newest checkpoint that verifies, even if Ray's registry is behind.
 
     ``sharded`` (FSDP): every rank loads only its own shards of a sharded checkpoint, and a
     full (DDP) checkpoint is read whole then sharded. Otherwise every rank reads the whole
-    state, from either kind. Returns (counters or None for a fresh start, facts for the first
-    report: warnings about skipped checkpoints, the step resumed from).
+    state, from either kind. ``trainer``: the loop components' state as it is now (the keys a
+    sharded checkpoint is read into). Returns (the components' saved state or None for a fresh
+    start, facts for the first report: warnings about skipped checkpoints, the step resumed from).
     """
     if sharded:
-        ref, loaded, warnings = reader.first_loadable(lambda r: _load_for_fsdp(reader, r, t, rank, world))
+        if trainer is None:
+            raise ValueError("restore_latest(sharded=True) needs the components' state: its keys are what DCP reads")
+        template = trainer
+        ref, loaded, warnings = reader.first_loadable(lambda r: _load_for_fsdp(reader, r, t, template, rank, world))
         payload, full = loaded if loaded is not None else (None, True)
     else:
         ref, payload, warnings = reader.first_loadable(lambda r: _complete(r, reader.load(r)))
@@ -214,12 +205,12 @@ def restore_latest(reader: CheckpointReader, t: Trainables, cfg: JobConfig, rank
     state = apply_payload(t, payload, cfg, rank, world, full=full)
     info["resumed_from_step"] = ref.step
     if rank == 0:
-        log.warning("resumed from %s (step %d, epoch %d)", ref.name, state.global_step, state.epoch)
+        log.warning("resumed from %s (step %d, epoch %d)", ref.name, state.get("global_step", 0), state.get("epoch", 0))
     return state, info
 
 
-def _load_for_fsdp(reader: CheckpointReader, ref: CheckpointRef, t: Trainables, rank: int,
-                   world: int) -> tuple[dict[str, Any], bool]:
+def _load_for_fsdp(reader: CheckpointReader, ref: CheckpointRef, t: Trainables, trainer: Mapping[str, int],
+                   rank: int, world: int) -> tuple[dict[str, Any], bool]:
     """(payload, payload is full) of ``ref`` for an FSDP run: this rank's shards of a sharded
     checkpoint, a full one read whole; raises CheckpointError when it does not verify or load.
 
@@ -228,7 +219,7 @@ def _load_for_fsdp(reader: CheckpointReader, ref: CheckpointRef, t: Trainables, 
     """
     manifest = reader.manifest(ref)
     if manifest["kind"] == "dcp":
-        return load_sharded_payload(reader, ref, manifest, t, rank, world), False  # dcp refuses missing keys
+        return load_sharded_payload(reader, ref, manifest, t, trainer, rank, world), False  # dcp refuses missing keys
     return _complete(ref, reader.load(ref)), True
 
 

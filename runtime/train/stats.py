@@ -10,7 +10,7 @@ commit), and one device-to-host read brings them back. That is the only sync poi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,17 +35,25 @@ class Boundary:
 class StepStats:
     """Sums since the last report (device tensors) plus host-side counts and times."""
 
-    def __init__(self, device: torch.device, nonfinite_total: int = 0, nonfinite_in_row: int = 0,
-                 sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, device: torch.device, sync: Callable[[], None] | None = None) -> None:
         self.device = device
         # The host runs up to a step ahead of the device: a clock read at a boundary waits for the
         # queued work first, or that backlog would fall outside every window (throughput too high).
         self.sync = sync or device_sync(device)
-        self.nonfinite_total = torch.tensor(float(nonfinite_total), device=device)
-        self.in_row = torch.tensor(float(nonfinite_in_row), device=device)
+        self.nonfinite_total = torch.zeros((), device=device)
+        self.in_row = torch.zeros((), device=device)
         self.crossed_at = torch.zeros((), device=device)
         self._reset_window()
         self.first_step_s: float | None = None  # the first step of this process (compile, autotune, warm-up)
+
+    def state_dict(self) -> dict[str, int]:
+        """The non-finite counters a resume continues (read from the device: a checkpoint syncs anyway)."""
+        total, in_row = torch.stack([self.nonfinite_total, self.in_row]).tolist()
+        return {"nonfinite_total": int(total), "nonfinite_in_row": int(in_row)}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.nonfinite_total.fill_(float(state.get("nonfinite_total", 0)))
+        self.in_row.fill_(float(state.get("nonfinite_in_row", 0)))
 
     def _reset_window(self) -> None:
         self.sums = torch.zeros(2, device=self.device)  # (loss x samples, correct) over good and bad steps

@@ -18,7 +18,7 @@ from runtime.errors import ConfigError
 from runtime.observe.cost import BUDGET_REASON, PRICE_PAUSE_REASON, SpendMeter, budget_reached
 from runtime.observe.prices import PriceSource, Quote, price_source
 from runtime.run import PREEMPT_FILE, RunInfo
-from runtime.train.resume import TrainerState
+from runtime.train.state import TrainState
 from runtime.train.stats import Boundary
 
 
@@ -113,7 +113,7 @@ class StopPolicy:
         self.reason: str | None = None  # why this rank wants to stop
         self.stopping = False  # all ranks agreed to stop (set only by agree, so at the same step)
 
-    def done(self, state: TrainerState) -> bool:
+    def done(self, state: TrainState) -> bool:
         """The run has trained its length."""
         return state.global_step >= self.total_steps or (self.epochs is not None and state.epoch >= self.epochs)
 

@@ -39,12 +39,7 @@ from runtime.data import DEVICE_RESIDENT, build_loaders
 from runtime.errors import ConfigError
 from runtime.run import RunInfo
 from runtime.train.checkpointer import Checkpointer
-from runtime.train.device_input import (
-    DevicePrefetcher,
-    Position,
-    host_batches,
-    make_stage,
-)
+from runtime.train.device_input import DevicePrefetcher, host_batches, make_stage
 from runtime.train.evaluator import Evaluator
 from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import (
@@ -59,7 +54,7 @@ from runtime.train.microbatch import (
 from runtime.train.models import build_model
 from runtime.train.parallel import apply_ddp, apply_fsdp, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
-from runtime.train.resume import Trainables, TrainerState, build_checkpointer, build_payload, restore_latest
+from runtime.train.resume import Trainables, build_checkpointer, build_payload, restore_latest
 from runtime.train.setup import (
     CommTimer,
     Placement,
@@ -70,11 +65,11 @@ from runtime.train.setup import (
     lr_lambda,
     maybe_compile,
     register_comm_hook,
-    reshard_position,
     resolve_precision,
     seed_everything,
     step_unless,
 )
+from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats
 from runtime.train.stop_policy import StopPolicy, build_cost_watch, total_steps
 from runtime.train.timeline import worker_timeline
@@ -141,26 +136,27 @@ class Trainer:
         self.trainables = Trainables(self.raw_model, optimizer, scheduler, self.scaler)
         self.loss_fn = nn.CrossEntropyLoss()
 
-        self.state = TrainerState(world=self.world)
+        self.state = TrainState(world=self.world)
         # The device batch: the loader batch, or data.micro_batch's size, halved on out-of-memory.
         self.micro = MicroBatcher(cfg.data.micro_batch, cfg.data.batch_size, self.device, self.rank, self.world,
                                   self.distributed, cfg.distributed.strategy)
         self.micro.inject_into(self.raw_model, lambda: self.state.global_step + 1)
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's loader batches (a redo reuses them)
-        self._sync_micro_state()
+        self.stats = StepStats(self.device)
+        # What a resume continues besides the trainables: each keeps its own state (train.state).
+        self.stateful: tuple[Stateful, ...] = (self.state, self.stats, self.micro)
         self.gauges = build_gauges(cfg, run, self.rank, self.world)
         self.checkpoints = build_checkpointer(cfg, run, self.gauges)
         self.reporter = Reporter(self.rank, self.world, run, progress, lockstep, self.gauges, self.checkpoints,
                                  report_fn or ray.train.report, report_all=not self.in_ray)
-        self.stats = StepStats(self.device)
         # The components: each decides its own cadence; fit asks them after every step.
         self.stop = StopPolicy(tc, self.total_steps, run.run_dir, build_cost_watch(cfg, run, self.rank, self.world),
                                checkpoint_at=cfg.checkpoint.at_steps)
         self.checkpointer = Checkpointer(
             self.checkpoints, cfg, run, rank=self.rank, world=self.world, distributed=self.distributed,
             sharded=self.is_fsdp, device=self.device, classes=bundle.classes, gauges=self.gauges,
-            payload=lambda: build_payload(self.trainables, self.state, self.distributed, self.world,
-                                          sharded=self.is_fsdp),
+            payload=lambda: build_payload(self.trainables, merged_state(self.stateful), self.distributed,
+                                          self.world, sharded=self.is_fsdp),
             on_failure=self.stop.request)
         self.evaluator = Evaluator(
             self.model, self.loaders.val, self.val_stage, device=self.device, amp_dtype=self.amp_dtype,
@@ -193,28 +189,25 @@ class Trainer:
             with ray_ckpt.as_directory() as d:
                 pointed = read_pointer(d)
             pointer_step = pointed.step if pointed else None
-        state, self.metrics.once = restore_latest(self.checkpoints, self.trainables, self.cfg, self.rank,
-                                                  self.world, pointer_step, sharded=self.is_fsdp)
+        saved, self.metrics.once = restore_latest(self.checkpoints, self.trainables, self.cfg, self.rank,
+                                                  self.world, pointer_step, sharded=self.is_fsdp,
+                                                  trainer=merged_state(self.stateful))
         self.metrics.once["timeline"] = worker_timeline(self.t_start, restore_start)
-        if state is None:
+        if saved is None:
             return
-        self.state = state
-        self.micro.restore(state.micro_batch, state.micro_batch_hardware)
-        self._sync_micro_state()
-        self._reshard(state)
-        self.stats = StepStats(self.device, state.nonfinite_total, state.nonfinite_in_row)
+        load_merged(self.stateful, saved)
+        self._reshard()
         self.recovered = True
         if self.gauges:
             self.gauges.recoveries.inc()
 
-    def _reshard(self, state: TrainerState) -> None:
+    def _reshard(self) -> None:
         """Continue the epoch at the same sample after the world size changed (an elastic resize)."""
-        old = state.world or self.world  # 0: a checkpoint from before sizes were recorded
-        state.world = self.world
-        if old == self.world:
+        state = self.state
+        resized = state.reshard(self.world, self.cfg.data.batch_size)
+        if resized is None:
             return
-        b = self.cfg.data.batch_size
-        state.batch_in_epoch, repeated = reshard_position(state.batch_in_epoch, b, old, self.world)
+        old, repeated = resized
         self.metrics.once.update({"resized_from": old, "resize_repeated_samples": repeated})
         if self.rank == 0:
             log.warning("resumed on %d workers (checkpoint written by %d): epoch %d continues at batch %d per "
@@ -280,20 +273,6 @@ class Trainer:
             extra["stop_reason"] = self.stop.reason
         self.report(self.exchange(want_metrics=True), extra, final=True)
 
-    def _consume(self, pos: Position) -> None:
-        """Count a batch as trained on (the prefetcher has already fetched the next one)."""
-        if pos.epoch != self.state.epoch:  # the previous epoch ended short of its full batches
-            self._end_epoch()
-            self.state.epoch = pos.epoch
-        self.state.batch_in_epoch = pos.index + 1
-        if pos.last:
-            self._end_epoch()
-
-    def _end_epoch(self) -> None:
-        self.state.epoch += 1
-        self.state.batch_in_epoch = 0
-        self.evaluator.epoch_ended(self.state.epoch)
-
     def train_step(self, batches: DevicePrefetcher) -> None:
         """One optimizer step over ``grad_accum_steps`` loader batches, with no host sync (unless
         ``data.micro_batch`` guards it against running out of memory: train.microbatch)."""
@@ -311,7 +290,6 @@ class Trainer:
                 self.trainables.optimizer.zero_grad(set_to_none=True)
                 snapshot.restore()
                 self.micro.shrink(self.state.global_step + 1)
-                self._sync_micro_state()
                 self.metrics.once.update(describe(None, self.micro), oom_recoveries=self.micro.switches)
         self._held = []
         opt = self.trainables.optimizer
@@ -414,7 +392,7 @@ class Trainer:
         """The step's ``i``-th loader batch: taken and counted once, kept until the step succeeds."""
         if i == len(self._held):
             x, y, pos = next(batches)
-            self._consume(pos)
+            self.state.consume(pos, self.evaluator.epoch_ended)
             self._held.append((x, y))
         return self._held[i]
 
@@ -425,7 +403,6 @@ class Trainer:
         snapshot = Snapshot(self.raw_model, self.device)
         probe: Probe = self.micro.probe(lambda size: self._probe_attempt(x[:size], y[:size]))
         snapshot.restore()
-        self._sync_micro_state()
         self.metrics.once.update(describe(probe, self.micro))
 
     def _probe_attempt(self, x: torch.Tensor, y: torch.Tensor) -> int:
@@ -443,11 +420,6 @@ class Trainer:
             if cuda:
                 torch.cuda.empty_cache()
 
-    def _sync_micro_state(self) -> None:
-        """The micro-batch goes into the checkpoint's counters (a resume here keeps it)."""
-        for key, value in self.micro.state().items():
-            setattr(self.state, key, value)
-
     def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run evaluation or a checkpoint, keeping its time out of training throughput."""
         return self.stats.timed_out(lambda: fn(*args))
@@ -462,7 +434,6 @@ class Trainer:
             flags = (self.stop.preempted(), self.stop.reason is not None,
                      self.reporter.unregistered_commit() is not None)
         b = self.stats.exchange(flags, self.distributed, self.world, want_metrics)
-        self.state.nonfinite_total, self.state.nonfinite_in_row = b.nonfinite_total, b.nonfinite_in_row
         if self.gauges and b.nonfinite_total > self._nonfinite_exported:
             self.gauges.nonfinite.inc(b.nonfinite_total - self._nonfinite_exported)
             self._nonfinite_exported = b.nonfinite_total

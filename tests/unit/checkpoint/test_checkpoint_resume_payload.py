@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointManager
-from runtime.train.resume import Trainables, TrainerState, build_payload, restore_latest
+from runtime.train.resume import Trainables, build_payload, restore_latest
+from runtime.train.state import TrainState
 from tests.support import job
 
 
@@ -25,14 +26,14 @@ def test_a_verified_checkpoint_without_model_or_trainer_is_skipped_for_the_older
     cfg = job("digits_smoke", str(tmp_path), "model.name=mlp")
     saved = _trainables()
     with CheckpointManager(str(tmp_path / "ckpt"), keep=0) as mgr:
-        mgr.save(build_payload(saved, TrainerState(global_step=1), False, 1), step=1, meta={}, blocking=True)
-        broken = build_payload(saved, TrainerState(global_step=2), False, 1)
+        mgr.save(build_payload(saved, TrainState(global_step=1).state_dict(), False, 1), step=1, meta={}, blocking=True)
+        broken = build_payload(saved, TrainState(global_step=2).state_dict(), False, 1)
         del broken[missing]  # committed and hashed like any other: only its content is wrong
         mgr.save(broken, step=2, meta={}, blocking=True)
         mgr.verify(mgr.last_committed())  # type: ignore[arg-type]
 
         state, info = restore_latest(mgr, _trainables(), cfg, rank=0, world=1, ray_pointer_step=None)
-    assert state is not None and state.global_step == 1 and info["resumed_from_step"] == 1
+    assert state is not None and state["global_step"] == 1 and info["resumed_from_step"] == 1
     [warning] = info["restore_warnings"]
     assert warning.startswith("step_000000002: verified, but its payload has no ") and missing in warning
     assert warning.endswith("; using step_000000001")

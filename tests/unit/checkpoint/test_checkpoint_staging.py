@@ -15,7 +15,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from runtime.checkpoint import CheckpointManager, CheckpointMetrics
-from runtime.train.resume import Trainables, TrainerState, build_payload
+from runtime.train.resume import Trainables, build_payload
+from runtime.train.state import TrainState
 from tests.support import free_port
 
 
@@ -56,7 +57,8 @@ def test_the_sharded_payload_copies_buffers_so_a_forward_during_the_copy_leaves_
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    payload = build_payload(Trainables(model, opt, sched), TrainerState(global_step=1), False, 1, sharded=True)
+    payload = build_payload(Trainables(model, opt, sched), TrainState(global_step=1).state_dict(), False, 1,
+                            sharded=True)
     saved_mean = payload["model"]["1.running_mean"].clone()
     assert isinstance(payload["model"]["0.weight"], DTensor)  # parameters are the live shards, not copies
     model.train()

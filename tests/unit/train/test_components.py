@@ -13,10 +13,12 @@ from runtime.checkpoint import CheckpointError, CheckpointManager
 from runtime.config import JobConfig
 from runtime.run import PREEMPT_FILE, RunInfo
 from runtime.train.checkpointer import Checkpointer
+from runtime.train.device_input import Position
 from runtime.train.evaluator import Evaluator
 from runtime.train.metrics_assembler import MetricsAssembler
-from runtime.train.resume import TrainerState
-from runtime.train.stats import Boundary
+from runtime.train.microbatch import MicroBatcher
+from runtime.train.state import Stateful, TrainState, load_merged, merged_state
+from runtime.train.stats import Boundary, StepStats
 from runtime.train.stop_policy import StopPolicy, total_steps
 from tests.support import job_config
 
@@ -46,8 +48,8 @@ def test_total_steps_is_max_steps_or_epochs_worth_whichever_is_smaller(max_steps
 
 def test_stop_policy_is_done_at_the_step_or_epoch_limit(tmp_path: Path) -> None:
     stop = StopPolicy(_cfg(train={"max_steps": 10, "epochs": 2}).train, 10, str(tmp_path))
-    assert not stop.done(TrainerState(global_step=9, epoch=1))
-    assert stop.done(TrainerState(global_step=10, epoch=1)) and stop.done(TrainerState(global_step=3, epoch=2))
+    assert not stop.done(TrainState(global_step=9, epoch=1))
+    assert stop.done(TrainState(global_step=10, epoch=1)) and stop.done(TrainState(global_step=3, epoch=2))
 
 
 def test_stop_policy_sees_the_preemption_marker(tmp_path: Path) -> None:
@@ -134,8 +136,8 @@ def test_metrics_assembler_logs_on_its_steps_and_adds_one_off_facts_once() -> No
                          comm_seconds=lambda: 1.5, skipped_samples=lambda: 2)
     assert [s for s in range(1, 12) if m.should_log(s)] == [5, 10]
     m.once = {"resumed_from_step": 20}
-    state = TrainerState(global_step=21, epoch=1, samples_seen=168, nonfinite_total=1)
-    first = m.assemble(_boundary(metrics={"train/loss": 0.5}), state, {"val/loss": 0.7}, final=False)
+    state = TrainState(global_step=21, epoch=1, samples_seen=168)
+    first = m.assemble(_boundary(metrics={"train/loss": 0.5}, nonfinite_total=1), state, {"val/loss": 0.7}, final=False)
     assert first == {"train/loss": 0.5, "step": 21, "epoch": 1, "samples_seen": 168, "total_steps": 30,
                      "train/learning_rate": 0.1, "train/nonfinite_steps": 1, "world_size": 2, "comm_seconds": 1.5,
                      "final": False, "data/skipped_samples": 2, "val/loss": 0.7, "resumed_from_step": 20}
@@ -192,3 +194,38 @@ def test_checkpointer_save_failure_asks_to_stop_and_the_end_does_not_save_again(
     assert ck.failed and failures == ["stopped: disk full (checkpoint.on_failure=stop)"]
     ck.finish(8)  # would raise again if it saved
     ck.close()
+
+
+# ------------------------------------------------------------------ the resumable state (train.state)
+
+
+def test_train_state_counts_loader_batches_and_ends_epochs_full_or_short() -> None:
+    state, ended = TrainState(), []
+    state.consume(Position(0, 0, False), ended.append)
+    state.consume(Position(0, 1, True), ended.append)  # the epoch's last full batch
+    assert (state.epoch, state.batch_in_epoch, ended) == (1, 0, [1])
+    state.consume(Position(1, 0, False), ended.append)
+    state.consume(Position(2, 0, False), ended.append)  # epoch 1 ended short of its last batch
+    assert (state.epoch, state.batch_in_epoch, ended) == (2, 1, [1, 2])
+
+
+def test_train_state_reshards_the_epoch_position_only_when_the_world_changed() -> None:
+    state = TrainState(batch_in_epoch=6, world=2)
+    assert state.reshard(2, batch_size=4) is None and state.batch_in_epoch == 6
+    assert state.reshard(3, batch_size=4) == (2, 0) and (state.batch_in_epoch, state.world) == (4, 3)
+
+
+def test_each_component_takes_its_keys_of_a_checkpoint_written_before_the_split() -> None:
+    # The flat `trainer` part every checkpoint of this runtime holds (TrainerState's fields).
+    saved = {"epoch": 2, "global_step": 30, "samples_seen": 960, "batch_in_epoch": 5, "nonfinite_total": 3,
+             "nonfinite_in_row": 1, "world": 2, "micro_batch": 16, "micro_batch_hardware": 0}
+    micro = MicroBatcher(32, 32, CPU, 0, 1, False, "ddp")
+    saved["micro_batch_hardware"] = micro.hardware
+    parts: list[Stateful] = [TrainState(), StepStats(CPU), micro]
+    load_merged(parts, saved)
+    assert merged_state(parts) == saved and micro.size == 16
+
+
+def test_two_components_claiming_one_key_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"TrainState state reuses the key\(s\) \['batch_in_epoch', 'epoch'"):
+        merged_state([TrainState(), TrainState()])

@@ -76,7 +76,7 @@ def test_auto_picks_the_largest_micro_batch_that_fits_and_a_resume_keeps_it(
     first, got = train_in_process(_cfg(data={"micro_batch": "auto"}, train={"max_steps": 5}), tmp_path / "auto")
     assert got[0]["micro_batch"] == 16 and got[0]["micro_batch_probe_s"] >= 0
     assert "oom_recoveries" not in got[0]  # the probe found it: no step was redone
-    assert first.state.micro_batch == 16
+    assert first.micro.state_dict()["micro_batch"] == 16  # what its checkpoint holds
     resumed, more = train_in_process(_cfg(data={"micro_batch": "auto"}), tmp_path / "auto")
     assert more[0]["resumed_from_step"] == 5 and more[0]["micro_batch"] == 16
     assert "micro_batch_probe_s" not in more[0]  # same hardware: the checkpoint's size, no probe
@@ -86,10 +86,11 @@ def test_auto_picks_the_largest_micro_batch_that_fits_and_a_resume_keeps_it(
 
 def test_a_resume_on_other_hardware_probes_again() -> None:
     micro = MicroBatcher("auto", 64, torch.device("cpu"), 0, 1, False, "ddp")
-    micro.restore(16, micro.hardware + 1)
+    micro.load_state_dict({"micro_batch": 16, "micro_batch_hardware": micro.hardware + 1})
     assert micro.needs_probe() and micro.size == 64
-    micro.restore(16, micro.hardware)
+    micro.load_state_dict({"micro_batch": 16, "micro_batch_hardware": micro.hardware})
     assert not micro.needs_probe() and micro.size == 16
+    assert micro.state_dict() == {"micro_batch": 16, "micro_batch_hardware": micro.hardware}
 
 
 def test_probe_sizes_halve_down_to_one() -> None:

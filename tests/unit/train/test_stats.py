@@ -35,12 +35,14 @@ def test_exchange_without_metrics_keeps_the_window() -> None:
 
 
 def test_nonfinite_runs_reset_on_a_finite_step_and_the_first_crossing_step_is_kept() -> None:
-    s = StepStats(CPU, nonfinite_total=1)
+    s = StepStats(CPU)
+    s.load_state_dict({"nonfinite_total": 1})  # a resumed run continues its count
     for step, bad in enumerate([True, True, False, True, True, True, True], start=1):
         _step(s, 1.0, bad, step)
     b = s.exchange((False,) * 3, False, 1, want_metrics=False)
     assert b.nonfinite_total == 7 and b.nonfinite_in_row == 4
     assert b.nonfinite_stop and b.nonfinite_crossed_at == 6
+    assert s.state_dict() == {"nonfinite_total": 7, "nonfinite_in_row": 4}
 
 
 def test_two_nonfinite_in_a_row_below_the_limit_do_not_ask_to_stop() -> None:
