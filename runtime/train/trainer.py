@@ -218,12 +218,8 @@ class Trainer:
 
     def fit(self) -> None:
         """Train until the stop policy says done; every step asks the components whether it is a boundary."""
-        batches = self.prefetcher = self._batches()  # a producer thread: closed in close()
+        batches = self._start()
         first_step = self.state.global_step + 1
-        if self.micro.needs_probe() and not self.stop.done(self.state):
-            self._probe(batches)
-        elif self.micro.guarded:
-            self.metrics.once.update(describe(None, self.micro))
         while not self.stop.done(self.state):
             with sync_checked(self.cfg.train.sync_debug and self.device.type == "cuda"
                               and self.state.global_step >= first_step):
@@ -250,12 +246,18 @@ class Trainer:
                 break
         self._finish()
 
-    def _batches(self) -> DevicePrefetcher:
-        """Batches from where the state left off, on the device one step ahead."""
-        return DevicePrefetcher(
+    def _start(self) -> DevicePrefetcher:
+        """Batches from where the state left off, on the device one step ahead (a producer thread,
+        closed in close()); with ``data.micro_batch=auto`` and no size kept from a checkpoint, the probe."""
+        batches = self.prefetcher = DevicePrefetcher(
             host_batches(self.loaders.train, self.loaders.batches_per_epoch, self.state.epoch,
                          self.state.batch_in_epoch),
             self.train_stage, self.device, threaded=self.cfg.data.source not in DEVICE_RESIDENT)
+        if self.micro.needs_probe() and not self.stop.done(self.state):
+            self._probe(batches)
+        elif self.micro.guarded:
+            self.metrics.once.update(describe(None, self.micro))
+        return batches
 
     def _preempted(self, extra: dict[str, Any], saved: bool) -> None:
         """All ranks agreed on rank 0's preemption: commit this step (unless just done), report, stop."""
