@@ -61,6 +61,12 @@ ARTIFACTS_VERSION = "4"
 
 CLONE_NEWNET = 0x40000000
 
+# The training run's Python (torch, Ray Train's extras): the project's own virtualenv, mounted
+# read-only on every node as a cluster's shared software volume would be (/srv/pylib). The
+# nodes' Ray venv stays without torch (ray_install_torch: false): installing the 190 MB wheel
+# on each node, replacements included, would cost minutes on 2 cores and prove nothing more.
+TRAIN_SITE_PACKAGES = ROOT / ".venv" / "lib" / "python3.11" / "site-packages"
+
 
 def log(msg: str) -> None:
     print(f"[lab {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -303,6 +309,11 @@ class Lab:
     def ssh_key(self) -> Path:
         return self.workdir / "id_ed25519"
 
+    @property
+    def shared(self) -> Path:
+        """A folder every node mounts read-write at /srv/shared (the cluster's shared file system)."""
+        return self.workdir / "shared"
+
     # -- lifecycle -------------------------------------------------------------
 
     def up(self) -> None:
@@ -356,6 +367,11 @@ class Lab:
         shutil.copy(self.ssh_key().with_suffix(".pub"), ssh_dir / "authorized_keys")
         (ssh_dir / "authorized_keys").chmod(0o600)
         node.log_path = root / "console.log"
+        self.shared.mkdir(exist_ok=True)
+        self.shared.chmod(0o1777)  # the ray account writes checkpoints there
+        binds = [f"--bind={self.shared}:/srv/shared"]
+        if TRAIN_SITE_PACKAGES.is_dir():
+            binds.append(f"--bind-ro={TRAIN_SITE_PACKAGES}:/srv/pylib")
         with open(node.log_path, "ab") as out:
             node.proc = subprocess.Popen(
                 ["nsenter", f"--net={self.netns}", "systemd-nspawn", "--quiet", "--boot",
@@ -363,7 +379,7 @@ class Lab:
                  f"--machine={name}", f"--directory={m}",
                  f"--network-bridge={self.bridge}", "--resolv-conf=off",
                  f"--bind-ro={self.offline}:/srv/offline",
-                 "--bind-ro=/etc/ssl/certs/ca-certificates.crt:/srv/host-ca.crt"],
+                 "--bind-ro=/etc/ssl/certs/ca-certificates.crt:/srv/host-ca.crt", *binds],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         self.nodes[name] = node
@@ -423,6 +439,8 @@ class Lab:
 #### Inventory ##############################################################
 
 TOPOLOGY = {"ray-head": 1, "worker1": 2, "worker2": 3}
+# Where the lab's remediation service listens (on the controller's bridge address).
+REMEDIATION_PORT = 9105
 GROUPS = {"head": ["ray-head"], "gpu_workers": ["worker1", "worker2"], "monitoring": ["ray-head"]}
 
 
@@ -466,10 +484,14 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 # would cost minutes: both roles are linted and spec-checked, not applied here.
                 "grafana_enabled": False,
                 "mlflow_enabled": False,
-                # The remediation service (issue 29) is tested against a real Prometheus,
-                # Alertmanager and Ray cluster (tests/integration/test_remediation_loop.py) but has not
-                # yet run on these hosts: off here until the end-to-end lab scenarios land.
+                # The remediation service runs on the controller here (tests/hosts/test_selfheal.py):
+                # the lab's ansible-playbook, inventory and SSH key live there, and the nodes'
+                # offline wheelhouse has no ansible-core for the head. Alertmanager sends it every alert.
                 "remediation_enabled": False,
+                "alertmanager_webhook_urls": [f"http://{lab.controller_address}:{REMEDIATION_PORT}/alerts"],
+                # One notification per node: a second node's alert is not held back by the first's
+                # group (group_interval, 5 min) while the service still replaces the first.
+                "alertmanager_group_by": ["alertname", "job_id", "instance"],
                 # What an operator keeps in a vault.
                 "prometheus_web_password": lab_secret(lab, "prometheus"),
                 "alertmanager_web_password": lab_secret(lab, "alertmanager"),

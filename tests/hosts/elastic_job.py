@@ -1,0 +1,135 @@
+"""python elastic_job.py GCS_ADDRESS SHARED_DIR: the elastic training run the self-healing scenarios train through.
+
+Runs on the lab's head as a Ray driver (tests/hosts/test_selfheal.py starts it). Ray Train V2,
+`num_workers=(1, 2)`, one worker per lab worker (each asks for the `pool_a` resource the
+inventory gives a worker node), a tiny linear model on CPU with gloo: what is under test is the
+cluster around the run, not the model. The runtime's own trainer is not used here: it is being
+restructured (runtime/train), and this loop records exactly what the scenarios measure. The
+runtime's elastic callback is used as is: the test puts a copy of runtime/ on PYTHONPATH.
+
+Rank 0 appends one JSON line per event to SHARED_DIR/progress.jsonl (the controller reads it,
+the nodes share one clock with it): `start` (world size, the step resumed from), `step`,
+`checkpoint` (`preempted` when it is the just-in-time one of a drain notice). The run ends at
+the step written in SHARED_DIR/finish_at (the test writes it once the faults are done).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GLOBAL_BATCH = 8  # 2 workers x 4 = 1 worker x 8: the same global batch at every size
+CHECKPOINT_INTERVAL = 10  # steps; a hard node loss redoes at most this many
+STEP_PACE_S = 0.25  # a tiny step is ~ms: pace it so the run lasts through the scenarios on 2 shared cores
+
+
+def _finish_at(shared: Path) -> int | None:
+    try:
+        return int((shared / "finish_at").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Every rank: resume from the newest checkpoint, train, checkpoint every interval and on a drain notice."""
+    import ray.train
+    import torch
+    from ray.train import Checkpoint
+    from ray.train.torch import prepare_model
+
+    torch.set_num_threads(1)
+    shared = Path(config["shared"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            state = torch.load(Path(folder) / "state.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+    ddp = prepare_model(model)
+    per_worker = GLOBAL_BATCH // world
+
+    def record(event: str, **fields: Any) -> None:
+        if rank == 0:  # rank 0 writes the timeline; every rank trains
+            with open(shared / "progress.jsonl", "a") as out:
+                out.write(json.dumps({"t": time.time(), "event": event, "step": step, "world": world,
+                                      "per_worker_batch": per_worker, **fields}) + "\n")
+
+    record("start")
+    while True:
+        finish = _finish_at(shared)
+        if finish is not None and step >= finish:
+            break
+        # The global batch of this step, the same at any world size; each rank trains on its slice.
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(GLOBAL_BATCH, 16, generator=generator)
+        y = x[:, :4].argmax(dim=1)
+        mine = slice(rank * per_worker, (rank + 1) * per_worker)
+        loss = torch.nn.functional.cross_entropy(ddp(x[mine]), y[mine])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        record("step")
+        # A barrier across ranks: every rank learns of a drain notice (a spot reclaim) at the same step.
+        preempted = ray.train.get_preemption_info() is not None
+        if step % CHECKPOINT_INTERVAL == 0 or preempted:
+            with tempfile.TemporaryDirectory() as folder:
+                if rank == 0:
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                               Path(folder) / "state.pt")
+                ray.train.report({"step": step, "loss": float(loss)},
+                                 checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
+            record("checkpoint", preempted=preempted)
+        if preempted:
+            # Nothing trained after the just-in-time checkpoint is lost: wait for Ray Train to restart
+            # the group without the drained node at the notice's deadline.
+            record("waiting_for_preemption")
+            while True:
+                time.sleep(1)
+        time.sleep(STEP_PACE_S)
+    record("finished")
+
+
+def main() -> int:
+    import ray
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.v2.api.config import ScalingConfig
+
+    # The runtime's own elastic controller callback (what `make train` adds to an elastic run): it
+    # waits for Ray to mark a lost node dead and refreshes Ray's 20-s capacity view, so that a
+    # restart is sized on the cluster as it is (runtime/train/elastic.py).
+    from runtime.train.elastic import ElasticWatch
+
+    gcs_address, shared = sys.argv[1], Path(sys.argv[2])
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    ray.init(address=gcs_address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"shared": str(shared)},
+        # A dead peer fails the collective in 20 s, not gloo's default 30 minutes.
+        torch_config=TorchConfig(backend="gloo", timeout_s=20),
+        scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1, "pool_a": 1},
+                                     elastic_resize_monitor_interval_s=3),
+        run_config=RunConfig(name="selfheal", storage_path=str(shared / "storage"),
+                             failure_config=FailureConfig(max_failures=-1),
+                             callbacks=[ElasticWatch("selfheal", 1, 2, min_wait_s=900, check_interval_s=3)]),
+    )
+    result = trainer.fit()
+    print(json.dumps({"finished": True, "metrics": result.metrics}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
