@@ -126,9 +126,12 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     ``progress``: a ray.util.queue.Queue that rank 0 streams every report to; ``lockstep``:
     rank 0 waits for each report to be taken (runtime.train.reporter.Reporter._stream).
     """
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.train.v2.api.config import ScalingConfig  # what ray.train.ScalingConfig is under Train V2
+    from ray.train.torch import TorchConfig
+
+    # What ray.train's configs are under Train V2 (the typed ones LeanTorchTrainer takes).
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+
+    from runtime.train.torch_trainer import LeanTorchTrainer
 
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
@@ -167,7 +170,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
                                       d.elastic.resize_check_interval_s))
     if progress is not None and not lockstep:  # a trial under a scheduler: its one-slot queue is for reports
         callbacks.append(FailureNotices(progress, cfg.checkpoint.max_failures))
-    trainer = TorchTrainer(
+    trainer = LeanTorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
         # NCCL on GPUs, gloo on CPUs; the timeout turns a dead peer into a failure, not a hang.
@@ -177,13 +180,13 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
             placement_strategy=d.placement_strategy,
             elastic_resize_monitor_interval_s=d.elastic.resize_check_interval_s,
         ),
-        run_config=ray.train.RunConfig(
+        run_config=RunConfig(
             name=run_name,
             storage_path=storage_path,
             storage_filesystem=fs,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
+            failure_config=FailureConfig(max_failures=cfg.checkpoint.max_failures),
             # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=callbacks,
         ),
     )

@@ -38,6 +38,17 @@ def test_digits_converges_above_90_percent_with_two_workers(digits_run: TrainOut
     assert out.metrics["val/accuracy"] >= 0.90, out.metrics
 
 
+def test_a_run_without_ray_datasets_starts_no_ray_data_actor(digits_run: TrainOutcome) -> None:
+    """LeanTorchTrainer: Ray's per-group DatasetManager process (Ray Data imports) is never started."""
+    import ray
+    from ray.util.state import list_actors
+
+    job_id = ray.get_runtime_context().get_job_id()  # this session's driver, which ran digits_run
+    mine = list_actors(filters=[("job_id", "=", job_id)], limit=10_000)
+    classes = {a.class_name for a in mine}
+    assert "RayTrainWorker" in classes and "DatasetManager" not in classes, classes
+
+
 def test_resnet50_job_runs_end_to_end_through_the_cli(cluster: dict, storage: str) -> None:
     """The entry point `make train JOB=resnet50` uses, with a few tiny steps."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
