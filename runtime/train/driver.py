@@ -36,6 +36,8 @@ from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import Progress, failure_line
 from runtime.run import PREEMPT_FILE, Resized, RunInfo, TrainOutcome, WorkerGroupFailed
 from runtime.train.elastic import record_resize, resize_line
+from runtime.train.spares import wanted as spares_wanted
+from runtime.train.spares import worker_runtime_env
 from runtime.train.timeline import PhaseClock
 from runtime.train.worker import run_rank, train_loop_per_worker
 
@@ -144,7 +146,8 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
         resources["GPU"] = d.gpus_per_worker
     loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
                                    "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}, "progress": progress,
-                                   "progress_lockstep": lockstep}
+                                   "progress_lockstep": lockstep,
+                                   "spares": spares_wanted(cfg.checkpoint.max_failures, d.is_elastic)}
     # Read by TorchTrainer.fit() here and handed to its controller (Ray propagates RAY_TRAIN_* settings).
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
     # Ray Train's preemption watcher serves ray.train.get_preemption_info, which the loop does not use
@@ -188,6 +191,9 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
             # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=callbacks,
+            # Every Train worker process imports torch and the trainer as it starts, so the spare ones
+            # Ray keeps for a restart are warm (runtime.train.spares).
+            worker_runtime_env=worker_runtime_env(),
         ),
     )
     return trainer, run

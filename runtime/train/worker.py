@@ -40,5 +40,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train worker entry point: ``config = {"job": JobConfig dump, "run": RunInfo fields}``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Train logs every report at INFO
+    if config.get("spares"):  # a run Ray may restart: warm processes for the next group (runtime.train.spares)
+        import ray.train
+
+        from runtime.train.spares import request_for_next_group
+
+        request_for_next_group(ray.train.get_context())
     run_rank(JobConfig.model_validate(config["job"]), RunInfo(**config["run"]), progress=config.get("progress"),
              lockstep=bool(config.get("progress_lockstep")), mlflow=config.get("mlflow"))

@@ -1,0 +1,87 @@
+"""Spare worker processes, started by Ray's raylet before a worker-group restart needs them (issue 33).
+
+94-97% of a restart is new worker processes starting and importing Ray, Ray Train's worker, torch
+and the trainer (docs/performance.md). Ray's raylet can start idle workers of a job ahead of need
+(``NodeManagerService.PrestartWorkers``: job, runtime_env, count, keep-alive); a later actor of that
+job whose runtime_env serialises to the same string is given one of them instead of a new process.
+Ray 2.60 has no Python API for it (its ``num_prestart_python_workers`` / ``prestart_worker_first_driver``
+start workers of no job and an empty runtime_env, which a Train worker, whose runtime_env carries the
+job's and Ray Train's environment variables, never matches), so one worker per node asks its own raylet
+over Ray's authenticated gRPC channel, with its own runtime_env string: the spares match exactly.
+
+Each Train worker process, spares included, runs :func:`warm_imports` as it starts (Ray's
+``worker_process_setup_hook``, set in the Train workers' runtime_env only): a spare is idle with torch
+and the trainer imported; a process started on demand pays the same imports it paid before, earlier.
+The spares are Ray's own idle workers: Ray kills them with the job, and once their keep-alive has passed
+its idle-worker reaper may (when the node has more workers than CPUs). Nothing else changes on a
+restart: Ray Train restarts the group, from the newest committed checkpoint, as without spares.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger("runtime.train.spares")
+
+# Ray's worker_process_setup_hook for Train workers, as "module.function" (a callable would be pickled).
+WARM_HOOK = "runtime.train.spares.warm_imports"
+# How long the raylet keeps an unused spare from its idle-worker reaper. A failure later than this
+# still finds the spare unless the node has more worker processes than CPUs.
+KEEP_ALIVE_S = 600
+
+
+def wanted(max_failures: int, elastic: bool) -> bool:
+    """Spares for a run Ray may restart (a failure allowed, or elastic), unless ``RT_TRAIN_SPARES=0``
+    (a node short of memory: a warm spare holds ~300 MB; benchmarks compare both)."""
+    return (max_failures != 0 or elastic) and os.environ.get("RT_TRAIN_SPARES", "1") != "0"
+
+
+def warm_imports() -> None:
+    """Ray's ``worker_process_setup_hook``: torch and the trainer imported when the process starts."""
+    import torch  # noqa: F401  (the slowest import of a worker's start)
+
+    import runtime.train.trainer  # noqa: F401  (the train function's own imports)
+
+
+def worker_runtime_env() -> dict[str, str]:
+    """What RunConfig(worker_runtime_env=...) adds for every Train worker (merged with the job's)."""
+    return {"worker_process_setup_hook": WARM_HOOK}
+
+
+def request_for_next_group(train_context: Any) -> bool:
+    """Called by every Train worker as its group starts: local rank 0 asks its raylet for one spare per
+    worker on the node (a restart replaces every worker of the group), early enough to be warm long
+    before a failure."""
+    if train_context.get_local_rank() != 0:
+        return False
+    return request_spares(train_context.get_local_world_size())
+
+
+def request_spares(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> bool:
+    """From inside a Ray worker: ask this node's raylet for ``count`` idle workers of this job with this
+    process's exact runtime_env. True when the raylet took the request; a refusal costs a warning,
+    never the run (the next restart then starts its processes on demand, as without spares).
+    """
+    if count <= 0:
+        return False
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+    ctx = ray.get_runtime_context()
+    node: Any = ray._private.worker.global_worker.node  # this process's node: its raylet's address
+    # Ray's generated protobuf modules have no type stubs.
+    request = node_manager_pb2.PrestartWorkersRequest(  # type: ignore[attr-defined]
+        language=common_pb2.PYTHON, job_id=bytes.fromhex(ctx.get_job_id()),  # type: ignore[attr-defined]
+        keep_alive_duration_secs=keep_alive_s, num_workers=count)
+    request.runtime_env_info.serialized_runtime_env = ctx.get_runtime_env_string()
+    address = f"{node.node_ip_address}:{node.node_manager_port}"
+    try:
+        with init_grpc_channel(address) as channel:
+            node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+    except Exception as e:  # grpc.RpcError and friends: the restart just starts fresh processes
+        log.warning("spare worker processes not requested from the raylet at %s: %s", address, e)
+        return False
+    return True
