@@ -29,7 +29,13 @@ from tests.support.cluster import WorkerGroupKiller, local_cluster, own_cluster_
 
 # Each one shortly after a checkpoint commits (interval 10 steps, ~20 ms a step here); 1 for a quick check.
 KILLS = int(os.environ.get("BENCH_RECOVERY_KILLS", "3"))
-POLL_S = 0.25  # distributed.poll_interval_s: how soon Ray Train notices the dead worker
+POLL_S = 0.25
+# Seconds a worker group trains before its kill (the first commit after): 0 kills just after its first
+# checkpoint, while the spare processes Ray keeps for the next restart (runtime.train.spares) may still be
+# starting; a failure in a real run comes long after.
+SETTLE_S = float(os.environ.get("BENCH_RECOVERY_SETTLE_S", "0"))
+# Enough steps for every kill: ~20 ms a step here, so at most ~50 steps a second of settling (80 for margin).
+MAX_STEPS = 300 + int(KILLS * SETTLE_S * 80)  # distributed.poll_interval_s: how soon Ray Train notices the dead worker
 
 
 def pair_recoveries(kills: list[float], resumed_at: list[float]) -> list[float | None]:
@@ -55,13 +61,13 @@ def _measure(storage: Path) -> dict[str, Any]:
 
     run = "bench-recovery"
     cfg = load_job("digits_smoke", [
-        f"checkpoint.storage={storage}", "model.name=mlp", "train.max_steps=300", "train.log_every_steps=1",
+        f"checkpoint.storage={storage}", "model.name=mlp", f"train.max_steps={MAX_STEPS}", "train.log_every_steps=1",
         "checkpoint.interval_steps=10", "checkpoint.max_failures=5", "distributed.timeout_s=10",
         "tracking.mlflow=false", "tracking.prometheus=false", f"distributed.poll_interval_s={POLL_S}"], environ={})
     connect()
     # Only this driver's workers: a shared cluster may be training others. Kills stop with the run.
     killer = WorkerGroupKiller(storage / run / "checkpoints", [signal.SIGKILL] * KILLS,
-                               job_id=ray.get_runtime_context().get_job_id(), timeout=float("inf"))
+                               job_id=ray.get_runtime_context().get_job_id(), timeout=float("inf"), settle_s=SETTLE_S)
     killer.start()
     try:
         out = train(cfg, run, show_progress=False)
@@ -122,6 +128,9 @@ def run(results_dir: Path) -> dict[str, Any]:
         result["checkpoint_interval_steps"] = 10
         result["goal_seconds"] = 5
         result["poll_interval_s"] = POLL_S
+        result["settle_s"] = SETTLE_S
+        result["max_steps"] = MAX_STEPS
+        result["spares"] = os.environ.get("RT_TRAIN_SPARES", "1") != "0"
         # The machine is shared: the 1/5/15-minute load at the end says how inflated the seconds are.
         result["load_average"] = [round(x, 2) for x in os.getloadavg()]
         result["cluster"] = "throwaway" if started is not None else "running"

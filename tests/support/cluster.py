@@ -104,14 +104,16 @@ class WorkerGroupKiller(threading.Thread):
     committed, a few steps later, so it is training and some work is really redone; a kill while a
     group is being torn down or still starting would leave no recovery of its own in the history.
     ``kills`` holds what was sent. ``stop()`` ends the loop (the run finished first); a group that
-    does not appear within ``timeout`` seconds raises TimeoutError in the thread.
+    does not appear within ``timeout`` seconds raises TimeoutError in the thread. ``settle_s``: the kill
+    follows the first commit at least that long after the group appeared (a failure hours into a run,
+    not one while the processes Ray keeps for the next restart are still starting).
     """
 
     def __init__(self, checkpoints: Path, signals: Sequence[int] = (signal.SIGKILL,), *,
-                 job_id: str | None = None, workers: int = 2, timeout: float = 240) -> None:
+                 job_id: str | None = None, workers: int = 2, timeout: float = 240, settle_s: float = 0) -> None:
         super().__init__(daemon=True)
         self.checkpoints, self.signals, self.job_id = checkpoints, tuple(signals), job_id
-        self.workers, self.timeout = workers, timeout
+        self.workers, self.timeout, self.settle_s = workers, timeout, settle_s
         self.kills: list[Kill] = []
         self._stopping = threading.Event()
 
@@ -141,7 +143,7 @@ class WorkerGroupKiller(threading.Thread):
 
                 if not self._wait(new_group, "a new worker group"):
                     return
-                started = time.time()
+                started = time.time() + self.settle_s
                 if not self._wait(lambda: newest_commit_time(self.checkpoints) > started,
                                   "a checkpoint committed by the new worker group"):
                     return
