@@ -29,6 +29,7 @@ RUNTIME_SETTINGS = (
     "RT_METRICS_BIND", "RT_METRICS_PORT", "RT_INSTANCE_TYPE", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
     "RT_TUNE_STATE_KEY_FILE",  # runtime.tune.state: the key that seals Tune's search state
     "RT_GCS_FT", "RT_REDIS_SERVER_BIN",  # runtime.cluster: `make cluster-up GCS_FT=1` (Redis for the GCS)
+    "RT_TRAIN_SPARES",  # runtime.train.spares: 0 turns off the spare worker processes kept for a restart
     # runtime.cluster.state.port(): RT_<SERVICE>_PORT moves a local cluster's service
     *(f"RT_{service.upper()}_PORT" for service in DEFAULT_PORTS),
 )
