@@ -12,7 +12,7 @@ both writers share the format and commit protocol of the ``format`` module.
 from runtime.checkpoint.backends import open_storage
 from runtime.checkpoint.format import CheckpointRef, step_name
 from runtime.checkpoint.manager import CheckpointManager, CheckpointMetrics
-from runtime.checkpoint.pointer import read_pointer, write_pointer
+from runtime.checkpoint.pointer import read_pointer
 from runtime.checkpoint.reader import CheckpointReader
 from runtime.checkpoint.s3 import S3Storage
 from runtime.checkpoint.state import capture_rng_state, restore_rng_state, snapshot_to_cpu
@@ -33,5 +33,4 @@ __all__ = [
     "restore_rng_state",
     "snapshot_to_cpu",
     "step_name",
-    "write_pointer",
 ]

@@ -4,7 +4,7 @@ The writer. The folder layout (``step_<n>/``: one ``torch.save`` file per top-le
 ``meta.json``, and ``manifest.json`` written last = the commit) and the commit protocol live
 in ``format``; sharded (FSDP) saves write the same layout through ``sharded.ShardedWriter``,
 which commits through ``commit`` here. Reading, and skipping a folder that does not verify,
-is the base class's (``reader.CheckpointReader``); the pointer file Ray persists is ``pointer``'s.
+is the base class's (``reader.CheckpointReader``); the pointer file older runs handed Ray is ``pointer``'s.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The pointer file Ray Train persists instead of a checkpoint: ``ray.train.report(checkpoint=...)``
-gets a folder holding only the verified checkpoint's uri, step and name, so Ray copies kilobytes,
-not a second copy of the weights (rank 0's reporter writes it; a restarted worker reads it back).
+"""The pointer file older runs handed Ray Train (``ray.train.report(checkpoint=...)``): a
+folder holding only the verified checkpoint's uri, step and name. Ray is handed no checkpoint now
+(it copied each one to its storage_path, and a copy failing in a storage outage failed the run);
+a restarted worker still reads the pointer Ray's registry may hold for such a run resumed now.
 
 Its own module because neither the writer nor the reader of checkpoints uses it: it is Ray's side.
 """
@@ -18,21 +19,8 @@ log = logging.getLogger("runtime.checkpoint")
 POINTER = "checkpoint_pointer.json"
 
 
-def write_pointer(ref: CheckpointRef, directory: str) -> str:
-    """Write a tiny pointer file for ``ray.train.report(checkpoint=Checkpoint.from_directory(d))``.
-
-    Ray then persists kilobytes instead of a second copy of the weights; the real data
-    stays in our verified storage.
-    """
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, POINTER)
-    with open(path, "w") as f:
-        json.dump({"uri": ref.uri, "step": ref.step, "name": ref.name}, f)
-    return path
-
-
 def read_pointer(directory: str) -> CheckpointRef | None:
-    """The CheckpointRef in a directory written by write_pointer (e.g. ray.train.get_checkpoint);
+    """The CheckpointRef in a pointer directory (ray.train.get_checkpoint of an older run);
     None when there is none or it is malformed (with a warning)."""
     path = os.path.join(directory, POINTER)
     if not os.path.exists(path):

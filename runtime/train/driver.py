@@ -3,7 +3,7 @@
 ``python -m runtime train jobs/resnet50.yaml`` (or ``make train JOB=resnet50``)
 ends up in :func:`train`. The driver connects to the cluster, resolves devices,
 builds ``TorchTrainer(train_loop_per_worker, ScalingConfig, RunConfig(storage,
-FailureConfig, CheckpointConfig))``, streams progress from the workers' reports
+FailureConfig))``, streams progress from the workers' reports
 and prints where the results are. On SIGTERM it asks the workers to write an
 emergency checkpoint and stop (spot preemption), then exits cleanly.
 
@@ -131,7 +131,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     from ray.train.torch import TorchConfig
 
     # What ray.train's configs are under Train V2 (the typed ones LeanTorchTrainer takes).
-    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
     from runtime.train.torch_trainer import LeanTorchTrainer
 
@@ -185,11 +185,11 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
         ),
         run_config=RunConfig(
             name=run_name,
+            # Ray is handed no checkpoint (runtime.train.reporter): it touches this storage only when the run
+            # starts (its .validate_storage_marker), so a storage outage mid-run is our saves' to ride out.
             storage_path=storage_path,
             storage_filesystem=fs,
             failure_config=FailureConfig(max_failures=cfg.checkpoint.max_failures),
-            # Ray keeps pointers only (kilobytes); our manager rotates the real checkpoints.
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=callbacks,
             # Every Train worker process imports torch and the trainer as it starts, so the spare ones
             # Ray keeps for a restart are warm (runtime.train.spares).

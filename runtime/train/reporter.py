@@ -1,9 +1,10 @@
 """Where a report goes: the driver's progress queue, Ray Train, Prometheus gauges, cost.
 
-Rank 0 publishes job-level results; every rank exports its own gauges. Ray Train gets
-only reports that register a checkpoint and the final one: Train V2 lets a worker have
-one report in flight and takes it at its poll period, so metric-only reports through Ray
-would stall fast loops. Everything else streams to the driver's queue actor.
+Rank 0 publishes job-level results; every rank exports its own gauges. Ray Train gets only
+the final report, and never a checkpoint: Train V2 lets a worker have one report in flight and
+takes it at its poll period, so reports through Ray would stall fast loops, and a checkpoint
+handed to it is copied to its storage_path, which fails the worker in a storage outage (our
+resume lists our own storage). Everything else streams to the driver's queue actor.
 """
 
 from __future__ import annotations
@@ -12,14 +13,11 @@ import functools
 import logging
 import os
 import queue
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import ray.train
 
 from runtime.checkpoint import CheckpointRef
 from runtime.observe.catalog import reported_gauges
@@ -39,44 +37,36 @@ class Reporter:
         self.lockstep = lockstep  # a Tune trial under a scheduler: wait until the trial takes each report
         self.gauges = gauges  # runtime.observe.metrics.WorkerMetrics or None
         self.checkpoints = checkpoints  # CheckpointManager or None
-        self._reported_step: int | None = None  # newest checkpoint registered with Ray Train
+        self._reported_step: int | None = None  # newest commit a report announced (checkpoint_step)
         self._comm_exported = 0.0
         self.report_fn = report_fn  # ray.train.report inside Ray Train
         self.report_all = report_all  # in-process trainers (tests): every report goes to report_fn
         self._outbox: queue.Queue[dict[str, Any]] | None = None  # reports the sender thread delivers in order
 
     def unregistered_commit(self) -> CheckpointRef | None:
-        """Rank 0: the newest commit if Ray Train has not been handed it yet, else None. None too while
-        saves are failing: Ray Train copies a reported checkpoint to the same storage, and a copy that
-        fails there fails the worker; the next commit, once storage is back, is registered instead."""
+        """Rank 0: the newest commit if no report has announced it yet (``checkpoint_step``), else None.
+        None too while saves are failing: the commit announced after an outage is the one that says
+        storage is back."""
         if self.checkpoints is None or self.checkpoints.failing:
             return None
         last = self.checkpoints.last_committed()
         return last if last is not None and last.step != self._reported_step else None
 
     def publish(self, metrics: dict[str, Any], final: bool, to_ray: bool, comm_seconds: float) -> None:
-        """All ranks call this at the same step (``to_ray`` and ``final`` were agreed on)."""
+        """All ranks call this at the same step (``to_ray`` and ``final`` were agreed on). ``to_ray``: a
+        commit is due to be announced (``checkpoint_step``); the name is from when Ray was handed it."""
         if self.gauges is not None and "train/loss" in metrics:
             self._export(metrics, comm_seconds)
-        checkpoint = None
-        tmp: tempfile.TemporaryDirectory[str] | None = None
         if self.rank == 0 and self.checkpoints is not None:
             last = self.unregistered_commit() if to_ray or final else None
             if last is not None:
-                from runtime.checkpoint import write_pointer
-
-                tmp = tempfile.TemporaryDirectory(prefix="rt-pointer-")
-                write_pointer(last, tmp.name)
-                checkpoint = ray.train.Checkpoint.from_directory(tmp.name)
                 self._reported_step = last.step
                 metrics["checkpoint_step"] = last.step
             metrics["checkpoint_failures"] = self.checkpoints.metrics.failures
         if self.rank == 0 and self.progress is not None:
             self._stream(metrics, wait=final)
-        if to_ray or final or self.report_all:
-            self.report_fn(metrics, checkpoint=checkpoint)
-        if tmp is not None:
-            tmp.cleanup()
+        if final or self.report_all:
+            self.report_fn(metrics)  # no checkpoint: see the module's docstring
 
     def _export(self, metrics: dict[str, Any], comm_seconds: float) -> None:
         g = self.gauges
