@@ -22,9 +22,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime.checkpoint import CheckpointError, CheckpointManager, S3Storage
+from runtime.checkpoint import CheckpointError, CheckpointManager, S3Storage, step_name
 from runtime.checkpoint.cli import main as cli_main
-from tests.support import free_port
+from runtime.checkpoint.storage import MANIFEST
+from runtime.observe.history import read_history
+from runtime.run import PREEMPT_FILE
+from tests.support import free_port, wait_for
 from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
 from tests.support.s3_proxy import S3Proxy
 
@@ -376,41 +379,115 @@ DRIVER_SECRETS = {
 }
 
 
+class _OutageThenStop:
+    """Watches a running S3 run's history: once a save has failed in the outage the proxy started at a
+    commit, brings S3 back; once a checkpoint committed after it, drops the preemption marker (what the
+    driver's SIGTERM handler writes), so the run stops with an emergency checkpoint when the fault is done,
+    not at a step count a fast or slow machine would reach at another moment."""
+
+    def __init__(self, proxy: S3Proxy, run_dir: Path) -> None:
+        self.proxy, self.run_dir = proxy, run_dir
+        self.done = threading.Event()  # the run returned: stop waiting
+        self.error: BaseException | None = None
+        self.facts: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _history(self) -> list[dict[str, Any]]:
+        try:
+            return read_history(self.run_dir)
+        except Exception:  # noqa: BLE001 (not written yet, or a line half written as we read)
+            return []
+
+    def _until(self, pred: Any, what: str) -> None:
+        wait_for(lambda: self.done.is_set() or pred(), what, 600)
+        if self.done.is_set():
+            raise AssertionError(f"the run ended before {what}")
+
+    def _watch(self) -> None:
+        try:
+            self._until(self.proxy.went_down.is_set, "the outage (the first commit's manifest)")
+            t_down = time.monotonic()
+            self._until(lambda: any(h.get("checkpoint_failures", 0) >= 1 for h in self._history()),
+                        "a failed save in the reports")
+            self.proxy.up()
+            t_up = time.monotonic()
+            failed_at = min(h["step"] for h in self._history() if h.get("checkpoint_failures", 0) >= 1)
+            self._until(lambda: any(h.get("checkpoint_step", 0) > failed_at for h in self._history()),
+                        "a commit after S3 is back")
+            back = [h for h in self._history() if h.get("checkpoint_step", 0) > failed_at][0]
+            self.facts = {"outage_s": t_up - t_down, "back_after_s": time.monotonic() - t_up,
+                          "failed_at": failed_at, "committed_after": back["checkpoint_step"]}
+        except BaseException as e:  # noqa: BLE001 (reported by the test)
+            self.error = e
+        finally:
+            (self.run_dir / PREEMPT_FILE).touch()  # the run stops either way
+
+
 @pytest.mark.slow
-def test_s3_run_trains_resumes_and_keeps_the_drivers_aws_credentials_out_of_the_job(
-    cluster: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_s3_run_rides_out_refused_connections_from_a_commit_on_then_resumes_without_the_drivers_aws_credentials(
+    cluster: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Our checkpoints and Ray's own run state both on S3, a second run resuming from there; and
-    since Ray's Jobs API shows a job's runtime_env to whoever reads the dashboard, no secret may be
-    in it: workers reach S3 with the node's own credentials."""
+    """Our checkpoints and Ray's own run state both on S3, through a proxy that starts refusing
+    connections right after the first checkpoint's commit marker, before any report has announced it
+    (where Ray Train's copy of a reported checkpoint used to fail the worker, and the restarted workers
+    then the run), for longer than a save's retries and many intervals, then comes back: the run trains
+    through, one console line each way, every step once; a second run resumes from there. And since
+    Ray's Jobs API shows a job's runtime_env to whoever reads the dashboard, no secret may be in it:
+    workers reach S3 with the node's own credentials."""
     import ray
     from ray.util.state import list_jobs
 
     from runtime.train.driver import connect, train
     from tests.support import job
 
-    monkeypatch.chdir(tmp_path)  # an S3 run's local folder (preemption marker) is ./runs/<name>
+    monkeypatch.chdir(tmp_path)  # an S3 run's local folder (preemption marker, history) is ./runs/<name>
     for key, value in DRIVER_SECRETS.items():
         monkeypatch.setenv(key, value)
     if ray.is_initialized():
         ray.shutdown()  # a job's runtime_env is fixed at ray.init: make it from this environment
     connect()
     proc, endpoint = start_moto_server(free_port(), buckets=["rt-env"])
+    proxy = S3Proxy(endpoint)
+    proxy.down_after_put(f"/{step_name(2)}/{MANIFEST}")
+    watcher = _OutageThenStop(proxy, tmp_path / "runs" / "s3run")
     try:
         sets = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=1",
-                "checkpoint.interval_steps=2", f"checkpoint.endpoint_url={endpoint}"]
-        first = train(job("digits_smoke", "s3://rt-env/runs", *sets, "train.max_steps=4"), "s3run",
-                      show_progress=False)
-        assert first.checkpoint_uri == "s3://rt-env/runs/s3run/checkpoints" and first.metrics["step"] == 4
-        assert not first.error, first.error  # the workers wrote to S3 without the driver's keys
-        out = train(job("digits_smoke", "s3://rt-env/runs", *sets, "train.max_steps=6"), "s3run",
+                "checkpoint.interval_steps=2", f"checkpoint.endpoint_url={proxy.endpoint}"]
+        capfd.readouterr()
+        try:  # stopped by the watcher's marker once the outage is over (the step bound is only a backstop)
+            first = train(job("digits_smoke", "s3://rt-env/runs", *sets, "train.max_steps=20000"), "s3run",
+                          show_progress=False)
+        finally:
+            watcher.done.set()
+            watcher.thread.join(30)
+        console = capfd.readouterr()
+        console_text = console.out + console.err
+        assert watcher.error is None, f"{watcher.error}\n{console_text[-6000:]}"
+        assert first.checkpoint_uri == "s3://rt-env/runs/s3run/checkpoints" and first.preempted
+        assert not first.error and first.restarts == 0, (first.error, first.restarts)
+        history = read_history(Path(first.run_dir))
+        last = history[-1]["step"]
+        print(f"outage {watcher.facts['outage_s']:.1f} s (first failure reported at step "
+              f"{watcher.facts['failed_at']}); {step_name(watcher.facts['committed_after'])} committed "
+              f"{watcher.facts['back_after_s']:.1f} s after S3 was back; stopped at step {last}")
+        assert [h["step"] for h in history] == list(range(1, last + 1)), "a step reported twice, out of order or lost"
+        assert history[-1].get("final") and last > watcher.facts["committed_after"]
+        lines = console_text.splitlines()
+        assert sum("checkpoint saves failing at step" in ln for ln in lines) == 1, console_text[-6000:]
+        assert sum("checkpoint storage is back" in ln for ln in lines) == 1, console_text[-6000:]
+        for noise in ("Traceback", "Retrying", "retrying in", "botocore", "restarting the workers"):
+            assert noise not in console_text, f"{noise!r} reached the console:\n{console_text[-6000:]}"
+        out = train(job("digits_smoke", "s3://rt-env/runs", *sets, f"train.max_steps={last + 2}"), "s3run",
                     show_progress=False)
-        assert out.history[0]["resumed_from_step"] == 4 and out.history[0]["step"] == 5, out.history[0]
-        assert out.metrics["step"] == 6 and not out.error, out.error
+        assert out.history[0]["resumed_from_step"] == last and out.history[0]["step"] == last + 1, out.history[0]
+        assert out.metrics["step"] == last + 2 and not out.error, out.error  # the workers used no driver keys
         with CheckpointManager(out.checkpoint_uri, endpoint_url=endpoint) as mgr:
             ref, _ = mgr.latest_valid()
-        assert ref is not None and ref.step == 6
+        assert ref is not None and ref.step == last + 2
     finally:
+        watcher.done.set()
+        proxy.down()
         stop_moto_server(proc)
 
     job_id = ray.get_runtime_context().get_job_id()

@@ -8,10 +8,11 @@ Rows (fault -> test):
   -> ``test_one_run_rides_out_mlflow_killed_and_a_read_only_checkpoint_disk``
 - MLflow down at the start of a run (and ``tracking.required`` refusing that start, exit 3)
   -> test_tracking_faults.py::test_mlflow_down_at_start_trains_then_sync_creates_the_run_unless_tracking_is_required
-- S3 throttled (503 SlowDown), then refusing connections for longer than a save's retries, then back
-  -> test_checkpoint_s3.py, without Ray: end to end, Ray Train persists each reported checkpoint to the
-  same S3 (its ``.validate_storage_marker`` check and copy), and a report during the outage fails the
-  worker (docs/operations.md); that is the train loop's to fix, then the row moves here
+- S3 refusing connections from right after a commit (before a report announced it) for longer than a
+  save's retries, then back, end to end through Ray -> test_checkpoint_s3.py::
+  test_s3_run_rides_out_refused_connections_from_a_commit_on_then_resumes_without_the_drivers_aws_credentials
+  (an S3 run that was there already; a Ray Train run costs 10-20 s to start here): exit 0 (the run ends
+  by a preemption marker once the fault is done, then a second run resumes), no restart, every step once
 - MLflow down at the start of a search -> ``test_search_with_mlflow_down_at_start_finishes_with_one_line``
 - GCS SIGKILLed and restarted (GCS fault tolerance) -> tests/integration/test_gcs_restart.py (a cluster of
   its own, not run twice)
@@ -22,7 +23,7 @@ Each training row asserts: exit 0; history.jsonl holds every reported step once,
 failed saves; the newest committed checkpoint is the last step and verifies; the console has exactly one line per
 state change of MLflow and no traceback or retry line; ``report --sync`` then makes the MLflow run hold each step
 once. A checkpoint outage is one console line each way too: the driver says it from the reports'
-``checkpoint_failures`` and the next registered commit (the worker's own lines stay in its log).
+``checkpoint_failures`` and the next report announcing a commit (the worker's own lines stay in its log).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 moto keeps objects in memory, so killing it to simulate an outage also loses every checkpoint; the
 proxy instead stops listening (new connections are refused, as from a stopped server) or answers
 ``503 SlowDown`` (S3's throttling reply) while moto keeps the data. Connections are not kept alive
-(HTTP/1.0), so every request after ``down()`` really meets a refused port.
+(HTTP/1.0), so every request after ``down()`` really meets a refused port. ``down_after_put`` starts
+the outage at an exact point of a client's protocol (right after a checkpoint's commit marker).
 """
 
 from __future__ import annotations
@@ -28,15 +29,24 @@ class S3Proxy:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.throttled = 0  # 503 replies served: bounded retries keep this small
+        self.went_down = threading.Event()  # set when a down_after_put trigger fired
         self._throttling = False
+        self._refusing = False  # from a trigger until the listener is closed: accepted connections are dropped
+        self._down_after: str | None = None
         self._server: ThreadingHTTPServer | None = None
         self.up()
 
     def up(self) -> None:
         """Listen again on the same port (a server that came back)."""
-        self._throttling = False
+        self._throttling = self._refusing = False
         if self._server is None:
-            self._server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
+            proxy = self
+
+            class Server(ThreadingHTTPServer):
+                def verify_request(self, request: object, client_address: object) -> bool:
+                    return not proxy._refusing  # False: socketserver closes it unanswered
+
+            self._server = Server(("127.0.0.1", self.port), self._handler())
             self._server.daemon_threads = True
             threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
@@ -46,6 +56,11 @@ class S3Proxy:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+    def down_after_put(self, path_suffix: str) -> None:
+        """Go down right after forwarding the first PUT whose path ends with ``path_suffix``: its reply
+        is sent, and no later request is answered (``went_down`` is set)."""
+        self._down_after = path_suffix
 
     def throttle(self, on: bool = True) -> None:
         """Answer every request with ``503 SlowDown`` (without forwarding) until called with False."""
@@ -85,6 +100,8 @@ class S3Proxy:
                     self.end_headers()
                     self.wfile.write(SLOWDOWN)
                     return
+                trigger = proxy._down_after
+                fire = self.command == "PUT" and trigger is not None and self.path.split("?")[0].endswith(trigger)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                 headers["Content-Length"] = str(len(body))
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
@@ -94,6 +111,10 @@ class S3Proxy:
                     data = resp.read()
                 finally:
                     conn.close()
+                if fire:  # down before replying, so nothing the client sends after the reply gets through
+                    proxy._down_after, proxy._refusing = None, True
+                    proxy.down()  # this handler's own connection stays open for the reply
+                    proxy.went_down.set()
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in _HOP and k.lower() != "content-length":
