@@ -52,13 +52,13 @@ class Reporter:
         last = self.checkpoints.last_committed()
         return last if last is not None and last.step != self._reported_step else None
 
-    def publish(self, metrics: dict[str, Any], final: bool, to_ray: bool, comm_seconds: float) -> None:
-        """All ranks call this at the same step (``to_ray`` and ``final`` were agreed on). ``to_ray``: a
-        commit is due to be announced (``checkpoint_step``); the name is from when Ray was handed it."""
+    def publish(self, metrics: dict[str, Any], final: bool, announce: bool, comm_seconds: float) -> None:
+        """All ranks call this at the same step (``announce`` and ``final`` were agreed on). ``announce``:
+        a commit is due to be announced (``checkpoint_step``)."""
         if self.gauges is not None and "train/loss" in metrics:
             self._export(metrics, comm_seconds)
         if self.rank == 0 and self.checkpoints is not None:
-            last = self.unregistered_commit() if to_ray or final else None
+            last = self.unregistered_commit() if announce or final else None
             if last is not None:
                 self._reported_step = last.step
                 metrics["checkpoint_step"] = last.step

@@ -24,7 +24,7 @@ class Boundary:
 
     preempt: bool
     stop: bool  # rank 0 asked to stop (e.g. its checkpoint save failed)
-    commit: bool  # rank 0 has a checkpoint commit Ray Train has not been told of
+    commit: bool  # rank 0 has a checkpoint commit no report has announced yet
     nonfinite_stop: bool  # some rank saw max_consecutive non-finite steps in a row
     nonfinite_total: int  # this rank's count over the run
     nonfinite_in_row: int  # this rank's current run of non-finite steps

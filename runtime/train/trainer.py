@@ -241,7 +241,7 @@ class Trainer:
             if save:
                 self._timed(self.checkpointer.save, step)
             if b.metrics:  # a commit waits for the next report: it stays unregistered until then
-                self.report(b, extra, to_ray=b.commit)
+                self.report(b, extra, announce=b.commit)
             if self.stop.stopping:
                 break
         self._finish()
@@ -443,7 +443,7 @@ class Trainer:
         return b
 
     def report(self, b: Boundary, extra: dict[str, Any] | None = None, final: bool = False, *,
-               to_ray: bool = False) -> None:
+               announce: bool = False) -> None:
         """All ranks call this together, after an exchange."""
         if self.micro.notices:  # console lines rank 0's report carries to the driver
             self.metrics.once["notices"], self.micro.notices = self.micro.notices, []
@@ -457,7 +457,7 @@ class Trainer:
                 metrics["rank_param_digests"] = digests
             else:
                 metrics["rank_param_digests"] = [digest]
-        self.reporter.publish(metrics, final, to_ray, self.comm.seconds if self.comm else 0.0)
+        self.reporter.publish(metrics, final, announce, self.comm.seconds if self.comm else 0.0)
 
     def param_digest(self) -> str:
         """sha256 of this rank's parameters: equal on every rank when data parallelism is correct."""

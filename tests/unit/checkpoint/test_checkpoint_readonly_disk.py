@@ -95,12 +95,12 @@ def test_ray_train_is_never_handed_a_checkpoint_and_the_commit_after_an_outage_i
     mgr.save(_state(1), step=1, meta={}, blocking=True)
     _readonly(disk, True)
     mgr.save(_state(2), step=2, meta={}, blocking=True)  # fails: the commit of step 1 is still unannounced
-    reporter.publish({"step": 2}, final=False, to_ray=True, comm_seconds=0.0)
+    reporter.publish({"step": 2}, final=False, announce=True, comm_seconds=0.0)
     _readonly(disk, False)
     mgr._next_try = 0.0
     mgr.save(_state(3), step=3, meta={}, blocking=True)
-    reporter.publish({"step": 3}, final=False, to_ray=True, comm_seconds=0.0)
-    reporter.publish({"step": 4}, final=True, to_ray=False, comm_seconds=0.0)
+    reporter.publish({"step": 3}, final=False, announce=True, comm_seconds=0.0)
+    reporter.publish({"step": 4}, final=True, announce=False, comm_seconds=0.0)
     assert [kw for _, kw in handed] == [{}, {}, {}]  # no checkpoint= ever
     assert [m.get("checkpoint_step") for m, _ in handed] == [None, 3, None]
     assert [m["checkpoint_failures"] for m, _ in handed] == [1, 1, 1]
