@@ -51,8 +51,8 @@ def worker_runtime_env() -> dict[str, str]:
 
 
 def request_for_next_group(train_context: Any) -> bool:
-    """Called by every Train worker once its group is training: local rank 0 asks its raylet for one
-    spare per worker on the node (a restart replaces every worker of the group)."""
+    """Called by every Train worker as its group starts: local rank 0 asks its raylet for one spare per
+    worker on the node (a restart replaces every worker of the group)."""
     if train_context.get_local_rank() != 0:
         return False
     return request_spares(train_context.get_local_world_size())
