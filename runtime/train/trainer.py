@@ -81,7 +81,8 @@ class Trainer:
     """One rank's training state and loop."""
 
     def __init__(self, cfg: JobConfig, run: RunInfo, progress: Any = None, lockstep: bool = False,
-                 placement: Placement | None = None, report_fn: Callable[..., None] | None = None) -> None:
+                 placement: Placement | None = None, report_fn: Callable[..., None] | None = None,
+                 on_first_step: Callable[[], None] | None = None) -> None:
         self.t_start = time.time()
         self.in_ray = placement is None
         where = placement or Placement.from_ray()
@@ -170,6 +171,7 @@ class Trainer:
             comm_seconds=lambda: comm.seconds if comm else 0.0,
             # Files the loader could not read, plus images the GPU decoder could not (data.decode=gpu).
             skipped_samples=lambda: self.loaders.train.skipped + getattr(self.loaders.device_stage, "failed", 0))
+        self.on_first_step = on_first_step  # e.g. spare processes for the next group (train.spares)
         self.recovered = False
         self._nonfinite_exported = 0
         self._recovery_noted = False
@@ -228,6 +230,8 @@ class Trainer:
             if step == first_step:
                 self.stats.first_step_done()
                 self.metrics.once.setdefault("timeline", {})["first_step_end"] = time.time()
+                if self.on_first_step is not None:
+                    self.on_first_step()
             evaluate, log_step = self.evaluator.due(step), self.metrics.should_log(step)
             commit, save = self.checkpointer.commit_due(step), self.checkpointer.interval_due(step)
             if not (evaluate or log_step or save or commit):

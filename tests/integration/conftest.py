@@ -29,6 +29,10 @@ os.environ["RT_TUNE_STATE_KEY_FILE"] = str(CLUSTER_DIR / "tune_state.key")
 os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING", "0")
+# Spare worker processes (runtime.train.spares) trade idle CPU for a faster restart: on the suite's two
+# cores most runs never restart and each group's spares would import torch for nothing. Off here; on
+# in test_spares.py, which proves a restart is given them, and in the recovery and elastic benchmarks.
+os.environ.setdefault("RT_TRAIN_SPARES", "0")
 
 
 @pytest.fixture(scope="session")

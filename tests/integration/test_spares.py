@@ -19,10 +19,13 @@ INTERVAL = 10
 SETTLE_S = 10.0
 
 
-def test_restarted_group_rank0_runs_on_a_process_started_before_the_kill(cluster: dict, storage: str) -> None:
+def test_restarted_group_rank0_runs_on_a_process_started_before_the_kill(
+        cluster: dict, storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One SIGKILL to a worker of a group that has trained a while: the next group's rank 0 runs in a
     process Ray started before the kill (a spare), and resumes within the documented bound."""
     import ray
+
+    monkeypatch.setenv("RT_TRAIN_SPARES", "1")  # off elsewhere in the suite (conftest.py)
 
     from runtime.train.driver import connect
 
