@@ -66,14 +66,10 @@ def _measure(storage: Path) -> dict[str, Any]:
         "tracking.mlflow=false", "tracking.prometheus=false", f"distributed.poll_interval_s={POLL_S}"], environ={})
     connect()
     # Only this driver's workers: a shared cluster may be training others. Kills stop with the run.
-    killer = WorkerGroupKiller(storage / run / "checkpoints", [signal.SIGKILL] * KILLS,
-                               job_id=ray.get_runtime_context().get_job_id(), timeout=float("inf"), settle_s=SETTLE_S)
-    killer.start()
-    try:
+    with WorkerGroupKiller(storage / run / "checkpoints", [signal.SIGKILL] * KILLS,
+                           job_id=ray.get_runtime_context().get_job_id(), timeout=float("inf"),
+                           settle_s=SETTLE_S) as killer:
         out = train(cfg, run, show_progress=False)
-    finally:
-        killer.stop()
-        killer.join(timeout=10)
     kills = [k.time for k in killer.kills]
     resumed = [h for h in out.history if "resumed_from_step" in h]
     resumed_at = [h["_time"] for h in resumed]

@@ -51,11 +51,8 @@ def test_worker_kill_under_fsdp_resumes_from_the_newest_sharded_checkpoint_bit_i
     reference = train_ranks("digits_smoke", Path(storage) / "fsdp-reference", *sets)
     assert reference.metrics["step"] == 120
     checkpoints = Path(storage) / "fsdp-killed" / "checkpoints"
-    killer = WorkerGroupKiller(checkpoints, (signal.SIGKILL,))  # once the first sharded checkpoint commits
-    killer.start()
-    out = train(job("digits_smoke", storage, *sets), "fsdp-killed", show_progress=False)
-    killer.stop()
-    killer.join(timeout=5)
+    with WorkerGroupKiller(checkpoints, (signal.SIGKILL,)) as killer:  # once the first sharded checkpoint commits
+        out = train(job("digits_smoke", storage, *sets), "fsdp-killed", show_progress=False)
     assert killer.kills and not out.error and out.metrics["step"] == 120
     committed = killer.kills[0].committed
     last, resumed = 0, None

@@ -84,11 +84,8 @@ def test_worker_kills_resume_from_the_last_commit_before_the_kill_and_end_bit_id
     cfg = job("digits_smoke", storage, *BASE, f"train.max_steps={MAX_STEPS}",
               f"checkpoint.interval_steps={INTERVAL}", "checkpoint.max_failures=5")
     # Each kill hits a new worker group once it has committed a checkpoint, so its restart shows in the history.
-    killer = WorkerGroupKiller(ckpt_dir(storage, run), (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM))
-    killer.start()
-    out = train(cfg, run, show_progress=False)
-    killer.stop()
-    killer.join(timeout=5)
+    with WorkerGroupKiller(ckpt_dir(storage, run), (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM)) as killer:
+        out = train(cfg, run, show_progress=False)
     kills = killer.kills
     assert len(kills) == 3, kills
     assert not out.error and out.metrics["step"] == MAX_STEPS and out.metrics["final"]

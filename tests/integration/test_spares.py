@@ -34,14 +34,9 @@ def test_restarted_group_rank0_runs_on_a_process_started_before_the_kill(
               "train.log_every_steps=1", "distributed.timeout_s=10", "distributed.poll_interval_s=0.25",
               f"checkpoint.interval_steps={INTERVAL}", "train.max_steps=1200", "checkpoint.max_failures=1")
     connect()
-    killer = WorkerGroupKiller(Path(storage) / run / "checkpoints", [signal.SIGKILL],
-                               job_id=ray.get_runtime_context().get_job_id(), settle_s=SETTLE_S)
-    killer.start()
-    try:
+    with WorkerGroupKiller(Path(storage) / run / "checkpoints", [signal.SIGKILL],
+                           job_id=ray.get_runtime_context().get_job_id(), settle_s=SETTLE_S) as killer:
         out = train(cfg, run, show_progress=False)
-    finally:
-        killer.stop()
-        killer.join(timeout=10)
     assert out.metrics["step"] == 1200
     [kill] = killer.kills
     resumed = [h for h in out.history if "resumed_from_step" in h and h["_time"] > kill.time]

@@ -120,6 +120,15 @@ class WorkerGroupKiller(threading.Thread):
     def stop(self) -> None:
         self._stopping.set()
 
+    def __enter__(self) -> WorkerGroupKiller:
+        """``with WorkerGroupKiller(...) as killer: train(...)``: killing while the block runs."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.join(timeout=10)
+
     def _wait(self, pred: Callable[[], bool], what: str) -> bool:
         """True once ``pred`` holds, False when stopped first."""
         deadline = time.monotonic() + self.timeout
