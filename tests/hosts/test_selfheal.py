@@ -33,6 +33,8 @@ import lab as labmod
 import pytest
 from conftest import ANSIBLE_DIR, OPS_BIN, TIMINGS
 
+from tests.support import stop_process
+
 HEAD, WORKER_A, WORKER_B = "ray-head", "worker1", "worker2"
 WITH_AUTH = "/usr/local/bin/ray-cluster-env"
 TRAIN_PYTHON = labmod.ROOT / ".venv" / "bin" / "python"
@@ -196,12 +198,7 @@ def remediation(lab: labmod.Lab, inventory: Path, hosts: Callable[[str], Any]) -
         wait_for("the remediation service to listen", healthy, 60)
         yield Service(log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s=30)
 
 
 def _unit_started(host: Any, unit: str) -> str:

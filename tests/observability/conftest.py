@@ -20,7 +20,7 @@ import pytest
 import requests
 import yaml
 
-from tests.support import free_port
+from tests.support import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 # `make test-python` passes RT_PROMETHEUS_BIN=$(PROMETHEUS); promtool and the
@@ -66,16 +66,6 @@ def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:
         time.sleep(0.2)
     proc.terminate()
     raise RuntimeError(f"{url} not ready after {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class PrometheusServer:
@@ -125,14 +115,14 @@ class PrometheusServer:
                 _wait(f"{self.url}/-/ready", self.proc, log)
                 return self
             except RuntimeError:
-                _stop(self.proc)
+                stop_process(self.proc)
                 if attempt == 2:
                     raise
         return self
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process(self.proc)
 
     def query(self, expr: str, at: float | None = None) -> requests.Response:
         """POST /api/v1/query; the caller checks status (400 = bad query)."""
@@ -199,4 +189,4 @@ def node_exporter(tmp_path_factory) -> str:
         _wait(f"http://127.0.0.1:{port}/metrics", proc, log)
         yield f"127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop_process(proc)
