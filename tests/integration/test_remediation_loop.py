@@ -27,11 +27,10 @@ from runtime.cluster.state import load_state
 from tests.observability.conftest import (
     PROMETHEUS_BIN,
     PrometheusServer,
-    _stop,
     _wait,
     ensure_prometheus_tools,
 )
-from tests.support import QuietHandler, free_port, serve, wait_for
+from tests.support import QuietHandler, free_port, serve, stop_process, wait_for
 from tests.support.imds import FakeImds
 
 pytestmark = pytest.mark.slow
@@ -172,7 +171,7 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
         if prometheus is not None:
             prometheus.stop()
         for proc in reversed(procs):
-            _stop(proc)
+            stop_process(proc)
         for index in {int(n["index"]) for n in load_state(cdir).get("nodes", [])} - before:
             rc.remove_node(index, cdir)
 
