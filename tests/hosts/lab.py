@@ -488,10 +488,7 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 # the lab's ansible-playbook, inventory and SSH key live there, and the nodes'
                 # offline wheelhouse has no ansible-core for the head. Alertmanager sends it every alert.
                 "remediation_enabled": False,
-                "alertmanager_webhook_urls": [f"http://{lab.controller_address}:{REMEDIATION_PORT}/alerts"],
-                # One notification per node: a second node's alert is not held back by the first's
-                # group (group_interval, 5 min) while the service still replaces the first.
-                "alertmanager_group_by": ["alertname", "job_id", "instance"],
+                "alertmanager_remediation_url": f"http://{lab.controller_address}:{REMEDIATION_PORT}/alerts",
                 # What an operator keeps in a vault.
                 "prometheus_web_password": lab_secret(lab, "prometheus"),
                 "alertmanager_web_password": lab_secret(lab, "alertmanager"),
