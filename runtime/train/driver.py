@@ -13,6 +13,7 @@ reads in one place; the elastic controller and the tracker already live apart.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -94,6 +95,8 @@ def resolve_use_gpu(cfg: JobConfig) -> bool:
     import ray
 
     want = cfg.distributed.use_gpu
+    if want is False:
+        return False  # nothing to ask the cluster
     gpus = float(ray.cluster_resources().get("GPU", 0))
     if want == "auto":
         return gpus >= cfg.distributed.gpus_per_worker
@@ -237,6 +240,7 @@ class ReportStream:
         self.resizes = 0
         # Called with each resize event and the step it interrupted; train() prints it and tags MLflow.
         self.on_resize: Callable[[Resized, Any, int], None] | None = None
+        self._thread: threading.Thread | None = None
 
     def _fit(self) -> None:
         raise NotImplementedError
@@ -252,7 +256,8 @@ class ReportStream:
 
         Failure notices from the controller (FailureNotices) go to ``on_event``, never into the reports.
         """
-        thread = threading.Thread(target=self._fit_catching, name=f"fit-{self.run.run_name}", daemon=True)
+        thread = self._thread = threading.Thread(target=self._fit_catching, name=f"fit-{self.run.run_name}",
+                                                 daemon=True)
         thread.start()
         while thread.is_alive() or not self._queue.empty():
             try:
@@ -325,10 +330,19 @@ class InProcessFit(ReportStream):
         self.mlflow = {"run_id": mlflow_run_id, "uri": tracking_uri()}
         # Ray hands a trial that reserved a GPU exactly that one (CUDA_VISIBLE_DEVICES).
         self.placement = Placement(0, 1, torch.device("cuda", 0) if use_gpu else torch.device("cpu"))
+        self._cancel = threading.Event()
 
     def _fit(self) -> None:
         run_rank(self.cfg, self.run, progress=self._queue, lockstep=self.lockstep, mlflow=self.mlflow,
-                 placement=self.placement, report_fn=_reported)
+                 placement=self.placement, report_fn=_reported, cancel=self._cancel)
+
+    def cancel(self) -> None:
+        """Stop the rank at its next boundary and return once its thread has ended, taking (and
+        dropping) what it still reports: a lockstep rank waits for each report to be taken."""
+        self._cancel.set()
+        while self._thread is not None and self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._queue.get(timeout=0.1)
 
 
 def _reported(metrics: dict[str, Any], checkpoint: Any = None) -> None:

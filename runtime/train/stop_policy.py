@@ -1,6 +1,6 @@
 """When training ends: its length (max steps, epochs), the non-finite policy, preemption, stop
-requests (a failed save with ``checkpoint.on_failure=stop``) and the cost rules (``cost.budget_usd``,
-``cost.pause_above_usd_per_hour``: rank 0's ``CostWatch``, docs/cost.md).
+requests (a failed save with ``checkpoint.on_failure=stop``, the process's ``cancel``) and the
+cost rules (``cost.budget_usd``, ``cost.pause_above_usd_per_hour``: rank 0's ``CostWatch``, docs/cost.md).
 
 The loop asks ``done`` before every step and ``stopping`` after every boundary; the ranks only
 stop together, because ``agree`` reads what all of them exchanged at the same step.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -20,6 +21,8 @@ from runtime.observe.prices import PriceSource, Quote, price_source
 from runtime.run import PREEMPT_FILE, RunInfo
 from runtime.train.state import TrainState
 from runtime.train.stats import Boundary
+
+CANCELLED = "cancelled"  # the stop reason of a rank its process cancelled (StopPolicy.check_cancel)
 
 
 def total_steps(tc: TrainConfig, batches_per_epoch: int) -> int:
@@ -103,13 +106,14 @@ class StopPolicy:
     """Decides when this rank's loop ends, and why (rank 0's reason is the one reported)."""
 
     def __init__(self, tc: TrainConfig, total: int, run_dir: str, cost: CostWatch | None = None, *,
-                 checkpoint_at: Sequence[int] = ()) -> None:
+                 checkpoint_at: Sequence[int] = (), cancel: threading.Event | None = None) -> None:
         check_step_lists(tc, checkpoint_at, total)  # the first place the run's length is known
         self.total_steps = total
         self.epochs = tc.epochs
         self.nonfinite: NonFiniteConfig = tc.nonfinite
         self.marker = os.path.join(run_dir, PREEMPT_FILE)
         self.cost = cost  # rank 0 only, and only with cost.budget_usd or cost.pause_above_usd_per_hour
+        self.cancel = cancel  # set by the process running this rank: a Tune trial its scheduler stopped
         self.reason: str | None = None  # why this rank wants to stop
         self.stopping = False  # all ranks agreed to stop (set only by agree, so at the same step)
 
@@ -128,6 +132,12 @@ class StopPolicy:
             why = self.cost.check()
             if why is not None:
                 self.request(why)
+
+    def check_cancel(self) -> None:
+        """Rank 0, beside ``check_cost``: the process that runs the rank asked it to end (Tune stopped
+        the trial and reuses its process for the next one, so nothing may go on training in it)."""
+        if self.cancel is not None and self.cancel.is_set() and self.reason != CANCELLED:
+            self.request(CANCELLED)
 
     def request(self, reason: str) -> None:
         """Stop at the next boundary for ``reason`` (it replaces an earlier one: the newest cause is reported)."""

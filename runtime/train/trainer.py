@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -82,7 +83,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, run: RunInfo, progress: Any = None, lockstep: bool = False,
                  placement: Placement | None = None, report_fn: Callable[..., None] | None = None,
-                 on_first_step: Callable[[], None] | None = None) -> None:
+                 on_first_step: Callable[[], None] | None = None, cancel: threading.Event | None = None) -> None:
         self.t_start = time.time()
         self.in_ray = placement is None
         where = placement or Placement.from_ray()
@@ -152,7 +153,7 @@ class Trainer:
                                  report_fn or ray.train.report, report_all=not self.in_ray)
         # The components: each decides its own cadence; fit asks them after every step.
         self.stop = StopPolicy(tc, self.total_steps, run.run_dir, build_cost_watch(cfg, run, self.rank, self.world),
-                               checkpoint_at=cfg.checkpoint.at_steps)
+                               checkpoint_at=cfg.checkpoint.at_steps, cancel=cancel)
         self.checkpointer = Checkpointer(
             self.checkpoints, cfg, run, rank=self.rank, world=self.world, distributed=self.distributed,
             sharded=self.is_fsdp, device=self.device, classes=bundle.classes, gauges=self.gauges,
@@ -437,6 +438,7 @@ class Trainer:
         flags = (False, False, False)
         if self.rank == 0:
             self.stop.check_cost()
+            self.stop.check_cancel()
             flags = (self.stop.preempted(), self.stop.reason is not None,
                      self.reporter.unregistered_commit() is not None)
         b = self.stats.exchange(flags, self.distributed, self.world, want_metrics)

@@ -6,6 +6,7 @@ in its own process for a one-worker run. The trainer itself is ``runtime.train.t
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +18,14 @@ from runtime.train.trainer import Trainer
 
 def run_rank(cfg: JobConfig, run: RunInfo, *, progress: Any = None, lockstep: bool = False,
              mlflow: dict[str, Any] | None = None, placement: Placement | None = None,
-             report_fn: Callable[..., None] | None = None, on_first_step: Callable[[], None] | None = None) -> None:
+             report_fn: Callable[..., None] | None = None, on_first_step: Callable[[], None] | None = None,
+             cancel: threading.Event | None = None) -> None:
     """One rank from start to end: build, restore, fit, close. Rank 0 also samples its node's
     CPU/memory/disk/network (and GPU) into the run's MLflow run. ``on_first_step``: called once the
-    rank has restored and trained its first step (the group is up)."""
+    rank has restored and trained its first step (the group is up). ``cancel``: once set, the rank
+    stops at its next boundary (StopPolicy.check_cancel)."""
     trainer = Trainer(cfg, run, progress=progress, lockstep=lockstep, placement=placement, report_fn=report_fn,
-                      on_first_step=on_first_step)
+                      on_first_step=on_first_step, cancel=cancel)
     monitor = None
     if trainer.rank == 0:
         from runtime.observe.tracking import attach_system_metrics

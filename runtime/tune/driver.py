@@ -24,7 +24,7 @@ from runtime.tune.config import SCHEDULERS, TuneSpec, parse_tune
 from runtime.tune.report import SearchOutcome, collect_trials, finish_parent, pick_best, write_report
 from runtime.tune.schedulers import param_space, scheduler, search_alg
 from runtime.tune.state import sealed_filesystem, verify_sealed
-from runtime.tune.trial import WALL_FILE, SearchContext, run_trial, trial_base, trial_placement
+from runtime.tune.trial import WALL_FILE, SearchContext, reuses_processes, run_trial, trial_base, trial_placement
 
 log = logging.getLogger("runtime.tune")
 
@@ -171,7 +171,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
             tune_config=rt.TuneConfig(metric=tc.metric, mode=tc.mode, search_alg=search_alg(tc),
                                       scheduler=scheduler(spec), num_samples=tc.num_samples,
                                       max_concurrent_trials=tc.max_concurrent_trials if tc.method == "optuna" else None,
-                                      reuse_actors=False),
+                                      reuse_actors=reuses_processes(spec)),
             run_config=rt.RunConfig(
                 name=name, storage_path=storage, storage_filesystem=fs, stop=stopper,
                 checkpoint_config=rt.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=tc.metric,

@@ -38,6 +38,10 @@ log = logging.getLogger("runtime.tune")
 SOURCE_FILE = "tune_source.json"  # in each Tune checkpoint: which trial and step it came from
 TIMING_FILE = "trial_timing.json"  # in each trial's run folder, by the trial as its last act: wall vs. step time
 WALL_FILE = "trial_wall.json"  # in each trial's run folder, by the driver: start to end as Tune saw it
+# How long Tune waits for a stopped trial's in-process rank to reach a boundary and end before it
+# hands the process to the next trial (reuse_actors); past that, Tune ends the process and starts a
+# new one, as without reuse. Ray's default (2 s) is shorter than a boundary interval.
+CANCEL_TIMEOUT_S = 20
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,16 @@ def trial_resources(tc: TuneConfig, cfg: JobConfig, use_gpu: bool) -> dict[str, 
         if use_gpu:
             out["GPU"] = d.gpus_per_worker
     return out
+
+
+def reuses_processes(spec: TuneSpec) -> bool:
+    """Tune's reuse_actors: a trial that trains in its own process hands it to the next trial
+    (one Python start and torch import less per trial; a stopped one cancels its rank first,
+    TrialRun.run). A trial that starts a Train run does not: its run would outlive the trial in
+    a reused process. Decided for the whole search, so no searched key may change the worker count."""
+    from runtime.train.driver import runs_in_process
+
+    return runs_in_process(spec.job) and not any(k.startswith("distributed.") for k in spec.tune.space)
 
 
 def trial_placement(ctx: SearchContext, tc: TuneConfig, use_gpu: bool, params: dict[str, Any]) -> Any:
@@ -238,20 +252,27 @@ class TrialRun:
         fitting = fit(self.cfg, self.run_name, mlflow_run_id=tracker.run_id if tracker else None,
                       lockstep=self.ctx.lockstep)
         final: tuple[dict[str, Any], dict[str, Any]] | None = None
-        for item in fitting.reports():
-            self.last_report_at = time.time()
-            self.history.append(item)
-            if tracker:
-                tracker.log_step_metrics(item)
-            metrics = self._result(item)
-            if metrics is None:
-                continue  # Tune counts only results that carry the metric (ASHA rungs, PBT scores)
-            if item.get("final"):
-                # Relayed after the trial's own bookkeeping: a scheduler may stop the trial on this
-                # result (ASHA does at max_t), and nothing after rt.report would run then.
-                final = (item, metrics)
-            else:
-                self._relay(item, metrics)
+        try:
+            for item in fitting.reports():
+                self.last_report_at = time.time()
+                self.history.append(item)
+                if tracker:
+                    tracker.log_step_metrics(item)
+                metrics = self._result(item)
+                if metrics is None:
+                    continue  # Tune counts only results that carry the metric (ASHA rungs, PBT scores)
+                if item.get("final"):
+                    # Relayed after the trial's own bookkeeping: a scheduler may stop the trial on this
+                    # result (ASHA does at max_t), and nothing after rt.report would run then.
+                    final = (item, metrics)
+                else:
+                    self._relay(item, metrics)
+        except SystemExit:
+            # Tune stopped the trial (its report ends this thread) and may hand this process to the
+            # next trial (reuse_actors): the in-process rank must not train on beside it.
+            if isinstance(fitting, InProcessFit):
+                fitting.cancel()
+            raise
         self._write_timing()
         error = fitting.error or getattr(fitting.result, "error", None)
         if tracker:
@@ -336,4 +357,5 @@ class TrialRun:
 
 def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
     """Tune function trainable: one trial = one training run with these hyperparameters."""
+    os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(CANCEL_TIMEOUT_S)  # read by Tune's reset, in this process
     TrialRun(config, ctx).run()

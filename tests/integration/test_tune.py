@@ -138,6 +138,11 @@ def test_asha_stops_worse_trials_at_a_rung_judged_on_held_out_loss_evaluated_the
         assert [h["step"] for h in t.history if "val/loss" in h] == [10, 20, 40][:[10, 20, 40].index(t.steps) + 1]
     assert out.best is not None and out.best.steps == 40
     _assert_report_names_true_best(out)
+    # One-worker trials reuse their processes (Tune's reuse_actors): a stopped trial's process took
+    # the next trial once its rank had ended, and the trials above still trained to their rungs.
+    pids = {json.loads(line)["pid"] for f in glob.glob(os.path.join(out.search_dir, "*", "result.json"))
+            for line in Path(f).read_text().splitlines() if line.strip()}
+    assert len(pids) < len(out.trials), pids
     # ASHA stops a trial on its final result too (at max_t): the trial's own bookkeeping (timing
     # file, MLflow run) comes before that result; runs the scheduler cut short end KILLED.
     from mlflow.tracking import MlflowClient

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import MicroBatcher
 from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats
-from runtime.train.stop_policy import StopPolicy, total_steps
+from runtime.train.stop_policy import CANCELLED, StopPolicy, total_steps
 from tests.support import job_config
 
 CPU = torch.device("cpu")
@@ -229,3 +230,14 @@ def test_each_component_takes_its_keys_of_a_checkpoint_written_before_the_split(
 def test_two_components_claiming_one_key_are_refused() -> None:
     with pytest.raises(ValueError, match=r"TrainState state reuses the key\(s\) \['batch_in_epoch', 'epoch'"):
         merged_state([TrainState(), TrainState()])
+
+
+def test_a_cancelled_rank_stops_at_its_next_boundary_with_the_reason_cancelled(tmp_path: Path) -> None:
+    cancel = threading.Event()
+    stop = StopPolicy(_cfg().train, 10, str(tmp_path), cancel=cancel)
+    stop.check_cancel()
+    assert stop.reason is None
+    cancel.set()
+    stop.check_cancel()
+    stop.agree(_boundary(stop=True), step=4)
+    assert stop.stopping and stop.reason == CANCELLED
