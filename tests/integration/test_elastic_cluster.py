@@ -39,9 +39,12 @@ BASE = ["model.name=mlp", "optimizer.name=sgd", "data.source=synthetic",
         "data.batch_size=8", "train.grad_accum_steps=2", f"train.max_steps={MAX_STEPS}", "train.log_every_steps=1",
         "train.torch_threads=1", "train.deterministic=true", "optimizer.lr=0.05", "schedule.name=constant",
         f"checkpoint.interval_steps={INTERVAL}", "tracking.mlflow=false", "tracking.prometheus=false",
-        "distributed.timeout_s=20", "distributed.poll_interval_s=0.25", "distributed.cpus_per_worker=1",
+        "distributed.timeout_s=60", "distributed.poll_interval_s=0.25", "distributed.cpus_per_worker=1",
         f"distributed.resources_per_worker={{{SLOT}: 1}}", "distributed.elastic.resize_check_interval_s=3"]
 GLOBAL_BATCH = 48
+# distributed.timeout_s: Ray's health checks find the lost node (local cluster: within ~20 s) and Ray
+# Train ends the group; the collective timeout only backs that up. At 20 s a rank starved of CPU on
+# a loaded 2-core machine timed out waiting for a live peer, and the run used up its restarts.
 
 
 @pytest.fixture(scope="module")
