@@ -90,6 +90,14 @@ SYNC = $(if $(filter-out 1,$(TEST_JOBS)),--output-sync=target)
 test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts), two at a time; TEST_JOBS=1 runs one at a time.
 	@$(MAKE) --no-print-directory -k -j$(TEST_JOBS) $(SYNC) test-suites
 
+.PHONY: test-cpu
+test-cpu: ## make test under process accounting (root; Debian's acct): CPU minutes per command, where the suite's time goes.
+	@command -v accton >/dev/null || apt-get install -y -q acct >/dev/null
+	@mkdir -p .cache && : > .cache/test.pacct && accton $(CURDIR)/.cache/test.pacct >/dev/null
+	@$(MAKE) --no-print-directory test; rc=$$?; accton off >/dev/null; \
+	  echo "CPU by command (calls, %, real min, CPU min; processes still running at the end are not counted):"; \
+	  sa -f .cache/test.pacct -a -c | head -30; exit $$rc
+
 .PHONY: test-suites
 test-suites: setup prometheus-tools test-python side-suites
 
