@@ -197,6 +197,39 @@ def install_checkpoint(folder: str, ckpt_root: str, endpoint_url: str | None) ->
     return int(name.removeprefix("step_"))
 
 
+def align_with_tune(ckpt_root: str, tune_ckpt_dir: str | None, last_step: int | None,
+                    endpoint_url: str | None) -> str:
+    """Restart a trial where Tune's record of it ends when its run had already ended past that.
+
+    A one-worker trial's rank trains ahead of Tune (its reports queue up), so a search stopped
+    (Ctrl+C) just as a trial's run ended leaves that run's last step committed and its last results
+    never seen by Tune. Restored from that commit, the run has nothing left to train: the trial
+    would end with no final result and Tune's record short of its end. Rolled back to the Tune
+    checkpoint (``tune_ckpt_dir``; None: Tune restarts the trial from scratch, so the run starts
+    over), it trains those steps again, bit-identical, and reports them. A run that had not ended
+    keeps its newer commits, so no step is trained twice. ``last_step``: the job's
+    ``train.max_steps`` (None, an epochs-bounded run: nothing to compare, nothing changes).
+    Returns what it did, for the log: "kept", "rolled back to step N" or "started over".
+    """
+    from runtime.checkpoint import open_storage
+    from runtime.checkpoint.reader import CheckpointReader
+
+    storage = open_storage(ckpt_root, endpoint_url=endpoint_url)
+    committed = [ref.step for ref, state in CheckpointReader(ckpt_root, storage=storage).list() if state == "valid"]
+    tune_step = json.loads(Path(tune_ckpt_dir, SOURCE_FILE).read_text())["step"] if tune_ckpt_dir else 0
+    if last_step is None or not committed or max(committed) < last_step or max(committed) <= tune_step:
+        return "kept"
+    if tune_ckpt_dir is None:
+        for name in {k.split("/", 1)[0] for k in storage.list("") if k.startswith("step_")}:
+            storage.delete_prefix(name)
+        done = "started over"
+    else:
+        done = f"rolled back to step {install_checkpoint(tune_ckpt_dir, ckpt_root, endpoint_url)}"
+    log.warning("trial run %s had ended at step %d, past Tune's record of it (step %d): %s",
+                ckpt_root, max(committed), tune_step, done)
+    return done
+
+
 def _scalars(item: dict[str, Any]) -> dict[str, Any]:
     keep = ("step", "epoch", "samples_seen", "total_steps", "checkpoint_step")
     return {k: v for k, v in item.items()
@@ -288,15 +321,19 @@ class TrialRun:
 
     def _take_donor_checkpoint(self) -> None:
         """A trial restarted from a Tune checkpoint: its own (pause/resume) needs nothing, the loop
-        restores the newest one in its storage; another trial's (PBT exploit) is installed first."""
+        restores the newest one in its storage (unless its run had ended past Tune's record of it:
+        align_with_tune); another trial's (PBT exploit) is installed first."""
         from ray import tune as rt
 
         tune_ckpt = rt.get_checkpoint()
         if tune_ckpt is None:
+            align_with_tune(self.ckpt_root, None, self.cfg.train.max_steps, self.ctx.endpoint_url)
             return
         with tune_ckpt.as_directory() as d:
             source = json.loads(Path(d, SOURCE_FILE).read_text())
-            if source["trial_id"] != self.trial_id:  # PBT exploit: continue from the donor's state
+            if source["trial_id"] == self.trial_id:
+                align_with_tune(self.ckpt_root, d, self.cfg.train.max_steps, self.ctx.endpoint_url)
+            else:  # PBT exploit: continue from the donor's state
                 step = install_checkpoint(d, self.ckpt_root, self.ctx.endpoint_url)
                 self.origin = {"restored_from_trial": source["trial_id"], "restored_step": step}
                 log.warning("trial %s continues from trial %s at step %d", self.trial_id, source["trial_id"], step)

@@ -253,7 +253,7 @@ def test_interrupted_search_resumes_and_keeps_finished_trials(cluster: dict[str,
     with open(search_dir / "report.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and {r["status"] for r in rows} == {"TERMINATED"}
-    assert all(int(r["steps"]) == 30 for r in rows)
+    assert all(int(r["steps"]) == 30 for r in rows), (rows, finished_before, first[-3000:], second.stdout[-3000:])
     # Trials that had finished were not run again: still 7 results each (every 5 of 30 steps + the final one).
     assert all(int(r["iterations"]) == 7 for r in rows if r["trial_id"] in finished_before)
 
