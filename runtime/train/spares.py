@@ -9,9 +9,13 @@ start workers of no job and an empty runtime_env, which a Train worker, whose ru
 job's and Ray Train's environment variables, never matches), so one worker per node asks its own raylet
 over Ray's authenticated gRPC channel, with its own runtime_env string: the spares match exactly.
 
-Each Train worker process, spares included, runs :func:`warm_imports` as it starts (Ray's
-``worker_process_setup_hook``, set in the Train workers' runtime_env only): a spare is idle with torch
-and the trainer imported; a process started on demand pays the same imports it paid before, earlier.
+Each Train worker process, spares included, runs :func:`warm_imports` as it starts (Ray's worker
+process setup hook, set in the Train workers' runtime_env only): a spare is idle with torch and the
+trainer imported; a process started on demand pays the same imports it paid before, earlier. Ray turns
+the ``worker_process_setup_hook`` field into the variable its workers read only in a job's runtime_env
+(ray.init, job submission); in an actor's, which Train's ``worker_runtime_env`` becomes, the field is
+kept but does nothing (Ray 2.60: a py-spy profile of a restart showed the spares importing torch and
+Ray Train after the kill, ~5 s of it), so the variable is set here directly.
 The spares are Ray's own idle workers: Ray kills them with the job, and once their keep-alive has passed
 its idle-worker reaper may (when the node has more workers than CPUs). Nothing else changes on a
 restart: Ray Train restarts the group, from the newest committed checkpoint, as without spares.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 log = logging.getLogger("runtime.train.spares")
@@ -38,16 +43,26 @@ def wanted(max_failures: int, elastic: bool) -> bool:
     return (max_failures != 0 or elastic) and os.environ.get("RT_TRAIN_SPARES", "1") != "0"
 
 
+# When warm_imports ended in this process (None: it did not run here), for the restart timeline.
+warmed_at: float | None = None
+
+
 def warm_imports() -> None:
-    """Ray's ``worker_process_setup_hook``: torch and the trainer imported when the process starts."""
+    """Ray's worker process setup hook: torch, Ray Train and the trainer imported when the process starts."""
+    global warmed_at
     import torch  # noqa: F401  (the slowest import of a worker's start)
 
-    import runtime.train.trainer  # noqa: F401  (the train function's own imports)
+    import runtime.train.trainer  # noqa: F401  (the train function's own imports, Ray Train's among them)
+
+    warmed_at = time.time()
 
 
-def worker_runtime_env() -> dict[str, str]:
-    """What RunConfig(worker_runtime_env=...) adds for every Train worker (merged with the job's)."""
-    return {"worker_process_setup_hook": WARM_HOOK}
+def worker_runtime_env() -> dict[str, Any]:
+    """What RunConfig(worker_runtime_env=...) adds for every Train worker (merged with the job's):
+    the variable Ray's worker process reads for its setup hook (see the module docstring)."""
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+    return {"env_vars": {WORKER_PROCESS_SETUP_HOOK_ENV_VAR: WARM_HOOK}}
 
 
 def request_for_next_group(train_context: Any) -> bool:

@@ -28,6 +28,8 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
+from runtime.train import spares
+
 log = logging.getLogger("runtime.train.timeline")
 
 TIMELINE_FILE = "timeline.jsonl"
@@ -58,8 +60,11 @@ def process_start_time() -> float:
 
 def worker_timeline(init_start: float, restore_start: float) -> dict[str, float]:
     """The worker's stamps up to the end of its restore (the first step's end is added by the loop)."""
-    return {"process_start": process_start_time(), "init_start": init_start,
-            "restore_start": restore_start, "restore_end": time.time()}
+    out = {"process_start": process_start_time(), "init_start": init_start,
+           "restore_start": restore_start, "restore_end": time.time()}
+    if spares.warmed_at is not None:  # the process's setup hook imported torch and the trainer then
+        out["warmed"] = spares.warmed_at
+    return out
 
 
 class PhaseClock(ControllerCallback, WorkerGroupCallback):
@@ -161,6 +166,8 @@ def phases(fault: float, controller: list[dict[str, Any]], worker: dict[str, flo
     moments["process_start"] = min(max(started, moments["group_start"]), moments["workers_ready"])
     out = {name: round(moments[end] - moments[start], 3) for name, start, end in PHASES}
     out["spare_process_age"] = round(max(0.0, moments["group_start"] - started), 3)  # 0: started on demand
+    if "warmed" in worker:  # > 0: its setup hook had imported torch and the trainer before the fault
+        out["spare_warm_lead"] = round(fault - float(worker["warmed"]), 3)
     return out
 
 
@@ -175,4 +182,5 @@ def summarise(samples: list[dict[str, float]]) -> dict[str, Any]:
     return {"phases_median_s": medians,
             "phases_share": {k: round(v / total, 3) for k, v in medians.items()},
             **{f"phase_{name}_seconds": [s[name] for s in samples] for name, _a, _b in PHASES},
-            "spare_process_age_seconds": [s["spare_process_age"] for s in samples]}
+            "spare_process_age_seconds": [s["spare_process_age"] for s in samples],
+            "spare_warm_lead_seconds": [s.get("spare_warm_lead") for s in samples]}

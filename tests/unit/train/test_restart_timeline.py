@@ -96,6 +96,19 @@ def test_a_process_started_before_its_group_has_no_place_phase_and_its_age_is_re
     assert got["place"] == 0.0
     assert got["worker_start"] == pytest.approx(2.4, abs=1e-3)
     assert got["spare_process_age"] == pytest.approx(30.6, abs=1e-3)
+    assert "spare_warm_lead" not in got  # no setup-hook stamp: nothing said about its imports
+
+
+def test_a_spare_warmed_before_the_fault_has_a_positive_lead_and_one_still_importing_a_negative_one() -> None:
+    fault = time.time()
+    controller, worker = _stamps(fault)
+    worker.update(process_start=fault - 30, warmed=fault - 18)
+    got = phases(fault, controller, worker, fault + 7.6)
+    assert got is not None and got["spare_warm_lead"] == pytest.approx(18.0, abs=1e-3)
+    worker["warmed"] = fault + 1.5  # the fault came while its setup hook was still importing
+    still = phases(fault, controller, worker, fault + 7.6)
+    assert still is not None and still["spare_warm_lead"] == pytest.approx(-1.5, abs=1e-3)
+    assert summarise([got, still])["spare_warm_lead_seconds"] == [got["spare_warm_lead"], still["spare_warm_lead"]]
 
 
 def test_a_restart_missing_a_moment_gives_no_phases() -> None:
