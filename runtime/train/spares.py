@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 log = logging.getLogger("runtime.train.spares")
@@ -43,18 +42,14 @@ def wanted(max_failures: int, elastic: bool) -> bool:
     return (max_failures != 0 or elastic) and os.environ.get("RT_TRAIN_SPARES", "1") != "0"
 
 
-# When warm_imports ended in this process (None: it did not run here), for the restart timeline.
-warmed_at: float | None = None
-
-
 def warm_imports() -> None:
     """Ray's worker process setup hook: torch, Ray Train and the trainer imported when the process starts."""
-    global warmed_at
     import torch  # noqa: F401  (the slowest import of a worker's start)
 
     import runtime.train.trainer  # noqa: F401  (the train function's own imports, Ray Train's among them)
+    from runtime.train.timeline import mark_warmed
 
-    warmed_at = time.time()
+    mark_warmed()
 
 
 def worker_runtime_env() -> dict[str, Any]:

@@ -28,8 +28,6 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-from runtime.train import spares
-
 log = logging.getLogger("runtime.train.timeline")
 
 TIMELINE_FILE = "timeline.jsonl"
@@ -58,12 +56,21 @@ def process_start_time() -> float:
     return float(psutil.Process(os.getpid()).create_time())
 
 
+_warmed_at: float | None = None  # when runtime.train.spares.warm_imports ended in this process
+
+
+def mark_warmed() -> None:
+    """The setup hook's imports are done (runtime.train.spares): stamped into the first report's timeline."""
+    global _warmed_at
+    _warmed_at = time.time()
+
+
 def worker_timeline(init_start: float, restore_start: float) -> dict[str, float]:
     """The worker's stamps up to the end of its restore (the first step's end is added by the loop)."""
     out = {"process_start": process_start_time(), "init_start": init_start,
            "restore_start": restore_start, "restore_end": time.time()}
-    if spares.warmed_at is not None:  # the process's setup hook imported torch and the trainer then
-        out["warmed"] = spares.warmed_at
+    if _warmed_at is not None:  # the process's setup hook imported torch and the trainer then
+        out["warmed"] = _warmed_at
     return out
 
 
