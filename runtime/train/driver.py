@@ -150,7 +150,10 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
                                    "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}, "progress": progress,
                                    "progress_lockstep": lockstep,
-                                   "spares": spares_wanted(cfg.checkpoint.max_failures, d.is_elastic)}
+                                   "spares": spares_wanted(cfg.checkpoint.max_failures, d.is_elastic),
+                                   # What one worker asks of a node: an elastic group below its maximum asks
+                                   # nodes that join for that many spares (runtime.train.spares).
+                                   "worker_resources": resources if d.is_elastic else None}
     # Read by TorchTrainer.fit() here and handed to its controller (Ray propagates RAY_TRAIN_* settings).
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
     # Ray Train's preemption watcher serves ray.train.get_preemption_info, which the loop does not use

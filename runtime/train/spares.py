@@ -19,12 +19,19 @@ Ray Train after the kill, ~5 s of it), so the variable is set here directly.
 The spares are Ray's own idle workers: Ray kills them with the job, and once their keep-alive has passed
 its idle-worker reaper may (when the node has more workers than CPUs). Nothing else changes on a
 restart: Ray Train restarts the group, from the newest committed checkpoint, as without spares.
+
+An elastic run below its maximum size also grows onto nodes that join: such a node has no spare, and
+its worker would start and import cold while the rest of the regrown group waits (6.1 s of a 22.4 s
+grow, docs/performance.md). Global rank 0 watches the node table (:func:`watch_joining_nodes`) and asks
+each node that joins for as many spares as workers fit on it, over the same RPC, the moment it is
+listed: they import while Ray Train's resize check is still to notice the node.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 log = logging.getLogger("runtime.train.spares")
@@ -34,6 +41,9 @@ WARM_HOOK = "runtime.train.spares.warm_imports"
 # How long the raylet keeps an unused spare from its idle-worker reaper. A failure later than this
 # still finds the spare unless the node has more worker processes than CPUs.
 KEEP_ALIVE_S = 600
+# How often global rank 0 of a group below its maximum size reads the node table for nodes that
+# joined: one GCS call, small against the resize check (distributed.elastic.resize_check_interval_s).
+JOIN_POLL_S = 1.0
 
 
 def wanted(max_failures: int, elastic: bool) -> bool:
@@ -60,18 +70,58 @@ def worker_runtime_env() -> dict[str, Any]:
     return {"env_vars": {WORKER_PROCESS_SETUP_HOOK_ENV_VAR: WARM_HOOK}}
 
 
-def request_for_next_group(train_context: Any) -> bool:
-    """Called by every Train worker as its group starts: local rank 0 asks its raylet for one spare per
-    worker on the node (a restart replaces every worker of the group)."""
+def request_for_next_group(train_context: Any, stop: threading.Event, per_worker: dict[str, float] | None = None,
+                           max_workers: int = 0) -> bool:
+    """Called by every Train worker once its group has trained a step: local rank 0 asks its raylet for
+    one spare per worker on the node (a restart replaces every worker of the group). With
+    ``per_worker`` (an elastic run's resources per worker), global rank 0 of a group below
+    ``max_workers`` also watches for joining nodes until ``stop`` is set."""
+    room = max_workers - train_context.get_world_size()
+    if per_worker and room > 0 and train_context.get_world_rank() == 0:
+        watch_joining_nodes(per_worker, room, stop)
     if train_context.get_local_rank() != 0:
         return False
     return request_spares(train_context.get_local_world_size())
 
 
-def request_spares(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> bool:
-    """From inside a Ray worker: ask this node's raylet for ``count`` idle workers of this job with this
-    process's exact runtime_env. True when the raylet took the request; a refusal costs a warning,
-    never the run (the next restart then starts its processes on demand, as without spares).
+def workers_fitting(total: dict[str, float], per_worker: dict[str, float]) -> int:
+    """How many workers asking for ``per_worker`` resources a node with ``total`` resources holds."""
+    return min((int(total.get(name, 0.0) // amount) for name, amount in per_worker.items() if amount > 0),
+               default=0)
+
+
+def watch_joining_nodes(per_worker: dict[str, float], room: int, stop: threading.Event,
+                        period_s: float = JOIN_POLL_S) -> threading.Thread:
+    """From global rank 0 of a group ``room`` workers below its maximum: until ``stop`` is set, every node
+    that joins the cluster is asked once for spares, as many as workers fit on it (at most ``room``).
+    The nodes alive when the watch starts are the group's own (each asked by its local rank 0)."""
+    import ray
+
+    def watch() -> None:
+        try:
+            known = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            while not stop.wait(period_s):
+                for node in ray.nodes():
+                    if not node["Alive"] or node["NodeID"] in known:
+                        continue
+                    known.add(node["NodeID"])
+                    count = min(room, workers_fitting(node.get("Resources", {}), per_worker))
+                    if count > 0:
+                        request_spares(count, address=f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+        except Exception as e:  # the GCS gone with the group: the grow then starts its processes on demand
+            if not stop.is_set():
+                log.warning("no longer watching for joining nodes: %s", e)
+
+    thread = threading.Thread(target=watch, name="spares-for-joining-nodes", daemon=True)
+    thread.start()
+    return thread
+
+
+def request_spares(count: int, keep_alive_s: int = KEEP_ALIVE_S, address: str | None = None) -> bool:
+    """From inside a Ray worker: ask a raylet (this node's, or the one at ``address``) for ``count`` idle
+    workers of this job with this process's exact runtime_env. True when the raylet took the request; a
+    refusal costs a warning, never the run (the next restart then starts its processes on demand, as
+    without spares).
     """
     if count <= 0:
         return False
@@ -80,13 +130,14 @@ def request_spares(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> bool:
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
 
     ctx = ray.get_runtime_context()
-    node: Any = ray._private.worker.global_worker.node  # this process's node: its raylet's address
+    if address is None:
+        node: Any = ray._private.worker.global_worker.node  # this process's node: its raylet's address
+        address = f"{node.node_ip_address}:{node.node_manager_port}"
     # Ray's generated protobuf modules have no type stubs.
     request = node_manager_pb2.PrestartWorkersRequest(  # type: ignore[attr-defined]
         language=common_pb2.PYTHON, job_id=bytes.fromhex(ctx.get_job_id()),  # type: ignore[attr-defined]
         keep_alive_duration_secs=keep_alive_s, num_workers=count)
     request.runtime_env_info.serialized_runtime_env = ctx.get_runtime_env_string()
-    address = f"{node.node_ip_address}:{node.node_manager_port}"
     try:
         with init_grpc_channel(address) as channel:
             node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)

@@ -45,7 +45,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train worker entry point: ``config = {"job": JobConfig dump, "run": RunInfo fields}``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Train logs every report at INFO
+    cfg = JobConfig.model_validate(config["job"])
     on_first_step = None
+    stop_watching = threading.Event()
     if config.get("spares"):
         # Once the group has restored and trained a step, not as it starts: on few cores the spares'
         # imports would compete with the group's own start (build 2.9 s after vs 4.6 s at the start).
@@ -54,7 +56,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         from runtime.train.spares import request_for_next_group
 
         def on_first_step() -> None:
-            request_for_next_group(ray.train.get_context())
-    run_rank(JobConfig.model_validate(config["job"]), RunInfo(**config["run"]), progress=config.get("progress"),
-             lockstep=bool(config.get("progress_lockstep")), mlflow=config.get("mlflow"),
-             on_first_step=on_first_step)
+            request_for_next_group(ray.train.get_context(), stop_watching, config.get("worker_resources"),
+                                   cfg.distributed.max_workers)
+    try:
+        run_rank(cfg, RunInfo(**config["run"]), progress=config.get("progress"),
+                 lockstep=bool(config.get("progress_lockstep")), mlflow=config.get("mlflow"),
+                 on_first_step=on_first_step)
+    finally:
+        stop_watching.set()

@@ -1,15 +1,22 @@
 """Spare worker processes (runtime.train.spares) on a real local Ray cluster: a restart is given the
-processes the raylet started ahead of it, and they resume as a restart without spares does."""
+processes the raylet started ahead of it, and they resume as a restart without spares does; a node
+that joins is given spares before any work is placed on it."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import uuid
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
+from runtime import cluster as rc
 from runtime.train.driver import train
-from tests.support import job
+from tests.support import job, wait_for
 from tests.support.cluster import WorkerGroupKiller, oldest_allowed_resume
 
 pytestmark = pytest.mark.slow
@@ -50,3 +57,66 @@ def test_restarted_group_rank0_runs_on_a_process_started_before_the_kill(
     assert "warmed" in tl and tl["process_start"] < tl["warmed"] < tl["init_start"], tl
     last = max(h["step"] for h in out.history if "step" in h and h["_time"] < kill.time)
     assert oldest_allowed_resume(last, kill.committed, INTERVAL) <= first["resumed_from_step"] <= last
+
+
+def test_a_node_that_joins_is_given_spares_before_work_is_placed_on_it(cluster: dict[str, Any]) -> None:
+    """The watch global rank 0 of a shrunk elastic group runs, in a plain actor with a runtime_env of its
+    own: a node joins, and the actor later placed on it (same job, same runtime_env, as a regrown
+    group's worker would be) runs in a process the raylet started before the actor was asked for."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from runtime.train.driver import connect
+
+    connect()
+    slot = f"join_{uuid.uuid4().hex[:8]}"  # only the node added here has it
+    env = {"env_vars": {"RT_SPARES_TEST": slot}}  # what makes the spares this job's and this env's
+
+    @ray.remote(num_cpus=0)
+    class Rank0:
+        def watch(self) -> None:
+            import threading
+
+            from runtime.train.spares import watch_joining_nodes
+
+            self.stop = threading.Event()
+            watch_joining_nodes({"CPU": 1, slot: 1}, room=2, stop=self.stop, period_s=0.5)
+
+        def end(self) -> None:
+            self.stop.set()
+
+    @ray.remote(num_cpus=1, resources={slot: 1})
+    class Worker:
+        def pid(self) -> int:
+            return os.getpid()
+
+    def workers_on(raylet: psutil.Process) -> set[int]:
+        """Ray worker processes under a node's raylet (not its agents, not the raylet, whose command
+        line names the worker's script too)."""
+        found = set()
+        for p in raylet.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                cmd = p.cmdline()
+                if cmd and (cmd[0].startswith("ray::IDLE") or any(a.endswith("default_worker.py") for a in cmd[1:2])):
+                    found.add(p.pid)
+        return found
+
+    cdir = Path(cluster["dir"])
+    watcher = Rank0.options(runtime_env=env).remote()
+    ray.get(watcher.watch.remote())
+    node = rc.add_node(cdir, num_cpus=2, resources={slot: 1})
+    try:
+        [joined] = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(slot)]
+        # One worker fits (one slot): one spare, started with no work on the node yet.
+        raylet = psutil.Process(int(node["pid"]))
+        wait_for(lambda: bool(workers_on(raylet)), "a spare on the joining node", 60)
+        spares = workers_on(raylet)
+        worker = Worker.options(runtime_env=env, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            joined, soft=False)).remote()
+        pid = ray.get(worker.pid.remote(), timeout=60)
+        assert pid in spares, f"the worker ran in process {pid}, not in a spare ({sorted(spares)})"
+        ray.kill(worker)
+        ray.get(watcher.end.remote())
+        ray.kill(watcher)
+    finally:
+        rc.remove_node(int(node["index"]), cdir, hard=False)
