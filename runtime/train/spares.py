@@ -24,7 +24,8 @@ An elastic run below its maximum size also grows onto nodes that join: such a no
 its worker would start and import cold while the rest of the regrown group waits (6.1 s of a 22.4 s
 grow, docs/performance.md). Global rank 0 watches the node table (:func:`watch_joining_nodes`) and asks
 each node that joins for as many spares as workers fit on it, over the same RPC, the moment it is
-listed: they import while Ray Train's resize check is still to notice the node.
+listed: they import while Ray Train's resize check is still to notice the node (which it does at its
+next check: the watch refreshes the view of the cluster that check reads).
 """
 
 from __future__ import annotations
@@ -93,9 +94,12 @@ def workers_fitting(total: dict[str, float], per_worker: dict[str, float]) -> in
 def watch_joining_nodes(per_worker: dict[str, float], room: int, stop: threading.Event,
                         period_s: float = JOIN_POLL_S) -> threading.Thread:
     """From global rank 0 of a group ``room`` workers below its maximum: until ``stop`` is set, every node
-    that joins the cluster is asked once for spares, as many as workers fit on it (at most ``room``).
-    The nodes alive when the watch starts are the group's own (each asked by its local rank 0)."""
+    that joins the cluster is asked once for spares, as many as workers fit on it (at most ``room``), and
+    Ray's view of the cluster is refreshed. The nodes alive when the watch starts are the group's own
+    (each asked by its local rank 0)."""
     import ray
+
+    from runtime.train.elastic import refresh_capacity
 
     def watch() -> None:
         try:
@@ -108,6 +112,9 @@ def watch_joining_nodes(per_worker: dict[str, float], room: int, stop: threading
                     count = min(room, workers_fitting(node.get("Resources", {}), per_worker))
                     if count > 0:
                         request_spares(count, address=f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+                        # Ray's resize check reads a view of the nodes it refreshes every 20 s: fresh now,
+                        # its next check (resize_check_interval_s) counts the node.
+                        refresh_capacity()
         except Exception as e:  # the GCS gone with the group: the grow then starts its processes on demand
             if not stop.is_set():
                 log.warning("no longer watching for joining nodes: %s", e)
