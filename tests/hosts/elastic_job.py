@@ -11,6 +11,13 @@ Rank 0 appends one JSON line per event to SHARED_DIR/progress.jsonl (the control
 the nodes share one clock with it): `start` (world size, the step resumed from), `step`,
 `checkpoint` (`preempted` when it is the just-in-time one of a drain notice). The run ends at
 the step written in SHARED_DIR/finish_at (the test writes it once the faults are done).
+
+Checkpoints are resumed as the runtime resumes them (docs/checkpoints.md, "Newest in storage
+wins"): rank 0 writes each one whole to SHARED_DIR/checkpoints before the next step (written
+aside, then renamed into place), and every group starts from the newest one there. Ray Train's
+own registry is not used: it registers a reported checkpoint at the controller's next poll, so a
+node lost between the report and that poll resumed the interval before (12 steps redone with a
+10-step interval in one CI run), which is Ray's lag, not the guarantee under test.
 """
 
 from __future__ import annotations
@@ -18,13 +25,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 GLOBAL_BATCH = 8  # 2 workers x 4 = 1 worker x 8: the same global batch at every size
-CHECKPOINT_INTERVAL = 10  # steps; a hard node loss redoes at most this many
+CHECKPOINT_INTERVAL = 10  # steps; a hard node loss redoes at most this many (saves are whole before the next step)
 STEP_PACE_S = 0.25  # a tiny step is ~ms: pace it so the run lasts through the scenarios on 2 shared cores
 
 
@@ -35,24 +41,42 @@ def _finish_at(shared: Path) -> int | None:
         return None
 
 
+def _newest(checkpoints: Path) -> Path | None:
+    """The newest whole checkpoint (a name is only ever a complete file: see _save)."""
+    found = sorted(checkpoints.glob("step_*.pt"), key=lambda p: int(p.stem.removeprefix("step_")))
+    return found[-1] if found else None
+
+
+def _save(checkpoints: Path, state: dict[str, Any], step: int) -> None:
+    """Written under a temporary name, flushed, then renamed: a reader sees the whole file or none."""
+    import torch
+
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    part = checkpoints / f".step_{step:09d}.pt.part"
+    with open(part, "wb") as out:
+        torch.save(state, out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(part, checkpoints / f"step_{step:09d}.pt")
+
+
 def train_loop(config: dict[str, Any]) -> None:
     """Every rank: resume from the newest checkpoint, train, checkpoint every interval and on a drain notice."""
     import ray.train
     import torch
-    from ray.train import Checkpoint
     from ray.train.torch import prepare_model
 
     torch.set_num_threads(1)
     shared = Path(config["shared"])
+    checkpoints = shared / "checkpoints"
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     model = torch.nn.Linear(16, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     step = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as folder:
-            state = torch.load(Path(folder) / "state.pt", weights_only=True)
+    newest = _newest(checkpoints)
+    if newest is not None:
+        state = torch.load(newest, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = int(state["step"])
@@ -84,12 +108,10 @@ def train_loop(config: dict[str, Any]) -> None:
         # A barrier across ranks: every rank learns of a drain notice (a spot reclaim) at the same step.
         preempted = ray.train.get_preemption_info() is not None
         if step % CHECKPOINT_INTERVAL == 0 or preempted:
-            with tempfile.TemporaryDirectory() as folder:
-                if rank == 0:
-                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                               Path(folder) / "state.pt")
-                ray.train.report({"step": step, "loss": float(loss)},
-                                 checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
+            if rank == 0:
+                _save(checkpoints, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                      step)
+            ray.train.report({"step": step, "loss": float(loss)})  # every rank past the save together
             record("checkpoint", preempted=preempted)
         if preempted:
             # Nothing trained after the just-in-time checkpoint is lost: wait for Ray Train to restart
