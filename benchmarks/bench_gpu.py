@@ -26,6 +26,7 @@ add up) and a Markdown table beside it. Without CUDA it writes a JSON that says 
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -64,23 +65,45 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def bare(compiled: bool, device: torch.device) -> dict[str, float]:
+def bare(compiled: bool, device: torch.device, fsdp: bool = False, profile: Path | None = None) -> dict[str, float]:
     """The bare loop, then its cached memory and compiled graphs given back (its locals are gone by then)."""
-    result = bare_loop(compiled, device)
+    if not fsdp:
+        result = bare_loop(compiled, device)
+    else:
+        import torch.distributed as dist
+
+        from runtime.cluster.processes import free_port
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{free_port()}")
+        try:
+            result = bare_loop(compiled, device, fsdp=True, profile=profile)
+        finally:
+            dist.destroy_process_group()
     _release(device)
     return result
 
 
-def bare_loop(compiled: bool, device: torch.device) -> dict[str, float]:
-    """The baseline a user would write: data made once on the device, autocast, fused SGD."""
-    from runtime.config import ModelConfig
+def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False,
+              profile: Path | None = None) -> dict[str, float]:
+    """The baseline a user would write: data made once on the device, autocast, fused SGD.
+
+    ``fsdp``: the same loop with the runtime's ``apply_fsdp`` on a one-rank group and SGD's
+    foreach kernels (torch has no DTensor rule for fused SGD): FSDP2's own cost, apart from the
+    runtime's. ``profile``: a torch.profiler table of three more steps written there, which says
+    whether a slow step waits on the GPU or on Python (per-op DTensor dispatch, FSDP hooks).
+    """
+    from runtime.config import FSDPConfig, ModelConfig
     from runtime.train.models import build_model
+    from runtime.train.parallel import apply_fsdp
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(name=MODEL, channels_last=True), CLASSES, 3, IMAGE).to(device)
     cuda = device.type == "cuda"
+    if fsdp:
+        model = apply_fsdp(model, FSDPConfig(), torch.bfloat16 if cuda else None, device, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-5,
-                          fused=True)
+                          fused=not fsdp)
     x = torch.randn(BATCH, 3, IMAGE, IMAGE, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(CLASSES, (BATCH,), device=device)
     step_model = torch.compile(model) if compiled else model
@@ -108,7 +131,29 @@ def bare_loop(compiled: bool, device: torch.device) -> dict[str, float]:
         _sync(device)
         windows.append(BATCH * LOG_EVERY / (time.perf_counter() - t))
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    if profile is not None:
+        write_profile(step, device, profile)
     return {"images_per_s": statistics.median(windows), "warmup_s": warm, "peak_memory_bytes": float(peak)}
+
+
+def write_profile(step: Callable[[], None], device: torch.device, path: Path) -> None:
+    """Three profiled steps: wall, CPU and device time per step, and the ops that take most of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        _sync(device)
+    wall = (time.perf_counter() - t) / 3
+    table = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"wall per step (profiled): {wall * 1e3:.1f} ms\n\n"
+                    f"by self device time:\n{table.table(sort_by=sort, row_limit=25)}\n\n"
+                    f"by CPU time (with children):\n{table.table(sort_by='cpu_time_total', row_limit=25)}\n")
 
 
 def runtime_run(job: str, sets: list[str], storage: str, use_gpu: bool, batch: int = BATCH,
@@ -184,26 +229,38 @@ def part_synthetic(device: torch.device, storage: str, use_gpu: bool) -> dict[st
     return out
 
 
-# FSDP variants beside DDP. The first H100 run gave fsdp/ddp 0.34 (channels_last input, bf16 params):
-# these isolate the suspects, FSDP's bf16 parameters (BatchNorm in bf16) and NHWC with contiguous weights.
+# FSDP variants beside DDP. The first H100 run gave fsdp/ddp 0.34 (channels_last input, bf16
+# params); on an H200 a bare FSDP step spent 117 ms of CPU per 55 ms of GPU. These isolate the
+# suspects: bf16 parameters (each batch norm then its own fp32 unit), NHWC, and the re-gather in
+# backward that resharding after forward costs.
 FSDP_VARIANTS = {
     "ddp": ["distributed.strategy=ddp"],
     "fsdp": ["distributed.strategy=fsdp"],
-    "fsdp_fp32_params": ["distributed.strategy=fsdp", "distributed.fsdp.param_dtype=fp32"],
+    "fsdp_bf16_params": ["distributed.strategy=fsdp", "distributed.fsdp.param_dtype=bf16"],
     "fsdp_nchw": ["distributed.strategy=fsdp", "model.channels_last=false"],
+    "fsdp_keep_gathered": ["distributed.strategy=fsdp", "distributed.fsdp.reshard_after_forward=false"],
 }
 
 
-def part_fsdp(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
-    rounds = _interleave({
-        name: (lambda sets=sets: runtime_run("resnet50", [*_image_sets(False), *sets], storage, use_gpu))
-        for name, sets in FSDP_VARIANTS.items()
-    })
-    rate = {n: _median(r, "rate") for n, r in rounds.items()}
+def part_fsdp(device: torch.device, storage: str, use_gpu: bool, results_dir: Path) -> dict[str, Any]:
+    profile = results_dir / "gpu" / "fsdp_profile.txt"
+    variants: dict[str, Callable[[], dict[str, float]]] = {
+        "bare_eager": lambda: bare(False, device),
+        "bare_fsdp": lambda: bare(False, device, fsdp=True, profile=profile),
+    }
+    for name, sets in FSDP_VARIANTS.items():
+        variants[name] = functools.partial(runtime_run, "resnet50", [*_image_sets(False), *sets], storage, use_gpu)
+    rounds = _interleave(variants)
+    rate = {n: _median(r, "images_per_s" if n.startswith("bare") else "rate") for n, r in rounds.items()}
+    ratio = {f"{n}_over_ddp": round(v / rate["ddp"], 4) for n, v in rate.items() if not n.startswith(("bare", "ddp"))}
+    ratio["bare_fsdp_over_bare_eager"] = round(rate["bare_fsdp"] / rate["bare_eager"], 4)
     return {"description": f"the runtime's {MODEL} (eager, as in `synthetic`) under FSDP2 vs DDP, 1 GPU worker; "
-                           "fsdp_fp32_params keeps fp32 parameters (autocast only), fsdp_nchw drops channels_last",
+                           "fsdp gathers fp32 parameters (auto, batch norm), fsdp_bf16_params bf16 ones, "
+                           "fsdp_nchw drops channels_last, fsdp_keep_gathered keeps blocks gathered into backward; "
+                           "bare_fsdp is the bare loop under the runtime's apply_fsdp (FSDP2's own cost), "
+                           f"profiled in {profile.name}",
             "images_per_s_median": {n: round(v, 1) for n, v in rate.items()},
-            "ratio": {f"{n}_over_ddp": round(v / rate["ddp"], 4) for n, v in rate.items() if n != "ddp"},
+            "ratio": ratio,
             "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
             "rounds": rounds, "goal": "fsdp/ddp >= 0.95"}
 
@@ -309,11 +366,10 @@ def run(results_dir: Path) -> dict[str, Any]:
     result.update({"device": name, "torch": torch.__version__, "cuda": torch.version.cuda})
     for part in parts:
         t0 = time.perf_counter()
-        if part == "jpeg":
-            result[part] = part_jpeg(device, storage, use_gpu, results_dir)
+        if part in ("jpeg", "fsdp"):
+            result[part] = {"jpeg": part_jpeg, "fsdp": part_fsdp}[part](device, storage, use_gpu, results_dir)
         else:
-            result[part] = {"synthetic": part_synthetic, "fsdp": part_fsdp, "gpt": part_gpt}[part](
-                device, storage, use_gpu)
+            result[part] = {"synthetic": part_synthetic, "gpt": part_gpt}[part](device, storage, use_gpu)
         result[part]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"{part}: {json.dumps({k: v for k, v in result[part].items() if k != 'rounds'})}", flush=True)
         result["suspect"] = suspect_ratios(result)

@@ -306,8 +306,9 @@ class FSDPConfig(Strict):
         True, description="Free each block's gathered parameters after its forward (least memory); false keeps "
                           "them until backward (one all-gather less per block, more memory).")
     param_dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="Dtype blocks compute in; auto = precision.dtype's autocast dtype (bf16 on GPUs, "
-                            "fp32 on CPU).")
+        "auto", description="Dtype parameters are gathered in; auto = precision.dtype's autocast dtype (bf16 on "
+                            "GPUs, fp32 on CPU), but fp32 for a model with batch norm; bf16 shards each batch "
+                            "norm as its own fp32 unit.")
     reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="Dtype of the gradient reduce-scatter.")
     cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer state in host memory.")
 

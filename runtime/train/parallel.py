@@ -44,16 +44,28 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     compiled before it is sharded (torchtitan's order): FSDP's gathers run between compiled
     blocks, where compiling the sharded whole would break its graph at every unit.
     Parameter names gain ``_orig_mod.``; torch's state-dict helpers, which checkpoints use, drop it.
+
+    Batch norm keeps fp32 parameters, as FSDP1 did by default: torch's batch norm takes a
+    bf16/fp16 input with fp32 weights and statistics, but refuses bf16 weights beside its fp32
+    running statistics (seen on an H200 in NCHW, and on CPU). So ``param_dtype=auto`` stays fp32
+    for a model with batch norm (autocast still runs its convolutions in bf16), and an explicit
+    low ``param_dtype`` shards each batch norm as its own fp32 unit that leaves its input's dtype.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    param_dtype = amp_dtype if cfg.param_dtype == "auto" else DTYPES[cfg.param_dtype]
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine]
+    param_dtype = fsdp_param_dtype(cfg, amp_dtype, has_batch_norm=bool(norms))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype])
     offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     mesh = init_device_mesh(device.type, (world,))
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
     model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
+    if param_dtype not in (None, torch.float32):
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=DTYPES[cfg.reduce_dtype],
+                                    cast_forward_inputs=False)
+        for norm in norms:
+            fully_shard(norm, reshard_after_forward=cfg.reshard_after_forward, **{**kw, "mp_policy": fp32})
     for container, name, unit in shard_units(model):
         if compile_mode is not None:
             unit = cast(nn.Module, torch.compile(unit, mode=compile_mode))
@@ -63,6 +75,13 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     # backward starts with the root's last layer (an explicit value would re-gather it there).
     fully_shard(model, **kw)
     return model
+
+
+def fsdp_param_dtype(cfg: FSDPConfig, amp_dtype: torch.dtype | None, has_batch_norm: bool) -> torch.dtype | None:
+    """The dtype FSDP gathers parameters in: ``auto`` follows autocast, except beside batch norm."""
+    if cfg.param_dtype != "auto":
+        return DTYPES[cfg.param_dtype]
+    return None if has_batch_norm else amp_dtype
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

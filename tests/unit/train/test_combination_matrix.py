@@ -5,9 +5,11 @@ CPU, not on a rented GPU. The settings crossed: model family (small_cnn for digi
 digits_tune; torchvision's Bottleneck ResNet for resnet50, resnet50_imagenet, resnet50_tune and
 resnet152; torchvision's VisionTransformer for vit_b_16; the GPT for gpt_small and gpt_1b) x
 strategy {ddp, fsdp} x channels_last {on, off} x gradient accumulation {1, 2} x activation
-checkpointing {on, off} (every family's builder supports it) x a planted non-finite step {yes, no}.
+checkpointing {on, off} (every family's builder supports it) x a planted non-finite step {yes, no}
+x precision {fp32, bf16} (bf16 autocast, and under FSDP bf16 parameters even beside batch norm:
+the H200's first FSDP run in NCHW crashed there, and so does a CPU).
 
-The full product is 4 x 2^5 = 128 runs, minutes on 2 cores. ``CELLS`` is a covering design of 10
+The full product is 4 x 2^6 = 256 runs, minutes on 2 cores. ``CELLS`` is a covering design of 10
 eager cells instead: every pair of values of any two settings meets in some cell (a test below
 proves it), and every family runs under DDP and under FSDP with channels_last on (the crash
 above). Per family, a DDP cell with channels_last off and an FSDP cell with it on (small_cnn's DDP
@@ -86,13 +88,14 @@ class Cell:
     accum: int
     checkpointing: bool
     nonfinite: bool
+    precision: str
     compiled: bool = False
 
     @property
     def name(self) -> str:
         parts = [self.family, self.strategy, "channels_last" if self.channels_last else "nchw",
                  f"accum{self.accum}", "act_ckpt" if self.checkpointing else "no_ckpt",
-                 "nan_planted" if self.nonfinite else "finite"]
+                 "nan_planted" if self.nonfinite else "finite", self.precision]
         return "-".join(parts + (["compiled"] if self.compiled else []))
 
     def overrides(self) -> list[str]:
@@ -100,26 +103,29 @@ class Cell:
         return [*COMMON, *sized, f"distributed.strategy={self.strategy}",
                 f"model.channels_last={str(self.channels_last).lower()}", f"train.grad_accum_steps={self.accum}",
                 f"model.gradient_checkpointing={str(self.checkpointing).lower()}",
-                f"model.compile={str(self.compiled).lower()}"]
+                f"model.compile={str(self.compiled).lower()}", f"precision.dtype={self.precision}",
+                *([f"distributed.fsdp.param_dtype={self.precision}"] if self.strategy == "fsdp" else [])]
 
 
-def _cell(family: str, strategy: str, cl: int, accum: int, ckpt: int, nan: int, compiled: bool = False) -> Cell:
-    return Cell(family, strategy, bool(cl), accum, bool(ckpt), bool(nan), compiled)
+def _cell(family: str, strategy: str, cl: int, accum: int, ckpt: int, nan: int, bf16: int,
+          compiled: bool = False) -> Cell:
+    return Cell(family, strategy, bool(cl), accum, bool(ckpt), bool(nan), "bf16" if bf16 else "fp32", compiled)
 
 
 # Each family's DDP cell takes (accum, checkpointing, non-finite) = one of 1/0/0, 2/1/0, 2/0/1,
 # 1/1/1, and its FSDP cell the opposite of each, with channels_last on: so every pair of those
 # three settings, and each of them with either strategy, meets somewhere. SGD's unfused skip under
-# FSDP (ResNet is the SGD family) gets a planted step.
+# FSDP (ResNet is the SGD family) gets a planted step. Precision (last) is spread so that it meets
+# every value of every other setting; both batch-norm families run FSDP with bf16 parameters.
 CELLS = [
-    _cell("small_cnn", "ddp", 0, 1, 0, 0), _cell("small_cnn", "fsdp", 1, 2, 1, 1),
-    _cell("resnet", "ddp", 0, 2, 1, 0), _cell("resnet", "fsdp", 1, 1, 0, 1),
-    _cell("vit", "ddp", 0, 2, 0, 1), _cell("vit", "fsdp", 1, 1, 1, 0),
-    _cell("gpt", "ddp", 0, 1, 1, 1), _cell("gpt", "fsdp", 1, 2, 0, 0),
+    _cell("small_cnn", "ddp", 0, 1, 0, 0, 0), _cell("small_cnn", "fsdp", 1, 2, 1, 1, 1),
+    _cell("resnet", "ddp", 0, 2, 1, 0, 0), _cell("resnet", "fsdp", 1, 1, 0, 1, 1),
+    _cell("vit", "ddp", 0, 2, 0, 1, 1), _cell("vit", "fsdp", 1, 1, 1, 0, 0),
+    _cell("gpt", "ddp", 0, 1, 1, 1, 1), _cell("gpt", "fsdp", 1, 2, 0, 0, 0),
     # channels_last with DDP and contiguous with FSDP, which the cells above lack.
-    _cell("small_cnn", "ddp", 1, 2, 1, 1), _cell("small_cnn", "fsdp", 0, 1, 0, 0),
+    _cell("small_cnn", "ddp", 1, 2, 1, 1, 0), _cell("small_cnn", "fsdp", 0, 1, 0, 0, 1),
     # Compiled (inductor on CPU): last, so dynamo's state touches no eager cell.
-    _cell("mlp", "ddp", 1, 2, 0, 1, compiled=True), _cell("mlp", "fsdp", 1, 1, 0, 0, compiled=True),
+    _cell("mlp", "ddp", 1, 2, 0, 1, 0, compiled=True), _cell("mlp", "fsdp", 1, 1, 0, 0, 0, compiled=True),
 ]
 RESULTS_FILE = "matrix.json"
 

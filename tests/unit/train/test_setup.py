@@ -70,3 +70,14 @@ def test_an_unfused_sgd_skip_restores_params_and_momentum_on_the_device() -> Non
     assert torch.isfinite(p_dev).all() and torch.isfinite(m_dev).all()
     assert torch.equal(p_dev, p_host) and torch.equal(m_dev, m_host)
 
+
+
+def test_fsdp_gathers_batch_norm_models_in_fp32_unless_told_and_others_in_the_autocast_dtype() -> None:
+    from runtime.config import FSDPConfig
+    from runtime.train.parallel import fsdp_param_dtype
+
+    bf16 = torch.bfloat16
+    assert fsdp_param_dtype(FSDPConfig(), bf16, has_batch_norm=False) == bf16
+    assert fsdp_param_dtype(FSDPConfig(), bf16, has_batch_norm=True) is None  # torch's batch norm: fp32 weights
+    assert fsdp_param_dtype(FSDPConfig(), None, has_batch_norm=False) is None
+    assert fsdp_param_dtype(FSDPConfig(param_dtype="bf16"), None, has_batch_norm=True) == bf16
