@@ -243,7 +243,8 @@ FSDP_VARIANTS = {
 
 
 def part_fsdp(device: torch.device, storage: str, use_gpu: bool, results_dir: Path) -> dict[str, Any]:
-    profile = results_dir / "gpu" / "fsdp_profile.txt"
+    name = torch.cuda.get_device_name(device).replace(" ", "_") if use_gpu else "cpu"
+    profile = results_dir / "gpu" / f"{name}_fsdp_profile.txt"
     variants: dict[str, Callable[[], dict[str, float]]] = {
         "bare_eager": lambda: bare(False, device),
         "bare_fsdp": lambda: bare(False, device, fsdp=True, profile=profile),
