@@ -88,9 +88,11 @@ def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False,
               profile: Path | None = None) -> dict[str, float]:
     """The baseline a user would write: data made once on the device, autocast, fused SGD.
 
-    ``fsdp``: the same loop with the runtime's ``apply_fsdp`` on a one-rank group and SGD's
-    foreach kernels (torch has no DTensor rule for fused SGD): FSDP2's own cost, apart from the
-    runtime's. ``profile``: a torch.profiler table of three more steps written there, which says
+    ``fsdp``: the same loop with the runtime's ``apply_fsdp`` on a one-rank group and torch's
+    SGD as a user would write it (foreach on DTensors: torch has no DTensor rule for fused SGD):
+    FSDP2's own cost. The runtime steps the local shards with the fused kernel (``ShardedSGD``),
+    so it may run faster than this loop; ``fsdp_over_ddp`` is the ratio that carries the goal.
+    ``profile``: a torch.profiler table of three more steps written there, which says
     whether a slow step waits on the GPU or on Python (per-op DTensor dispatch, FSDP hooks).
     """
     from runtime.config import FSDPConfig, ModelConfig
@@ -229,10 +231,10 @@ def part_synthetic(device: torch.device, storage: str, use_gpu: bool) -> dict[st
     return out
 
 
-# FSDP variants beside DDP. The first H100 run gave fsdp/ddp 0.34 (channels_last input, bf16
-# params); on an H200 a bare FSDP step spent 117 ms of CPU per 55 ms of GPU. These isolate the
-# suspects: bf16 parameters (each batch norm then its own fp32 unit), NHWC, and the re-gather in
-# backward that resharding after forward costs.
+# FSDP variants beside DDP. The first H100 run gave fsdp/ddp 0.34, the H200 0.31: CPU-bound (a bare
+# FSDP step spent 117 ms of CPU per 55 ms of GPU, most of it DTensor dispatch in SGD and the grad
+# norm, which the runtime now does on local shards). These isolate what is left: bf16 parameters
+# (each batch norm then its own fp32 unit), NHWC, and the re-gather in backward.
 FSDP_VARIANTS = {
     "ddp": ["distributed.strategy=ddp"],
     "fsdp": ["distributed.strategy=fsdp"],

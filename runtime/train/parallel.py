@@ -9,6 +9,7 @@ head). Works on CPU with gloo (tests) and on GPU with NCCL.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -82,6 +83,41 @@ def fsdp_param_dtype(cfg: FSDPConfig, amp_dtype: torch.dtype | None, has_batch_n
     if cfg.param_dtype != "auto":
         return DTYPES[cfg.param_dtype]
     return None if has_batch_norm else amp_dtype
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of its storage, no collective); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def grad_norm(params: Iterable[nn.Parameter], max_norm: float | None = None) -> torch.Tensor:
+    """The 2-norm of all ranks' gradients, the same on every rank; first scaled down to
+    ``max_norm`` when given (torch's ``clip_grad_norm_`` rule).
+
+    Under FSDP it is computed from each rank's local shards (one foreach norm, one all-reduce of
+    its square), where torch's own, given DTensors, dispatches tensor by tensor in Python.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    if not sharded:
+        norm = torch.nn.utils.get_total_norm(grads)
+    elif len(sharded) == len(grads) and all(pl.is_shard() for g in sharded for pl in g.placements):
+        norm = torch.nn.utils.get_total_norm([g.to_local() for g in sharded])
+        mesh = sharded[0].device_mesh
+        if mesh.size() > 1:
+            square = norm.square()
+            torch.distributed.all_reduce(square, group=mesh.get_group())
+            norm = square.sqrt()
+    else:  # replicated placements: DTensor's own reduction knows them
+        norm = full_tensor(torch.nn.utils.get_total_norm(grads))
+    if max_norm is not None:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([local_shard(g) for g in grads], scale)
+    return norm
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

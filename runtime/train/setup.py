@@ -19,6 +19,7 @@ from torch import nn
 
 from runtime.config import JobConfig, ModelConfig
 from runtime.errors import ConfigError
+from runtime.train.parallel import local_shard
 
 
 def resolve_precision(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -111,16 +112,50 @@ def _sharded(params: list[nn.Parameter]) -> bool:
     return any(isinstance(p, DTensor) for p in params)
 
 
+class ShardedSGD(torch.optim.SGD):
+    """torch's SGD stepping each rank's local shards of FSDP's DTensor parameters.
+
+    DTensor has no rule for fused SGD, and its foreach path dispatches op by op, tensor by tensor,
+    in Python: on an H200 a one-GPU FSDP ResNet-50 step spent a third of its time there. The local
+    shards are views of the parameters' storage, so the fused kernel updates the parameters in
+    place; the momentum buffers stay DTensors in the optimizer's state (checkpoints unchanged),
+    and ``found_inf`` and ``grad_scale`` are read as torch's SGD reads them (the device-side skip,
+    GradScaler).
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        from torch.optim.sgd import sgd
+
+        if closure is not None:
+            raise ValueError("ShardedSGD.step takes no closure")
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            bufs: list[torch.Tensor | None] = [None] * len(params)
+            if group["momentum"]:
+                for p in params:
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p)  # as prime_momentum gives it
+                bufs = [local_shard(self.state[p]["momentum_buffer"]) for p in params]
+            sgd(
+                [local_shard(p) for p in params], [local_shard(cast(torch.Tensor, p.grad)) for p in params], bufs,
+                weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+                dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"],
+                foreach=group["foreach"], fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None))
+
+
 def build_optimizer(cfg: JobConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     ps = [p for p in params if p.requires_grad]
     fused = _fused_supported(ps)
     o = cfg.optimizer
     opt: torch.optim.Optimizer
     if o.name == "sgd":
-        # torch has no DTensor rule for fused SGD: under FSDP, SGD runs foreach and the
-        # non-finite skip restores a copy on the device (fused Adam/AdamW take found_inf).
-        opt = torch.optim.SGD(ps, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov,
-                              fused=fused and not _sharded(ps))
+        sgd_class = ShardedSGD if _sharded(ps) else torch.optim.SGD
+        opt = sgd_class(ps, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov,
+                        fused=fused)
     elif o.name == "adam":
         opt = torch.optim.Adam(ps, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused)
     else:
@@ -148,9 +183,9 @@ def step_unless(opt: torch.optim.Optimizer, bad: torch.Tensor) -> None:
     """``opt.step()`` unless ``bad`` (a 0-dim float tensor, 1.0 = skip), decided on the device.
 
     Fused optimizers read ``found_inf`` the way GradScaler passes it: params, moments and
-    step counts stay untouched on a skipped step, and the host never waits. Others (SGD on
-    FSDP's DTensors, which has no fused kernel) step, then put back on the device what a
-    skipped step changed: a copy of the parameters and their state is held across the step
+    step counts stay untouched on a skipped step, and the host never waits (SGD on FSDP's
+    DTensors too: ``ShardedSGD``). Others (a device torch has no fused kernels for) step, then
+    put back on the device what a skipped step changed: a copy of the parameters and their state is held across the step
     (a transient of one sharded copy) and restored with ``torch.where``, still with no host sync.
     """
     if getattr(opt, "_step_supports_amp_scaling", False) and opt.defaults.get("fused"):
@@ -172,15 +207,13 @@ def step_unless(opt: torch.optim.Optimizer, bad: torch.Tensor) -> None:
 
 def _step_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The floating tensors a step writes (parameters and their state), local shards of DTensors."""
-    from torch.distributed.tensor import DTensor
 
     out: list[torch.Tensor] = []
     for group in opt.param_groups:
         for p in group["params"]:
             out.append(p)
             out += [v for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.is_floating_point()]
-    local = [cast(DTensor, t.detach()).to_local() if isinstance(t, DTensor) else t.detach() for t in out]
-    return local  # views of the live storage, not copies
+    return [local_shard(t.detach()) for t in out]  # views of the live storage, not copies
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

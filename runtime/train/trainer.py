@@ -53,7 +53,7 @@ from runtime.train.microbatch import (
     optimizer_state_to_come,
 )
 from runtime.train.models import build_model
-from runtime.train.parallel import apply_ddp, apply_fsdp, full_tensor
+from runtime.train.parallel import apply_ddp, apply_fsdp, full_tensor, grad_norm
 from runtime.train.reporter import Reporter, build_gauges
 from runtime.train.resume import Trainables, build_checkpointer, build_payload, restore_latest
 from runtime.train.setup import (
@@ -302,11 +302,8 @@ class Trainer:
         opt = self.trainables.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
-        if tc.clip_grad_norm is not None:
-            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_grad_norm))
-        else:  # the norm alone (the skip decision and the metric need it), no scaling pass over the grads
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            grad_norm = full_tensor(torch.nn.utils.get_total_norm(grads))
+        # The skip decision and the metric need the norm; clipping scales the gradients by it.
+        norm = grad_norm(self.model.parameters(), tc.clip_grad_norm)
         # The skip decision must be the same on every rank. After DDP's all-reduce (FSDP's
         # reduce-scatter) the grad norm is identical everywhere, and a non-finite loss makes it
         # non-finite too; local SGD steps each rank on its own gradients, so a local decision
@@ -317,7 +314,7 @@ class Trainer:
             self.scaler.step(opt)  # fused optimizers: no host sync (GradScaler passes found_inf)
             self.scaler.update()
         else:
-            finite = torch.isfinite(grad_norm)
+            finite = torch.isfinite(norm)
             if not self.grads_synced or self.averager is not None:
                 finite = finite & torch.isfinite(loss_sum)
             bad = (~finite).float()
@@ -330,7 +327,7 @@ class Trainer:
         self.trainables.scheduler.step()
         self.state.global_step += 1
         self.state.samples_seen += n * self.world
-        self.stats.add(loss_sum, correct, grad_norm, bad, n, items, self.state.global_step,
+        self.stats.add(loss_sum, correct, norm, bad, n, items, self.state.global_step,
                        tc.nonfinite.max_consecutive)
         self.stats.data_s += batches.wait_s - waited
         if self.gauges:

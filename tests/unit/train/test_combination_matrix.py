@@ -114,8 +114,8 @@ def _cell(family: str, strategy: str, cl: int, accum: int, ckpt: int, nan: int, 
 
 # Each family's DDP cell takes (accum, checkpointing, non-finite) = one of 1/0/0, 2/1/0, 2/0/1,
 # 1/1/1, and its FSDP cell the opposite of each, with channels_last on: so every pair of those
-# three settings, and each of them with either strategy, meets somewhere. SGD's unfused skip under
-# FSDP (ResNet is the SGD family) gets a planted step. Precision (last) is spread so that it meets
+# three settings, and each of them with either strategy, meets somewhere. SGD's skip on FSDP's local
+# shards (ResNet is the SGD family: ShardedSGD) gets a planted step. Precision (last) is spread so that it meets
 # every value of every other setting; both batch-norm families run FSDP with bf16 parameters.
 CELLS = [
     _cell("small_cnn", "ddp", 0, 1, 0, 0, 0), _cell("small_cnn", "fsdp", 1, 2, 1, 1, 1),
