@@ -67,9 +67,15 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
                                     cast_forward_inputs=False)
         for norm in norms:
             fully_shard(norm, reshard_after_forward=cfg.reshard_after_forward, **{**kw, "mp_policy": fp32})
-    for container, name, unit in shard_units(model):
+    units = shard_units(model)
+    if compile_mode is not None:
+        # Blocks share their class's forward, so each block shape is a recompile of one code
+        # object: with static shapes (dynamo's automatic dynamic shapes made the CPU's inductor
+        # fail on ResNet's convolutions) and room for one graph per block.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(units))
+    for container, name, unit in units:
         if compile_mode is not None:
-            unit = cast(nn.Module, torch.compile(unit, mode=compile_mode))
+            unit = cast(nn.Module, torch.compile(unit, mode=compile_mode, dynamic=False))
             container.register_module(name, unit)
         fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **kw)
     # The root is left at FSDP2's default: it stays gathered from forward into backward, since
