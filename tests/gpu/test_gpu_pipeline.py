@@ -114,6 +114,17 @@ def test_fsdp_channels_last_compiled_per_block_trains_like_eager_ddp(tmp_path: P
     assert abs(a - b) <= 0.05 * abs(a), (a, b)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("param_dtype", ["auto", "bf16"])
+def test_fsdp_with_batch_norm_trains_in_either_memory_format_and_parameter_dtype_without_host_sync(
+        tmp_path: Path, one_rank_group: None, channels_last: bool, param_dtype: str) -> None:
+    """bf16 parameters beside batch norm's fp32 statistics crashed FSDP in NCHW on an H200
+    (torch's native kernel; cuDNN's NHWC one let it pass): batch norm now stays in fp32."""
+    t, reports = _fit(tmp_path, model={"channels_last": channels_last}, precision={"dtype": "bf16"},
+                      distributed={"strategy": "fsdp", "fsdp": {"param_dtype": param_dtype}})
+    assert t.state.global_step == 24 and reports[-1]["final"] and _last(reports, "train/nonfinite_steps") == 0
+
+
 def test_evaluation_under_compile_compiles_once_despite_a_short_last_batch(tmp_path: Path) -> None:
     import torch._dynamo.utils as dynamo_utils
 
