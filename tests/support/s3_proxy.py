@@ -22,15 +22,16 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "up
 
 
 class S3Proxy:
-    """``endpoint`` forwards to ``upstream`` while up; ``down()`` refuses, ``throttle()`` answers 503."""
+    """``endpoint`` forwards to ``upstream`` while up; ``down()`` refuses, ``throttle(n)`` answers 503 n times."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlparse(upstream)
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.throttled = 0  # 503 replies served: bounded retries keep this small
+        self.throttled = 0  # 503 replies served
         self.went_down = threading.Event()  # set when a down_after_put trigger fired
-        self._throttling = False
+        self._to_throttle = 0  # requests still to answer with 503
+        self._lock = threading.Lock()
         self._refusing = False  # from a trigger until the listener is closed: accepted connections are dropped
         self._down_after: str | None = None
         self._server: ThreadingHTTPServer | None = None
@@ -38,7 +39,7 @@ class S3Proxy:
 
     def up(self) -> None:
         """Listen again on the same port (a server that came back)."""
-        self._throttling = self._refusing = False
+        self._to_throttle, self._refusing = 0, False
         if self._server is None:
             proxy = self
 
@@ -62,9 +63,19 @@ class S3Proxy:
         is sent, and no later request is answered (``went_down`` is set)."""
         self._down_after = path_suffix
 
-    def throttle(self, on: bool = True) -> None:
-        """Answer every request with ``503 SlowDown`` (without forwarding) until called with False."""
-        self._throttling = on
+    def throttle(self, replies: int) -> None:
+        """Answer the next ``replies`` requests with ``503 SlowDown`` (without forwarding), then forward
+        again: a count, not a time, so a test knows exactly how many its retries must absorb."""
+        with self._lock:
+            self._to_throttle = replies
+
+    def _take_throttle(self) -> bool:
+        with self._lock:
+            if self._to_throttle <= 0:
+                return False
+            self._to_throttle -= 1
+            self.throttled += 1
+            return True
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
@@ -92,8 +103,7 @@ class S3Proxy:
 
             def _forward(self) -> None:
                 body = self._body()
-                if proxy._throttling:
-                    proxy.throttled += 1
+                if proxy._take_throttle():
                     self.send_response(503)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(SLOWDOWN)))
