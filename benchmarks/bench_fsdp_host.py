@@ -20,8 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,9 @@ os.environ.setdefault("BENCH_GPU_BATCH", "2")
 os.environ.setdefault("BENCH_GPU_STEPS", "40")
 os.environ.setdefault("BENCH_GPU_WARMUP", "5")
 
+from benchmarks.bench_gpu import LOG_EVERY, bare, one_rank_group  # noqa: E402 (after its sizes are set)
+
+CPU = torch.device("cpu")
 ROUNDS = int(os.environ.get("BENCH_FSDP_HOST_ROUNDS", "2"))
 STEPS = (6, 16)  # the two profiled runs' lengths: their difference / 10 is per step
 SIZES = ["data.image_size=8", "data.batch_size=2", "data.num_classes=1000", "data.source=synthetic",
@@ -42,24 +44,11 @@ SIZES = ["data.image_size=8", "data.batch_size=2", "data.num_classes=1000", "dat
          "optimizer.weight_decay=0.00005"]
 
 
-@contextmanager
-def _one_rank() -> Iterator[None]:
-    import torch.distributed as dist
-
-    from runtime.cluster.processes import free_port
-
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _runtime(strategy: str, steps: int = 45) -> list[dict[str, Any]]:
     from tests.support import job
     from tests.support.trainer import train_in_process
 
-    with tempfile.TemporaryDirectory() as folder, _one_rank():
+    with tempfile.TemporaryDirectory() as folder, one_rank_group(CPU):
         cfg = job("resnet50", folder, *SIZES, f"train.max_steps={steps}", f"distributed.strategy={strategy}")
         return train_in_process(cfg, Path(folder))[1]
 
@@ -70,10 +59,7 @@ def _runtime_ms(strategy: str) -> float:
 
 
 def _bare_ms(fsdp: bool) -> float:
-    from benchmarks.bench_gpu import bare_loop
-
-    with _one_rank():
-        return 2 / bare_loop(False, torch.device("cpu"), fsdp=fsdp)["images_per_s"] * 1000
+    return 2 / bare(False, CPU, fsdp=fsdp)["images_per_s"] * 1000
 
 
 def _counts(run: Callable[[int], object]) -> dict[str, float]:
@@ -93,14 +79,7 @@ def _counts(run: Callable[[int], object]) -> dict[str, float]:
 
 
 def _bare_fsdp_steps(steps: int) -> None:
-    from benchmarks import bench_gpu
-
-    saved = bench_gpu.STEPS, bench_gpu.WARMUP
-    bench_gpu.STEPS, bench_gpu.WARMUP = bench_gpu.LOG_EVERY, steps  # one timed window after ``steps``
-    try:
-        _bare_ms(fsdp=True)
-    finally:
-        bench_gpu.STEPS, bench_gpu.WARMUP = saved
+    bare(False, CPU, fsdp=True, warmup=steps, steps=LOG_EVERY)  # one timed window after ``steps``
 
 
 def run(results_dir: Path) -> dict[str, Any]:

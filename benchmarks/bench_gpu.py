@@ -26,13 +26,15 @@ add up) and a Markdown table beside it. Without CUDA it writes a JSON that says 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,27 +67,33 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def bare(compiled: bool, device: torch.device, fsdp: bool = False, profile: Path | None = None) -> dict[str, float]:
-    """The bare loop, then its cached memory and compiled graphs given back (its locals are gone by then)."""
-    if not fsdp:
-        result = bare_loop(compiled, device)
-    else:
-        import torch.distributed as dist
+@contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A one-rank process group in this process (NCCL on a GPU, gloo on a CPU): FSDP builds its mesh on it."""
+    import torch.distributed as dist
 
-        from runtime.cluster.processes import free_port
+    from runtime.cluster.processes import free_port
 
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                                init_method=f"tcp://127.0.0.1:{free_port()}")
-        try:
-            result = bare_loop(compiled, device, fsdp=True, profile=profile)
-        finally:
-            dist.destroy_process_group()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def bare(compiled: bool, device: torch.device, fsdp: bool = False, profile: Path | None = None,
+         **sizes: int) -> dict[str, float]:
+    """The bare loop (``sizes``: its ``warmup``/``steps``), then its cached memory and compiled graphs
+    given back (its locals are gone by then)."""
+    with one_rank_group(device) if fsdp else contextlib.nullcontext():
+        result = bare_loop(compiled, device, fsdp=fsdp, profile=profile, **sizes)
     _release(device)
     return result
 
 
-def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False,
-              profile: Path | None = None) -> dict[str, float]:
+def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False, profile: Path | None = None, *,
+              warmup: int = WARMUP, steps: int = STEPS) -> dict[str, float]:
     """The baseline a user would write: data made once on the device, autocast, fused SGD.
 
     ``fsdp``: the same loop with the runtime's ``apply_fsdp`` on a one-rank group and torch's
@@ -120,12 +128,12 @@ def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False,
         opt.zero_grad(set_to_none=True)
 
     t0 = time.perf_counter()
-    for _ in range(WARMUP):
+    for _ in range(warmup):
         step()
     _sync(device)
     warm = time.perf_counter() - t0
     windows = []
-    for _ in range(max(1, STEPS // LOG_EVERY)):
+    for _ in range(max(1, steps // LOG_EVERY)):
         _sync(device)
         t = time.perf_counter()
         for _ in range(LOG_EVERY):
@@ -245,8 +253,9 @@ FSDP_VARIANTS = {
 
 
 def part_fsdp(device: torch.device, storage: str, use_gpu: bool, results_dir: Path) -> dict[str, Any]:
-    name = torch.cuda.get_device_name(device).replace(" ", "_") if use_gpu else "cpu"
-    profile = results_dir / "gpu" / f"{name}_fsdp_profile.txt"
+    # Beside the device's JSON in the tracked gpu/ folder; a CPU plumbing run's stays out of it.
+    profile = (results_dir / "gpu" / f"{torch.cuda.get_device_name(device).replace(' ', '_')}_fsdp_profile.txt"
+               if use_gpu else results_dir / "cpu_fsdp_profile.txt")
     variants: dict[str, Callable[[], dict[str, float]]] = {
         "bare_eager": lambda: bare(False, device),
         "bare_fsdp": lambda: bare(False, device, fsdp=True, profile=profile),

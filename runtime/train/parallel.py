@@ -112,7 +112,7 @@ def grad_norm(params: Iterable[nn.Parameter], max_norm: float | None = None) -> 
     if not sharded:
         norm = torch.nn.utils.get_total_norm(grads)
     elif len(sharded) == len(grads) and all(pl.is_shard() for g in sharded for pl in g.placements):
-        norm = torch.nn.utils.get_total_norm([g.to_local() for g in sharded])
+        norm = torch.nn.utils.get_total_norm([local_shard(g) for g in sharded])
         mesh = sharded[0].device_mesh
         if mesh.size() > 1:
             square = norm.square()

@@ -207,7 +207,6 @@ def step_unless(opt: torch.optim.Optimizer, bad: torch.Tensor) -> None:
 
 def _step_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The floating tensors a step writes (parameters and their state), local shards of DTensors."""
-
     out: list[torch.Tensor] = []
     for group in opt.param_groups:
         for p in group["params"]:
