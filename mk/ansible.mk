@@ -11,9 +11,9 @@ export ANSIBLE_CONFIG := $(ANSIBLE_DIR)/ansible.cfg
 
 ##@ Operations (Ansible)
 
-$(OPS_STAMP): $(ROOT)/requirements/ops.txt
+$(OPS_STAMP): $(ROOT)/requirements/ops.txt | $(UV)
 	$(call venv_create,$(OPS_VENV))
-	$(OPS_BIN)/pip install --quiet -r $(ROOT)/requirements/ops.txt
+	$(call uv_install,$(OPS_VENV),-r $(ROOT)/requirements/ops.txt)
 	@touch $@
 
 .PHONY: ops-setup

@@ -18,15 +18,15 @@ TERRAFORM     ?= terraform
 AWS_INVENTORY := $(ROOT)/ansible/inventories/aws/hosts.yml
 ANSIBLE_PLAYBOOK ?= $(OPS_VENV)/bin/ansible-playbook
 
-$(TF_STAMP): $(ROOT)/requirements/terraform.txt
+$(TF_STAMP): $(ROOT)/requirements/terraform.txt | $(UV)
 	$(call venv_create,$(TF_VENV))
-	@$(TF_VENV)/bin/pip install -q --disable-pip-version-check -r $(ROOT)/requirements/terraform.txt 2>&1 | grep -v "^WARNING: Location" || true
+	@$(call uv_install,$(TF_VENV),-r $(ROOT)/requirements/terraform.txt)
 	@$(TF) version | head -n1
 	@touch $@
 
-$(CHECKOV_STAMP): $(ROOT)/requirements/checkov.txt
+$(CHECKOV_STAMP): $(ROOT)/requirements/checkov.txt | $(UV)
 	$(call venv_create,$(CHECKOV_VENV))
-	@$(CHECKOV_VENV)/bin/pip install -q --disable-pip-version-check -r $(ROOT)/requirements/checkov.txt 2>&1 | grep -v "^WARNING: Location" || true
+	@$(call uv_install,$(CHECKOV_VENV),-r $(ROOT)/requirements/checkov.txt)
 	@echo "checkov $$($(CHECKOV) --version)"
 	@touch $@
 
