@@ -2,7 +2,9 @@
 
 The golden image and the offline apt repository / wheelhouse are cached under
 .cache/hosts/; the lab itself (netns, nodes, overlays) is torn down in the
-fixture's finalizer whatever the tests did.
+fixture's finalizer whatever the tests did, and also when the run is stopped:
+SIGTERM and SIGHUP (a CI timeout, a killed make) and SIGINT (which a shell leaves
+ignored for a command it started in the background) interrupt it as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +34,9 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("nspawn lab timings")
         for key, seconds in TIMINGS.items():
             terminalreporter.write_line(f"{key:<40} {seconds:7.1f} s")
+        # For `make bench BENCH=selfheal` (benchmarks/bench_selfheal.py), which reads them back.
+        if os.environ.get("LAB_TIMINGS_JSON"):
+            Path(os.environ["LAB_TIMINGS_JSON"]).write_text(json.dumps(TIMINGS, indent=1))
 
 
 class Ansible:
@@ -63,11 +69,18 @@ def recap(stdout: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
 @pytest.fixture(scope="session")
 def lab():
     reason = labmod.can_run_nspawn()
     if reason:
         pytest.skip(f"nspawn test hosts cannot run on this machine: {reason}")
+    # A stopped run still reaches the finalizer below: nodes left running hold the lab's mounts and netns.
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, _interrupt)
     t0 = time.monotonic()
     image = labmod.build_image()
     TIMINGS["golden image (build or cache hit)"] = time.monotonic() - t0
