@@ -413,6 +413,11 @@ class CheckpointConfig(Strict):
     keep: int = Field(3, ge=1, description="Valid checkpoints kept; the newest valid one is never deleted.")
     max_failures: int = Field(3, ge=-1, description="Worker-group restarts Ray may do; -1 = unlimited.")
     on_failure: Literal["continue", "stop"] = Field("continue", description="When a save fails.")
+    on_node_drain: Literal["checkpoint", "ignore"] = Field(
+        "checkpoint",
+        description="When Ray drains a node of the run (a spot notice, the remediation service): checkpoint = commit "
+                    "at the next boundary and train no step the restart would redo, until Ray restarts the group on "
+                    "the other nodes at the drain's deadline; ignore = train on, lose what the last commit missed.")
     enabled: bool = True
 
     @field_validator("storage")

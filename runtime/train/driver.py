@@ -39,6 +39,7 @@ from runtime.run import PREEMPT_FILE, Resized, RunInfo, TrainOutcome, WorkerGrou
 from runtime.train.elastic import record_resize, resize_line
 from runtime.train.spares import wanted as spares_wanted
 from runtime.train.spares import worker_runtime_env
+from runtime.train.stop_policy import watches_drains
 from runtime.train.timeline import PhaseClock
 from runtime.train.worker import run_rank, train_loop_per_worker
 
@@ -156,10 +157,9 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
                                    "worker_resources": resources if d.is_elastic else None}
     # Read by TorchTrainer.fit() here and handed to its controller (Ray propagates RAY_TRAIN_* settings).
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
-    # Ray Train's preemption watcher serves ray.train.get_preemption_info, which the loop does not use
-    # (a SIGTERM to the driver is our preemption path); without it, no actor per run and no
-    # `core_worker.cc ... PreemptionWatcher` error line on every start.
-    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    # Ray Train's preemption watcher (an actor per worker group) serves ray.train.get_preemption_info:
+    # the drain notices of checkpoint.on_node_drain. Off, no actor per run.
+    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "1" if watches_drains(cfg) else "0"
     if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
         storage_path = storage_path.removeprefix("s3://")
     # The controller's side of every worker-group restart, for the timeline of where its seconds go.

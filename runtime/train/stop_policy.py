@@ -1,6 +1,7 @@
 """When training ends: its length (max steps, epochs), the non-finite policy, preemption, stop
 requests (a failed save with ``checkpoint.on_failure=stop``, the process's ``cancel``) and the
 cost rules (``cost.budget_usd``, ``cost.pause_above_usd_per_hour``: rank 0's ``CostWatch``, docs/cost.md).
+Also when training pauses: a node of the run being drained (``checkpoint.on_node_drain``, ``check_drain``).
 
 The loop asks ``done`` before every step and ``stopping`` after every boundary; the ranks only
 stop together, because ``agree`` reads what all of them exchanged at the same step.
@@ -13,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from runtime.config.schema import CostConfig, JobConfig, NonFiniteConfig, TrainConfig
 from runtime.errors import ConfigError
@@ -23,6 +25,12 @@ from runtime.train.state import TrainState
 from runtime.train.stats import Boundary
 
 CANCELLED = "cancelled"  # the stop reason of a rank its process cancelled (StopPolicy.check_cancel)
+
+
+def watches_drains(cfg: JobConfig) -> bool:
+    """A Ray Train run of this job asks Ray for drain notices (Ray Train's preemption watcher: one
+    actor per worker group, and a barrier per boundary, ``StopPolicy.check_drain``)."""
+    return cfg.checkpoint.enabled and cfg.checkpoint.on_node_drain == "checkpoint"
 
 
 def total_steps(tc: TrainConfig, batches_per_epoch: int) -> int:
@@ -106,7 +114,8 @@ class StopPolicy:
     """Decides when this rank's loop ends, and why (rank 0's reason is the one reported)."""
 
     def __init__(self, tc: TrainConfig, total: int, run_dir: str, cost: CostWatch | None = None, *,
-                 checkpoint_at: Sequence[int] = (), cancel: threading.Event | None = None) -> None:
+                 checkpoint_at: Sequence[int] = (), cancel: threading.Event | None = None,
+                 drain_notice: Callable[[], Any] | None = None) -> None:
         check_step_lists(tc, checkpoint_at, total)  # the first place the run's length is known
         self.total_steps = total
         self.epochs = tc.epochs
@@ -116,6 +125,8 @@ class StopPolicy:
         self.cancel = cancel  # set by the process running this rank: a Tune trial its scheduler stopped
         self.reason: str | None = None  # why this rank wants to stop
         self.stopping = False  # all ranks agreed to stop (set only by agree, so at the same step)
+        self.drain_notice = drain_notice  # ray.train.get_preemption_info under Ray Train with drains watched
+        self.drain: Any = None  # Ray's PreemptionInfo once a node of the run is being drained
 
     def done(self, state: TrainState) -> bool:
         """The run has trained its length."""
@@ -124,6 +135,12 @@ class StopPolicy:
     def preempted(self) -> bool:
         """The driver (on SIGTERM) or an operator drops a marker file: checkpoint now and stop."""
         return os.path.exists(self.marker)
+
+    def check_drain(self) -> None:
+        """Every rank, at every boundary until a drain is seen: Ray's call is a barrier that hands all
+        ranks rank 0's view, so they see the drain at the same step and call it equally often."""
+        if self.drain_notice is not None and self.drain is None:
+            self.drain = self.drain_notice()
 
     def check_cost(self) -> None:
         """Rank 0, at every boundary before its flags are exchanged: a stop the cost rules ask for

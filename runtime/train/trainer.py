@@ -72,7 +72,7 @@ from runtime.train.setup import (
 )
 from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats
-from runtime.train.stop_policy import StopPolicy, build_cost_watch, total_steps
+from runtime.train.stop_policy import StopPolicy, build_cost_watch, total_steps, watches_drains
 from runtime.train.timeline import worker_timeline
 
 log = logging.getLogger("runtime.train")
@@ -153,7 +153,9 @@ class Trainer:
                                  report_fn or ray.train.report, report_all=not self.in_ray)
         # The components: each decides its own cadence; fit asks them after every step.
         self.stop = StopPolicy(tc, self.total_steps, run.run_dir, build_cost_watch(cfg, run, self.rank, self.world),
-                               checkpoint_at=cfg.checkpoint.at_steps, cancel=cancel)
+                               checkpoint_at=cfg.checkpoint.at_steps, cancel=cancel,
+                               drain_notice=ray.train.get_preemption_info if self.in_ray and watches_drains(cfg)
+                               else None)
         self.checkpointer = Checkpointer(
             self.checkpoints, cfg, run, rank=self.rank, world=self.world, distributed=self.distributed,
             sharded=self.is_fsdp, device=self.device, classes=bundle.classes, gauges=self.gauges,
@@ -243,6 +245,8 @@ class Trainer:
             b = self.exchange(want_metrics=log_step or evaluate or commit)
             if b.preempt:
                 return self._preempted(extra, saved=commit)
+            if self.stop.drain is not None:
+                return self._drained(extra, saved=commit)
             if save:
                 self._timed(self.checkpointer.save, step)
             if b.metrics:  # a commit waits for the next report: it stays unregistered until then
@@ -271,6 +275,24 @@ class Trainer:
         final = self.exchange(want_metrics=True)
         self.report(final, {**extra, "preempted": True}, final=True)
         self.stop.request("preempted")
+
+    def _drained(self, extra: dict[str, Any], saved: bool) -> None:
+        """A node of the run is being drained: commit this step (unless just done), report it, then
+        train nothing the restart would redo. Never returns (a rank that returns ends the run):
+        Ray tears the group down at the drain's deadline and restarts it on the nodes left, from
+        this commit, under its preemption budget rather than ``checkpoint.max_failures``."""
+        step = self.state.global_step
+        if not saved:
+            self.checkpointer.save(step, blocking=True)
+        info = self.stop.drain
+        left = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else None
+        self.metrics.once["notices"] = [
+            f"node {', '.join(n[:8] for n in info.preempted_node_ids)} is being drained"
+            + (f" ({left:.0f} s to its deadline)" if left is not None else "")
+            + f": checkpoint committed at step {step}; waiting for Ray to restart the run on the other nodes"]
+        self.report(self.exchange(want_metrics=True), {**extra, "drained_at_step": step}, announce=True)
+        while True:
+            time.sleep(1.0)
 
     def _finish(self) -> None:
         """End of training: evaluate, commit a final checkpoint, report with it."""
@@ -432,6 +454,7 @@ class Trainer:
 
     def exchange(self, want_metrics: bool) -> Boundary:
         """All ranks at the same step: agree on rank 0's flags, read the window (one sync)."""
+        self.stop.check_drain()  # every rank: Ray's call is a barrier
         flags = (False, False, False)
         if self.rank == 0:
             self.stop.check_cost()

@@ -277,9 +277,6 @@ class TrialRun:
         tracker = Tracker.for_job(self.cfg, self.run_name, parent_run_id=self.ctx.parent_run_id,
                                   extra_tags={"tune.trial_id": self.trial_id, "tune.search": self.ctx.search_name})
         self.mlflow_run_id = tracker.run_id if tracker else ""
-        # Ray Train's preemption watcher is one more actor process per run, for an API
-        # (ray.train.get_preemption_info) the loop does not use: a trial's start-up is cheaper without.
-        os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
         self.runner = "process" if runs_in_process(self.cfg) else "train"
         fit = InProcessFit if self.runner == "process" else StreamingFit
         fitting = fit(self.cfg, self.run_name, mlflow_run_id=tracker.run_id if tracker else None,

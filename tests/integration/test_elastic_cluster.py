@@ -9,6 +9,7 @@ pace and the run cannot end before the resizes it checks.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,3 +151,44 @@ def test_a_run_whose_min_workers_never_fit_fails_with_a_message_after_min_wait(s
     took = time.monotonic() - started
     assert fit.error is not None and took < 90, (fit.error, took)
     assert "distributed.elastic.min_wait_s" in str(fit.error) and "min=4" in str(fit.error)
+
+
+def test_a_drained_node_gets_a_commit_at_the_notice_and_the_run_goes_on_without_it_redoing_no_step(
+    slots: Path, storage: str
+) -> None:
+    from ops.remediation.actions import RayDrainer
+
+    # max_failures=0: a restart charged as a failure would end the run; a drain's is Ray's preemption budget's.
+    cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers={min: 1, max: 3}", "train.max_steps=70",
+              "checkpoint.max_failures=0")
+    fit = StreamingFit(cfg, "drained", lockstep=True)
+    history: list[dict[str, Any]] = []
+    drained_at = 0.0
+    shrunk_after_s = None
+    for item in fit.reports():
+        history.append(item)
+        if not drained_at and item.get("world_size") == 3 and item.get("step", 0) >= 15:
+            victim = max((n for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT)),
+                         key=lambda n: n["MetricsExportPort"])
+            # What the spot agent and the remediation service do: Ray's drain, with the notice's deadline.
+            RayDrainer(os.environ["RAY_ADDRESS"], deadline_s=8, wait_s=0).drain(
+                f"{victim['NodeManagerAddress']}:{victim['MetricsExportPort']}")
+            drained_at = time.monotonic()
+        elif drained_at and not any("drained_at_step" in h for h in history):
+            time.sleep(0.25)  # Ray's watcher polls the drains every 5 s: the run must not end first
+        elif shrunk_after_s is None and len(history) > 1 and "drained_at_step" in history[-2]:
+            shrunk_after_s = time.monotonic() - drained_at
+    assert fit.error is None, fit.error
+
+    notice = next(h for h in history if "drained_at_step" in h)
+    step = notice["drained_at_step"]
+    assert notice["world_size"] == 3 and notice["checkpoint_step"] == step, notice
+    assert any("is being drained" in line and f"step {step}" in line for line in notice["notices"]), notice
+    after = history[history.index(notice) + 1:]
+    # The next group trains on the two nodes left, from the drain's commit: no step trained twice.
+    assert after[0]["world_size"] == 2 and after[0]["resumed_from_step"] == step, after[:2]
+    # Past the drain's 8-s deadline (Ray restarts the group then), within a restart's time on a busy machine.
+    assert shrunk_after_s is not None and 8 < shrunk_after_s < 90, shrunk_after_s
+    assert [h["step"] for h in after if not h["final"]] == list(range(step + 1, 71)), [h["step"] for h in after]
+    assert all(h["samples_seen"] == h["step"] * GLOBAL_BATCH for h in history if "samples_seen" in h)
+    assert history[-1]["final"] and history[-1]["step"] == 70

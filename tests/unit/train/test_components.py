@@ -20,7 +20,7 @@ from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import MicroBatcher
 from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats
-from runtime.train.stop_policy import CANCELLED, StopPolicy, total_steps
+from runtime.train.stop_policy import CANCELLED, StopPolicy, total_steps, watches_drains
 from tests.support import job_config
 
 CPU = torch.device("cpu")
@@ -58,6 +58,24 @@ def test_stop_policy_sees_the_preemption_marker(tmp_path: Path) -> None:
     assert not stop.preempted()
     (tmp_path / PREEMPT_FILE).write_text("")
     assert stop.preempted()
+
+
+def test_stop_policy_asks_for_drains_at_every_boundary_until_one_is_seen_then_never_again(tmp_path: Path) -> None:
+    # Ray's get_preemption_info is a barrier: every rank must call it equally often. Each rank gets rank 0's
+    # answer, so asking until the first answer and then never again keeps the ranks' counts equal.
+    answers = iter([None, None, "drain of node a", "not asked"])
+    calls: list[int] = []
+
+    def notice() -> str | None:
+        calls.append(1)
+        return next(answers)
+
+    stop = StopPolicy(_cfg().train, 10, str(tmp_path), drain_notice=notice)
+    for _ in range(5):
+        stop.check_drain()
+    assert stop.drain == "drain of node a" and len(calls) == 3
+    assert watches_drains(_cfg()) and not watches_drains(_cfg(checkpoint={"on_node_drain": "ignore"}))
+    assert not watches_drains(_cfg(checkpoint={"enabled": False}))
 
 
 def test_nonfinite_stop_policy_names_where_the_limit_was_crossed(tmp_path: Path) -> None:
