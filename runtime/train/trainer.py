@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import ray.train
 import torch
@@ -246,7 +246,7 @@ class Trainer:
             if b.preempt:
                 return self._preempted(extra, saved=commit)
             if self.stop.drain is not None:
-                return self._drained(extra, saved=commit)
+                self._drained(extra, saved=commit)
             if save:
                 self._timed(self.checkpointer.save, step)
             if b.metrics:  # a commit waits for the next report: it stays unregistered until then
@@ -276,7 +276,7 @@ class Trainer:
         self.report(final, {**extra, "preempted": True}, final=True)
         self.stop.request("preempted")
 
-    def _drained(self, extra: dict[str, Any], saved: bool) -> None:
+    def _drained(self, extra: dict[str, Any], saved: bool) -> NoReturn:
         """A node of the run is being drained: commit this step (unless just done), report it, then
         train nothing the restart would redo. Never returns (a rank that returns ends the run):
         Ray tears the group down at the drain's deadline and restarts it on the nodes left, from
