@@ -113,7 +113,7 @@ test-cpu: ## make test under process accounting (root; Debian's acct): CPU minut
 	@mkdir -p .cache && : > .cache/test.pacct && accton $(CURDIR)/.cache/test.pacct >/dev/null
 	@$(MAKE) --no-print-directory test; rc=$$?; accton off >/dev/null; \
 	  echo "CPU by command (calls, %, real min, CPU min; processes still running at the end are not counted):"; \
-	  sa -f .cache/test.pacct -a -c | head -30; exit $$rc
+	  sa -f .cache/test.pacct -a -c | sed -n 1,30p; exit $$rc
 
 .PHONY: test-suites
 test-suites: setup prometheus-tools test-python side-suites
