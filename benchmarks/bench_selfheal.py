@@ -52,20 +52,15 @@ def _round(results_dir: Path, index: int) -> dict[str, float]:
     return json.loads(timings.read_text())
 
 
-def run(results_dir: Path) -> dict[str, Any]:
-    reason = _lab_reason()
-    if reason:
-        msg = f"skipped: the nspawn test hosts cannot run here ({reason})"
-        print(msg)
-        return {"skipped": msg}
-    rounds = int(os.environ.get("SELFHEAL_ROUNDS", "1"))
-    result: dict[str, Any] = {"description": __doc__.split("\n\n")[0], "rounds": rounds}
-    samples = [_round(results_dir, i) for i in range(rounds)]
+def summarise(samples: list[dict[str, float]]) -> dict[str, Any]:
+    """Each round's lab timings -> per fault and figure: the values, their median, the goal met."""
+    result: dict[str, Any] = {"rounds": len(samples)}
     for short, label in SCENARIOS.items():
         for key, figure in FIGURES.items():
-            values = [s[f"selfheal {label}: {figure}"] for s in samples if f"selfheal {label}: {figure}" in s]
-            if not values:
-                raise RuntimeError(f"no figure {label!r}: {figure!r} in the lab timings")
+            name = f"selfheal {label}: {figure}"
+            values = [s[name] for s in samples if name in s]
+            if len(values) != len(samples):
+                raise RuntimeError(f"{len(samples) - len(values)} round(s) have no {name!r} in the lab timings")
             result[f"{short}_{key}"] = values
             result[f"{short}_{key}_median"] = statistics.median(values)
             if key in GOALS:
@@ -75,3 +70,14 @@ def run(results_dir: Path) -> dict[str, Any]:
     result["spot_notice_to_checkpoint_s_median"] = statistics.median(jit)
     result["lab"] = samples
     return result
+
+
+def run(results_dir: Path) -> dict[str, Any]:
+    reason = _lab_reason()
+    if reason:
+        msg = f"skipped: the nspawn test hosts cannot run here ({reason})"
+        print(msg)
+        return {"skipped": msg}
+    rounds = int(os.environ.get("SELFHEAL_ROUNDS", "1"))
+    samples = [_round(results_dir, i) for i in range(rounds)]
+    return {"description": (__doc__ or "").split("\n\n")[0], **summarise(samples)}

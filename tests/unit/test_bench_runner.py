@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_recovery import pair_recoveries
+from benchmarks.bench_selfheal import summarise
 from benchmarks.run import headline, main, plot_result
 
 
@@ -37,3 +38,24 @@ def test_unknown_benchmark_names_the_available_ones_and_exits_2(capsys: pytest.C
     assert main(["no_such_bench"]) == 2
     err = capsys.readouterr().err
     assert "no_such_bench" in err and "recovery" in err and "runtime_overhead" in err
+
+
+def test_selfheal_summary_has_each_faults_medians_and_goals_and_names_a_missing_figure() -> None:
+    # Two rounds' timings under the names tests/hosts/test_selfheal.py prints (fa21053's CI run, then a slower one).
+    def lab(fewer_a: float, full_a: float, fewer_c: float) -> dict[str, float]:
+        figures = {"fault -> fewer workers (s)": fewer_a, "fault -> full size (s)": full_a,
+                   "replace_node.yml (s)": 80.0, "steps redone at the shrink": 3.0, "steps redone at the growth": 5.0}
+        out = {f"selfheal (a) worker host lost: {k}": v for k, v in figures.items()}
+        out |= {f"selfheal (c) spot notice: {k}": v for k, v in {**figures, "fault -> fewer workers (s)": fewer_c,
+                                                                "steps redone at the shrink": 0.0}.items()}
+        out["selfheal (c) spot notice: notice -> just-in-time checkpoint (s)"] = 4.3
+        return out
+
+    result = summarise([lab(44.7, 248.4, 57.6), lab(72.2, 189.4, 86.4)])
+    assert result["lost_fewer_s"] == [44.7, 72.2] and result["lost_fewer_s_median"] == pytest.approx(58.45)
+    assert result["lost_fewer_s_goal_met"] is False and result["lost_full_s_goal_met"] is True
+    assert result["spot_redone_shrink_median"] == 0.0 and result["rounds"] == 2
+    broken = lab(1, 2, 3)
+    del broken["selfheal (c) spot notice: fault -> full size (s)"]
+    with pytest.raises(RuntimeError, match="1 round.*spot notice: fault -> full size"):
+        summarise([lab(1, 2, 3), broken])
