@@ -332,10 +332,11 @@ def suspect_ratios(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The table docs/performance.md shows: one row per variant."""
+    """The table docs/performance.md shows: one row per variant, each part with its own round count
+    (parts of one JSON may come from calls with different ``BENCH_GPU_ROUNDS``)."""
     gb = 1 << 30
     lines = [f"GPU benchmarks on {result['device']} (torch {result['torch']}, CUDA {result['cuda']}), "
-             f"median of {ROUNDS} interleaved rounds.", "",
+             "medians of interleaved rounds.", "",
              "| part | variant | rate | peak memory | ratio |", "|---|---|---|---|---|"]
     for part in PARTS:
         body = result.get(part)
@@ -344,12 +345,14 @@ def markdown(result: dict[str, Any]) -> str:
         rates = body.get("images_per_s_median") or body.get("tokens_per_s_median") or {}
         unit = "tokens/s" if "tokens_per_s_median" in body else "img/s"
         ratios = ", ".join(f"{k} {v}" for k, v in body.get("ratio", {}).items())
+        n = len(next(iter(body.get("rounds", {}).values()), []))
+        label = f"{part} ({n} round{'s' * (n != 1)})" if n else part
         for i, (name, value) in enumerate(rates.items()):
             mem = body.get("peak_memory_bytes", {}).get(name, 0.0) / gb
             mfu = (body.get("mfu_median") or {}).get(name)
             extra = f" (MFU {mfu:.1%})" if mfu else ""
-            ratio = ratios if i == 0 else ""
-            lines.append(f"| {part} | {name} | {value:,.0f} {unit}{extra} | {mem:.1f} GB | {ratio} |")
+            first, ratio = (label, ratios) if i == 0 else ("", "")
+            lines.append(f"| {first} | {name} | {value:,.0f} {unit}{extra} | {mem:.1f} GB | {ratio} |")
     for warning in result.get("suspect", []):
         lines.append(f"\n**Suspect:** {warning}")
     return "\n".join(lines) + "\n"
