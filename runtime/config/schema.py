@@ -416,8 +416,9 @@ class CheckpointConfig(Strict):
     on_node_drain: Literal["checkpoint", "ignore"] = Field(
         "checkpoint",
         description="When Ray drains a node of the run (a spot notice, the remediation service): checkpoint = commit "
-                    "at the next boundary and train no step the restart would redo, until Ray restarts the group on "
-                    "the other nodes at the drain's deadline; ignore = train on, lose what the last commit missed.")
+                    "at the next boundary, train no step the restart would redo and give the node back to Ray (unless "
+                    "another job runs there), so that Ray restarts the group on the other nodes at once rather than "
+                    "at the drain's deadline; ignore = train on, lose what the last commit missed.")
     enabled: bool = True
 
     @field_validator("storage")

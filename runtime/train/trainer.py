@@ -39,6 +39,7 @@ from runtime.config import JobConfig
 from runtime.data import DEVICE_RESIDENT, build_loaders
 from runtime.errors import ConfigError
 from runtime.run import RunInfo
+from runtime.train import drain
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import DevicePrefetcher, host_batches, make_stage
 from runtime.train.evaluator import Evaluator
@@ -277,19 +278,20 @@ class Trainer:
         self.stop.request("preempted")
 
     def _drained(self, extra: dict[str, Any], saved: bool) -> NoReturn:
-        """A node of the run is being drained: commit this step (unless just done), report it, then
-        train nothing the restart would redo. Never returns (a rank that returns ends the run):
-        Ray tears the group down at the drain's deadline and restarts it on the nodes left, from
-        this commit, under its preemption budget rather than ``checkpoint.max_failures``."""
+        """A node of the run is being drained: commit this step (unless just done), report it, give
+        the node back to Ray (rank 0, ``drain.release``), then train nothing the restart would redo.
+        Never returns (a rank that returns ends the run): Ray tears the group down at the drain's
+        deadline, now a few seconds away, and restarts it on the nodes left, from this commit, under
+        its preemption budget rather than ``checkpoint.max_failures``."""
         step = self.state.global_step
         if not saved:
             self.checkpointer.save(step, blocking=True)
         info = self.stop.drain
-        left = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else None
-        self.metrics.once["notices"] = [
-            f"node {', '.join(n[:8] for n in info.preempted_node_ids)} is being drained"
-            + (f" ({left:.0f} s to its deadline)" if left is not None else "")
-            + f": checkpoint committed at step {step}; waiting for Ray to restart the run on the other nodes"]
+        if self.rank == 0:
+            # Room for the report below to reach the driver and Ray Train before the teardown.
+            released, why = drain.release(info.preempted_node_ids, 2 * self.cfg.distributed.poll_interval_s + 1)
+            left = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else None
+            self.metrics.once["notices"] = [drain.notice(info.preempted_node_ids, step, bool(released), why, left)]
         self.report(self.exchange(want_metrics=True), {**extra, "drained_at_step": step}, announce=True)
         while True:
             time.sleep(1.0)

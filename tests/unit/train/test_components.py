@@ -13,6 +13,7 @@ from torch import nn
 from runtime.checkpoint import CheckpointError, CheckpointManager
 from runtime.config import JobConfig
 from runtime.run import PREEMPT_FILE, RunInfo
+from runtime.train import drain
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import Position
 from runtime.train.evaluator import Evaluator
@@ -76,6 +77,16 @@ def test_stop_policy_asks_for_drains_at_every_boundary_until_one_is_seen_then_ne
     assert stop.drain == "drain of node a" and len(calls) == 3
     assert watches_drains(_cfg()) and not watches_drains(_cfg(checkpoint={"on_node_drain": "ignore"}))
     assert not watches_drains(_cfg(checkpoint={"enabled": False}))
+
+
+def test_a_drain_notice_says_whether_the_node_was_given_back_or_why_the_run_waits_for_the_deadline() -> None:
+    node = "5f2c9a01" + "0" * 48
+    assert drain.notice([node], 30, True, "", 117.6) == (
+        "node 5f2c9a01 is being drained: checkpoint committed at step 30; "
+        "node released: Ray restarts the run on the other nodes now")
+    waits = drain.notice([node], 30, False, "node 5f2c9a01 also runs job(s) 02000000", 117.6)
+    assert waits.endswith("waiting for Ray to restart the run on the other nodes at the deadline (118 s): "
+                          "node 5f2c9a01 also runs job(s) 02000000"), waits
 
 
 def test_nonfinite_stop_policy_names_where_the_limit_was_crossed(tmp_path: Path) -> None:
