@@ -9,7 +9,8 @@ runtime's elastic callback is used as is: the test puts a copy of runtime/ on PY
 
 Rank 0 appends one JSON line per event to SHARED_DIR/progress.jsonl (the controller reads it,
 the nodes share one clock with it): `start` (world size, the step resumed from), `step`,
-`checkpoint` (`preempted` when it is the just-in-time one of a drain notice). The run ends at
+`checkpoint` (`preempted` when it is the just-in-time one of a drain notice), `released` (rank 0
+gave the drained node back to Ray after that checkpoint: runtime/train/drain.py). The run ends at
 the step written in SHARED_DIR/finish_at (the test writes it once the faults are done).
 
 Checkpoints are resumed as the runtime resumes them (docs/checkpoints.md, "Newest in storage
@@ -106,7 +107,8 @@ def train_loop(config: dict[str, Any]) -> None:
         step += 1
         record("step")
         # A barrier across ranks: every rank learns of a drain notice (a spot reclaim) at the same step.
-        preempted = ray.train.get_preemption_info() is not None
+        notice = ray.train.get_preemption_info()
+        preempted = notice is not None
         if step % CHECKPOINT_INTERVAL == 0 or preempted:
             if rank == 0:
                 _save(checkpoints, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
@@ -114,8 +116,14 @@ def train_loop(config: dict[str, Any]) -> None:
             ray.train.report({"step": step, "loss": float(loss)})  # every rank past the save together
             record("checkpoint", preempted=preempted)
         if preempted:
-            # Nothing trained after the just-in-time checkpoint is lost: wait for Ray Train to restart
-            # the group without the drained node at the notice's deadline.
+            # Nothing trained after the just-in-time checkpoint is lost: give the node back to Ray (the
+            # drain's deadline a few seconds away, as the runtime's trainer does) and wait for Ray Train
+            # to restart the group without it.
+            if rank == 0:
+                from runtime.train.drain import release
+
+                released, why = release(notice.preempted_node_ids, grace_s=2.0)
+                record("released", nodes=released, why=why)
             record("waiting_for_preemption")
             while True:
                 time.sleep(1)

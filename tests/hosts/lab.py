@@ -360,8 +360,13 @@ class Lab:
             "[Match]\nName=host0\n\n[Network]\n"
             f"Address={address}/24\nAddress={self.public_subnet}.{10 + index}/24\n"
             f"Gateway={self.controller_address}\n")
-        hosts = ["127.0.0.1 localhost", f"{address} {name}"]
+        # The lab's names, as a cloud's DNS would give them, and a resolver that answers at once:
+        # the image's (this machine's, unreachable from the lab) made every lookup a name or an
+        # address has no line for wait 10 s (gloo's process group set-up waited 10-20 s per restart).
+        hosts = ["127.0.0.1 localhost", *(f"{self.subnet}.{10 + i} {n}" for n, i in {**TOPOLOGY, name: index}.items())]
         (m / "etc/hosts").write_text("\n".join(hosts) + "\n")
+        (m / "etc/resolv.conf").unlink(missing_ok=True)  # may be a symlink: never write through it
+        (m / "etc/resolv.conf").write_text("nameserver 127.0.0.1\n")  # nothing listens: refused at once
         ssh_dir = m / "root/.ssh"
         ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.copy(self.ssh_key().with_suffix(".pub"), ssh_dir / "authorized_keys")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -205,14 +206,30 @@ def _unit_started(host: Any, unit: str) -> str:
     return str(host.check_output(f"systemctl show {unit} -p ActiveEnterTimestampMonotonic --value"))
 
 
-def _recover(lab: labmod.Lab, run: Run, service: Service, node: str, fault_t: float, label: str) -> dict[str, float]:
+def _declared_dead(head: Any, address: str, after: float) -> float | None:
+    """When the head's GCS marked the node at `address` dead after `after` (time.time()), from Ray's node table."""
+    filters = [("node_ip", "=", address), ("state", "=", "DEAD")]
+    program = ("import json; from ray.util.state import list_nodes; "
+               f"nodes = list_nodes(detail=True, filters={filters!r}, raise_on_missing_output=False); "
+               "print(json.dumps([n.end_time_ms for n in nodes]))")
+    out = head.check_output(f"{WITH_AUTH} /opt/ray/venv/bin/python -c {shlex.quote(program)}")
+    ends = [ms / 1000 for ms in json.loads(out.splitlines()[-1]) if ms and ms / 1000 > after]
+    return min(ends) if ends else None
+
+
+def _recover(lab: labmod.Lab, run: Run, service: Service, node: str, fault_t: float, label: str,
+             head: Any) -> dict[str, float]:
     """Wait for shrink, replacement and growth after a fault at `fault_t` (time.time()); return the figures."""
     shrunk = wait_for(f"the run training on 1 worker after {label}", lambda: run.first_step(fault_t, world=1), 300)
+    # Ray's part of the shrink (its GCS health checks' verdict) apart from Ray Train's restart.
+    dead = wait_for(f"Ray's node table to hold {node} dead", lambda: _declared_dead(head, _address(lab, node), fault_t),
+                    60, 2)
     replaced = wait_for(f"the service's replacement of {node}", lambda: service.action(node, "replace"), 900, 5)
     assert replaced["result"] == "succeeded", replaced
     grown = wait_for(f"the run training on 2 workers again after {label}",
                      lambda: run.first_step(shrunk["t"], world=2), 300)
-    figures = {"fault -> fewer workers (s)": shrunk["t"] - fault_t,
+    figures = {"fault -> node declared dead (s)": dead - fault_t,
+               "fault -> fewer workers (s)": shrunk["t"] - fault_t,
                "fault -> full size (s)": grown["t"] - fault_t,
                "replace_node.yml (s)": float(replaced["seconds"]),
                "steps redone at the shrink": run.redone_at(fault_t),
@@ -239,7 +256,7 @@ def test_a_lost_worker_is_replaced_and_the_run_grows_back_while_the_heads_alert_
     lab.kill_node(WORKER_A)  # SIGKILL the worker machine's PID 1, mid-run
     _spare(lab, WORKER_A)
     try:
-        figures = _recover(lab, training, remediation, WORKER_A, fault_t, "(a) worker host lost")
+        figures = _recover(lab, training, remediation, WORKER_A, fault_t, "(a) worker host lost", head)
         head_decisions = wait_for("the service's decision on the head's NodeDown",
                                   lambda: remediation.decisions(_address(lab, HEAD)), 300, 5)
     finally:
@@ -298,7 +315,7 @@ def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_r
     agent_log = worker.check_output("cat /tmp/spot-agent.log")
     lab.kill_node(WORKER_B)
     _spare(lab, WORKER_B)
-    figures = _recover(lab, training, remediation, WORKER_B, fault_t, "(c) spot notice")
+    figures = _recover(lab, training, remediation, WORKER_B, fault_t, "(c) spot notice", hosts(HEAD))
     TIMINGS["selfheal (c) spot notice: notice -> just-in-time checkpoint (s)"] = jit["t"] - fault_t
     assert '"event": "spot_notice"' in agent_log, agent_log
     assert figures["steps redone at the shrink"] == 0, (figures, jit)
