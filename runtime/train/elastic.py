@@ -47,10 +47,6 @@ def failure_reason(error: BaseException | str | None) -> str:
     return "worker group failed"
 
 
-def _nodes(ids: list[str], what: str) -> str:
-    return f"node {ids[0][:12]} {what}" if len(ids) == 1 else f"{len(ids)} nodes {what}"
-
-
 class ElasticWatch(ControllerCallback):
     """Runs inside the Ray Train controller actor (pickled with the RunConfig)."""
 
@@ -82,12 +78,10 @@ class ElasticWatch(ControllerCallback):
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         name = type(current_state).__name__
         if name in ("RestartingState", "ReschedulingState") and previous_state is not current_state:
-            error = getattr(current_state, "training_failed_error", None)
-            drained = clear_drained_nodes(getattr(error, "preemption_info", None))
             lost = settle_lost_nodes()
             if self.reason is None:
-                self.reason = (_nodes(drained, "drained") if drained else _nodes(lost, "lost") if lost
-                               else failure_reason(error))
+                self.reason = (f"node {lost[0][:12]} lost" if len(lost) == 1 else f"{len(lost)} nodes lost") \
+                    if lost else failure_reason(getattr(current_state, "training_failed_error", None))
             if self.metrics is not None:
                 self.metrics.workers.set(0)  # no group trains until the next one starts
             refresh_capacity()
@@ -196,40 +190,6 @@ def settle_lost_nodes(timeout_s: float = 30.0) -> list[str]:
         return lost
     except Exception as e:  # only an optimisation: Ray retries a restart that cannot be placed
         log.warning("could not check the cluster's nodes: %s", e)
-        return []
-
-
-def clear_drained_nodes(preemption: Any, timeout_s: float = 10.0) -> list[str]:
-    """A restart for a drain (Ray Train's PreemptionError): end the old group's hold on the drained
-    nodes and wait (up to ``timeout_s``) for them to leave; their ids.
-
-    Ray sizes the restart from its autoscaling coordinator, which counts a draining node as capacity
-    while the old group's placement group holds it (the group is shut down only after the sizing): the
-    restart then asks for a worker it cannot place and waits out the worker-group start timeout (20 s)
-    before it retries at the size that fits. Removing this job's placement group with a bundle there
-    ends the old group's workers a moment before Ray Train would (the run has committed,
-    ``checkpoint.on_node_drain``), and a drained node with nothing on it leaves at once. Another
-    job's placement groups are left alone.
-    """
-    import ray
-
-    if preemption is None or not ray.is_initialized():
-        return []
-    drained = set(preemption.preempted_node_ids)
-    try:
-        from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-        job = ray.get_runtime_context().get_job_id()
-        for pg_id, pg in ray.util.placement_group_table().items():
-            # A placement group id ends with its job's id.
-            if pg["state"] == "CREATED" and pg_id.endswith(job) and drained & set(pg["bundles_to_node_id"].values()):
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(n["NodeID"] in drained and n["Alive"] for n in ray.nodes()):
-            time.sleep(0.25)
-        return sorted(n["NodeID"] for n in ray.nodes() if n["NodeID"] in drained and not n["Alive"])
-    except Exception as e:  # only an optimisation: Ray retries a start that cannot be placed
-        log.warning("could not clear the drained nodes: %s", e)
         return []
 
 

@@ -167,8 +167,6 @@ def test_a_drained_node_gets_a_commit_at_the_notice_and_is_given_back_so_the_run
     cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers={min: 1, max: 3}", "train.max_steps=50",
               "checkpoint.max_failures=0", "checkpoint.on_node_drain=checkpoint")
     fit = StreamingFit(cfg, "drained", lockstep=True)
-    events: list[Resized] = []
-    fit.on_resize = lambda event, _step, _count: events.append(event)
     history: list[dict[str, Any]] = []
     drained_at = 0.0
     shrunk_after_s = None
@@ -197,9 +195,6 @@ def test_a_drained_node_gets_a_commit_at_the_notice_and_is_given_back_so_the_run
     assert after[0]["world_size"] == 2 and after[0]["resumed_from_step"] == step, after[:2]
     # Long before the notice's deadline: rank 0 gave the committed node back (its deadline ~1.5 s away).
     assert shrunk_after_s is not None and shrunk_after_s < DRAIN_DEADLINE_S, shrunk_after_s
-    # Sized without the drained node, which left before the restart was sized (ElasticWatch cleared it):
-    # no start at 3 that could not be placed and timed out first.
-    assert [(e.before, e.after) for e in events] == [(3, 2)] and "drained" in events[0].reason, events
     assert [h["step"] for h in after if not h["final"]] == list(range(step + 1, 51)), [h["step"] for h in after]
     assert all(h["samples_seen"] == h["step"] * GLOBAL_BATCH for h in history if "samples_seen" in h)
     assert history[-1]["final"] and history[-1]["step"] == 50
