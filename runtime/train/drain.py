@@ -24,13 +24,15 @@ from collections.abc import Sequence
 RELEASE_REASON = "training run committed a checkpoint: node released"
 
 
-def _other_jobs_on(node_id: str, job_id: str) -> set[str]:
-    """Job ids other than ``job_id`` with a live actor on the node (from the GCS: a worker node need
-    not reach the head's dashboard, which a hardened head serves on loopback only)."""
+def _jobs_by_node() -> dict[str, set[str]]:
+    """Job ids with a live actor, per node (from the GCS: a worker node need not reach the head's
+    dashboard, which a hardened head serves on loopback only). Read once per release."""
     import ray
 
-    actors = ray._private.state.state.actor_table(None, actor_state_name="ALIVE")
-    return {a["JobID"] for a in actors.values() if a["Address"]["NodeID"] == node_id and a["JobID"] != job_id}
+    jobs: dict[str, set[str]] = {}
+    for actor in ray._private.state.state.actor_table(None, actor_state_name="ALIVE").values():
+        jobs.setdefault(actor["Address"]["NodeID"], set()).add(actor["JobID"])
+    return jobs
 
 
 def release(node_ids: Sequence[str], grace_s: float) -> tuple[list[str], str]:
@@ -48,9 +50,10 @@ def release(node_ids: Sequence[str], grace_s: float) -> tuple[list[str], str]:
     try:
         draining = ray._private.state.state.get_draining_nodes()  # what Ray Train's watcher reads
         gcs = GcsClient(address=context.gcs_address)
+        jobs = _jobs_by_node()
         for node_id in node_ids:
             current = draining.get(node_id)
-            others = _other_jobs_on(node_id, job_id)
+            others = jobs.get(node_id, set()) - {job_id}
             if others:
                 why.append(f"node {node_id[:8]} also runs job(s) {', '.join(sorted(others))}")
             elif current and current <= deadline_ms:
