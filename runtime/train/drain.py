@@ -24,9 +24,9 @@ from collections.abc import Sequence
 RELEASE_REASON = "training run committed a checkpoint: node released"
 
 
-def _jobs_by_node() -> dict[str, set[str]]:
+def jobs_by_node() -> dict[str, set[str]]:
     """Job ids with a live actor, per node (from the GCS: a worker node need not reach the head's
-    dashboard, which a hardened head serves on loopback only). Read once per release."""
+    dashboard, which a hardened head serves on loopback only). Read once per call."""
     import ray
 
     jobs: dict[str, set[str]] = {}
@@ -50,7 +50,7 @@ def release(node_ids: Sequence[str], grace_s: float) -> tuple[list[str], str]:
     try:
         draining = ray._private.state.state.get_draining_nodes()  # what Ray Train's watcher reads
         gcs = GcsClient(address=context.gcs_address)
-        jobs = _jobs_by_node()
+        jobs = jobs_by_node()
         for node_id in node_ids:
             current = draining.get(node_id)
             others = jobs.get(node_id, set()) - {job_id}

@@ -18,6 +18,7 @@ the size changed. It
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
 import time
@@ -26,6 +27,7 @@ from typing import Any
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from runtime.run import Resized
+from runtime.train.drain import jobs_by_node
 
 log = logging.getLogger("runtime.train.elastic")
 
@@ -45,6 +47,10 @@ def failure_reason(error: BaseException | str | None) -> str:
         if line and not line.startswith(("Training failed due to", "[Rank")):
             return line[:200]
     return "worker group failed"
+
+
+def _nodes(ids: list[str], what: str) -> str:
+    return f"node {ids[0][:12]} {what}" if len(ids) == 1 else f"{len(ids)} nodes {what}"
 
 
 class ElasticWatch(ControllerCallback):
@@ -78,10 +84,12 @@ class ElasticWatch(ControllerCallback):
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         name = type(current_state).__name__
         if name in ("RestartingState", "ReschedulingState") and previous_state is not current_state:
+            error = getattr(current_state, "training_failed_error", None)
+            drained = clear_drained_nodes(getattr(error, "preemption_info", None))
             lost = settle_lost_nodes()
             if self.reason is None:
-                self.reason = (f"node {lost[0][:12]} lost" if len(lost) == 1 else f"{len(lost)} nodes lost") \
-                    if lost else failure_reason(getattr(current_state, "training_failed_error", None))
+                self.reason = (_nodes(drained, "drained") if drained else _nodes(lost, "lost") if lost
+                               else failure_reason(error))
             if self.metrics is not None:
                 self.metrics.workers.set(0)  # no group trains until the next one starts
             refresh_capacity()
@@ -191,6 +199,50 @@ def settle_lost_nodes(timeout_s: float = 30.0) -> list[str]:
     except Exception as e:  # only an optimisation: Ray retries a restart that cannot be placed
         log.warning("could not check the cluster's nodes: %s", e)
         return []
+
+
+def clear_drained_nodes(preemption: Any, timeout_s: float | None = None) -> list[str]:
+    """A restart for a drain (Ray Train's PreemptionError): end the old group's hold on the drained
+    nodes and wait, at most ``timeout_s``, for them to leave; the drained nodes' ids.
+
+    Ray sizes the restart from its autoscaling coordinator, which counts a draining node as capacity
+    while the old group's placement group holds it (the group is shut down only after the sizing): the
+    restart then asks for a worker it cannot place and waits out the worker-group start timeout
+    before it retries at the size that fits. Removing this job's placement group with a bundle there
+    ends the old group's workers a moment before Ray Train would (the run has committed,
+    ``checkpoint.on_node_drain``), and a drained node with nothing on it leaves by itself. The wait is
+    bounded by that same start timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``): waiting longer
+    could cost more than the timeout it saves; a node where another job runs is not waited for. Another
+    job's placement groups are left alone.
+    """
+    import ray
+
+    if preemption is None:
+        return []
+    drained = sorted(set(preemption.preempted_node_ids))
+    on_drained = set(drained)
+    if not ray.is_initialized():
+        return drained
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20"))
+    try:
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        job = ray.get_runtime_context().get_job_id()
+        for pg_id, pg in ray.util.placement_group_table().items():
+            # A placement group id ends with its job's id.
+            if pg["state"] == "CREATED" and pg_id.endswith(job) and on_drained & set(pg["bundles_to_node_id"].values()):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+        # A node where another job runs stays until its deadline: waiting for it would only add time.
+        jobs = jobs_by_node()
+        leaving = {n for n in on_drained if not jobs.get(n, set()) - {job}}
+        deadline = time.monotonic() + timeout_s
+        while leaving and time.monotonic() < deadline:
+            leaving &= {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            time.sleep(0.25 if leaving else 0)
+    except Exception as e:  # only an optimisation: Ray retries a start that cannot be placed
+        log.warning("could not clear the drained nodes: %s", e)
+    return drained
 
 
 def refresh_capacity() -> None:

@@ -23,9 +23,11 @@ import torch
 
 from runtime import cluster as rc
 from runtime.checkpoint import CheckpointManager
+from runtime.layout import storage_paths
 from runtime.run import Resized
 from runtime.train.driver import StreamingFit, connect
 from runtime.train.elastic import refresh_capacity
+from runtime.train.timeline import read_timeline
 from tests.support import job, wait_for
 from tests.support.trainer import train_in_process
 
@@ -167,8 +169,10 @@ def test_a_drained_node_gets_a_commit_at_the_notice_and_is_given_back_so_the_run
     cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers={min: 1, max: 3}", "train.max_steps=50",
               "checkpoint.max_failures=0", "checkpoint.on_node_drain=checkpoint")
     fit = StreamingFit(cfg, "drained", lockstep=True)
+    events: list[Resized] = []
+    fit.on_resize = lambda event, _step, _count: events.append(event)
     history: list[dict[str, Any]] = []
-    drained_at = 0.0
+    drained_at, drained_wall = 0.0, 0.0
     shrunk_after_s = None
     for item in fit.reports():
         history.append(item)
@@ -178,7 +182,7 @@ def test_a_drained_node_gets_a_commit_at_the_notice_and_is_given_back_so_the_run
             # What the spot agent and the remediation service do: Ray's drain, with the notice's deadline.
             RayDrainer(os.environ["RAY_ADDRESS"], deadline_s=DRAIN_DEADLINE_S, wait_s=0).drain(
                 f"{victim['NodeManagerAddress']}:{victim['MetricsExportPort']}")
-            drained_at = time.monotonic()
+            drained_at, drained_wall = time.monotonic(), time.time()
         elif drained_at and not any("drained_at_step" in h for h in history):
             time.sleep(0.25)  # the run must not end before the watcher's next poll
         elif shrunk_after_s is None and len(history) > 1 and "drained_at_step" in history[-2]:
@@ -195,6 +199,11 @@ def test_a_drained_node_gets_a_commit_at_the_notice_and_is_given_back_so_the_run
     assert after[0]["world_size"] == 2 and after[0]["resumed_from_step"] == step, after[:2]
     # Long before the notice's deadline: rank 0 gave the committed node back (its deadline ~1.5 s away).
     assert shrunk_after_s is not None and shrunk_after_s < DRAIN_DEADLINE_S, shrunk_after_s
+    assert [(e.before, e.after) for e in events] == [(3, 2)] and "drained" in events[0].reason, events
+    # Sized without the drained node, which left before the restart was sized (ElasticWatch removed the
+    # old group's hold on it): one group start, not first one at 3 that could not be placed and timed out.
+    timeline = read_timeline(storage_paths(cfg, "drained")[2])
+    assert [e["event"] for e in timeline if e["time"] > drained_wall].count("group_start") == 1, timeline
     assert [h["step"] for h in after if not h["final"]] == list(range(step + 1, 51)), [h["step"] for h in after]
     assert all(h["samples_seen"] == h["step"] * GLOBAL_BATCH for h in history if "samples_seen" in h)
     assert history[-1]["final"] and history[-1]["step"] == 50

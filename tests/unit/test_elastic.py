@@ -17,7 +17,7 @@ from runtime.data.loaders import ResumableSampler
 from runtime.data.synthetic import SyntheticLoader
 from runtime.errors import ConfigError
 from runtime.run import Resized
-from runtime.train.elastic import ElasticWatch, MinWorkersTimeout, failure_reason, resize_line
+from runtime.train.elastic import ElasticWatch, MinWorkersTimeout, clear_drained_nodes, failure_reason, resize_line
 from runtime.train.setup import for_world, reshard_position
 
 
@@ -185,6 +185,21 @@ def test_controller_callback_counts_resizes_not_restarts_and_exports_them(tmp_pa
     assert 'rt_train_workers{job_id="j1"} 3.0' in text and 'rt_train_workers_max{job_id="j1"} 3.0' in text
     watch.after_controller_finish(None)
     assert not sd_file.exists()
+
+
+def test_a_restart_for_a_drain_names_the_drained_node_as_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
+    from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
+    from ray.train.v2.api.exceptions import PreemptionError
+    from ray.train.v2.api.preemption import PreemptionInfo
+
+    watch = ElasticWatch("j3", 1, 3, min_wait_s=60)
+    watch.before_controller_execute_resize_decision(ResizeDecision(num_workers=3, resources_per_worker={}))
+    drained = PreemptionError(PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"5f2c0a1b9d8e7f60": [2]}))
+    watch.after_controller_state_update(RunningState(), RestartingState(drained))
+    watch.before_controller_execute_resize_decision(ResizeDecision(num_workers=2, resources_per_worker={}))
+    assert "resizing 3 -> 2 workers: node 5f2c0a1b9d8e drained" in caplog.text
+    assert clear_drained_nodes(None) == []  # a restart for another cause: nothing to clear
 
 
 def test_a_run_that_cannot_reach_min_workers_fails_after_min_wait_naming_the_setting() -> None:
