@@ -141,6 +141,7 @@ def main() -> int:
     # waits for Ray to mark a lost node dead and refreshes Ray's 20-s capacity view, so that a
     # restart is sized on the cluster as it is (runtime/train/elastic.py).
     from runtime.train.elastic import ElasticWatch
+    from runtime.train.timeline import PhaseClock
 
     gcs_address, shared = sys.argv[1], Path(sys.argv[2])
     pythonpath = os.environ.get("PYTHONPATH", "")
@@ -154,7 +155,10 @@ def main() -> int:
                                      elastic_resize_monitor_interval_s=3),
         run_config=RunConfig(name="selfheal", storage_path=str(shared / "storage"),
                              failure_config=FailureConfig(max_failures=-1),
-                             callbacks=[ElasticWatch("selfheal", 1, 2, min_wait_s=900, check_interval_s=3)]),
+                             # PhaseClock: the controller's timeline.jsonl on the shared folder, where a
+                             # shrink's seconds go (Ray's verdict, Ray Train's restart, the new group's start).
+                             callbacks=[ElasticWatch("selfheal", 1, 2, min_wait_s=900, check_interval_s=3),
+                                        PhaseClock(str(shared))]),
     )
     result = trainer.fit()
     print(json.dumps({"finished": True, "metrics": result.metrics}), flush=True)

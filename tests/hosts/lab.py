@@ -25,6 +25,7 @@ Layout:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +35,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,8 +112,23 @@ ExecStartPre=/usr/sbin/sshd -t
 """
 
 
+@contextmanager
+def cache_lock() -> Iterator[None]:
+    """One builder of the cache at a time: make test-hosts runs two labs side by side, and the
+    second waits for the first's image and repository instead of building them again beside it."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def build_image() -> Path:
     """Debootstrap the golden image once; later calls return the cached one."""
+    with cache_lock():
+        return _build_image()
+
+
+def _build_image() -> Path:
     final = image_dir()
     if (final / ".complete").exists():
         log(f"golden image cached at {final}")
@@ -212,6 +230,11 @@ def sign_repository(apt_dir: Path, public_key: Path) -> None:
 
 def build_artifacts(image: Path) -> Path:
     """Local apt repository (+ Packages index) and pip wheelhouse, cached."""
+    with cache_lock():
+        return _build_artifacts(image)
+
+
+def _build_artifacts(image: Path) -> Path:
     final = CACHE / f"offline-{artifacts_key()}"
     if (final / ".complete").exists():
         log(f"offline repository and wheelhouse cached at {final}")

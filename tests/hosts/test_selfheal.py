@@ -1,6 +1,6 @@
 """The self-healing loop on the lab, with an elastic training run in progress (issue 29 part 2).
 
-Run: make test-hosts (after test_cluster.py, on the same lab). One run (tests/hosts/elastic_job.py,
+Run: make test-hosts (beside test_cluster.py, on a lab of its own: site.yml first, via `hosts`). One run (tests/hosts/elastic_job.py,
 Ray Train V2 elastic 1..2 workers, one per lab worker) trains through the faults in sequence;
 the remediation service (ops/remediation) receives the head's Alertmanager notifications and
 runs replace_node.yml with the lab's ansible-playbook. Between a fault and the end of its
@@ -217,6 +217,14 @@ def _declared_dead(head: Any, address: str, after: float) -> float | None:
     return min(ends) if ends else None
 
 
+def _controller_stamp(lab: labmod.Lab, events: tuple[str, ...], after: float) -> float | None:
+    """The first of `events` in the run's controller timeline (runtime.train.timeline) after `after`."""
+    path = lab.shared / "timeline.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    stamps = [json.loads(line) for line in lines if line.endswith("}")]
+    return next((s["time"] for s in stamps if s["event"] in events and s["time"] > after), None)
+
+
 def _recover(lab: labmod.Lab, run: Run, service: Service, node: str, fault_t: float, label: str,
              head: Any) -> dict[str, float]:
     """Wait for shrink, replacement and growth after a fault at `fault_t` (time.time()); return the figures."""
@@ -228,7 +236,11 @@ def _recover(lab: labmod.Lab, run: Run, service: Service, node: str, fault_t: fl
     assert replaced["result"] == "succeeded", replaced
     grown = wait_for(f"the run training on 2 workers again after {label}",
                      lambda: run.first_step(shrunk["t"], world=2), 300)
+    restarted = _controller_stamp(lab, ("state:RestartingState", "state:ReschedulingState"), fault_t)
+    ready = _controller_stamp(lab, ("group_ready",), restarted or fault_t)
     figures = {"fault -> node declared dead (s)": dead - fault_t,
+               "fault -> Ray Train restarts the group (s)": (restarted or float("nan")) - fault_t,
+               "fault -> smaller group ready (s)": (ready or float("nan")) - fault_t,
                "fault -> fewer workers (s)": shrunk["t"] - fault_t,
                "fault -> full size (s)": grown["t"] - fault_t,
                "replace_node.yml (s)": float(replaced["seconds"]),
