@@ -1,7 +1,8 @@
 """The self-healing loop on the lab, with an elastic training run in progress (issue 29 part 2).
 
-Run: make test-hosts (beside test_cluster.py, on a lab of its own: site.yml first, via `hosts`). One run (tests/hosts/elastic_job.py,
-Ray Train V2 elastic 1..2 workers, one per lab worker) trains through the faults in sequence;
+Run: make test-hosts (beside test_cluster.py, on a lab of its own: site.yml first, via `hosts`).
+One run (tests/hosts/elastic_job.py, Ray Train V2 elastic 1..2 workers, one per lab worker)
+trains through the faults in sequence;
 the remediation service (ops/remediation) receives the head's Alertmanager notifications and
 runs replace_node.yml with the lab's ansible-playbook. Between a fault and the end of its
 recovery the test only plays the cloud: a bare "spare" machine takes the lost worker's address
