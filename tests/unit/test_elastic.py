@@ -202,6 +202,19 @@ def test_a_restart_for_a_drain_names_the_drained_node_as_its_reason(caplog: pyte
     assert clear_drained_nodes(None) == []  # a restart for another cause: nothing to clear
 
 
+def test_a_raylet_port_that_accepts_is_reachable_and_one_that_refuses_is_not() -> None:
+    import socket
+
+    from runtime.train.elastic import _unreachable
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()  # the kernel accepts even if nothing ever calls accept()
+        port = listening.getsockname()[1]
+        assert not _unreachable("127.0.0.1", port)
+    assert _unreachable("127.0.0.1", port)  # closed now: refused, as a killed raylet's port
+
+
 def test_a_run_that_cannot_reach_min_workers_fails_after_min_wait_naming_the_setting() -> None:
     from ray.train.v2._internal.execution.controller.state import InitializingState
 
