@@ -218,12 +218,20 @@ def _declared_dead(head: Any, address: str, after: float) -> float | None:
     return min(ends) if ends else None
 
 
-def _controller_stamp(lab: labmod.Lab, events: tuple[str, ...], after: float) -> float | None:
-    """The first of `events` in the run's controller timeline (runtime.train.timeline) after `after`."""
+def _controller_stamps(lab: labmod.Lab) -> list[dict[str, Any]]:
+    """The run's controller timeline (runtime.train.timeline: one stamp per moment of a worker group's life)."""
     path = lab.shared / "timeline.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    stamps = [json.loads(line) for line in lines if line.endswith("}")]
-    return next((s["time"] for s in stamps if s["event"] in events and s["time"] > after), None)
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _controller_stamp(lab: labmod.Lab, events: tuple[str, ...], after: float) -> float | None:
+    """When the first of `events` came after `after`."""
+    return next((s["time"] for s in _controller_stamps(lab) if s["event"] in events and s["time"] > after), None)
+
+
+def _controller_count(lab: labmod.Lab, event: str, after: float, before: float) -> int:
+    return sum(1 for s in _controller_stamps(lab) if s["event"] == event and after < s["time"] < before)
 
 
 def _recover(lab: labmod.Lab, run: Run, service: Service, node: str, fault_t: float, label: str,
@@ -238,10 +246,19 @@ def _recover(lab: labmod.Lab, run: Run, service: Service, node: str, fault_t: fl
     grown = wait_for(f"the run training on 2 workers again after {label}",
                      lambda: run.first_step(shrunk["t"], world=2), 300)
     restarted = _controller_stamp(lab, ("state:RestartingState", "state:ReschedulingState"), fault_t)
+    started = _controller_stamp(lab, ("group_start",), restarted or fault_t)
+    spawned = _controller_stamp(lab, ("workers_ready",), started or fault_t)
     ready = _controller_stamp(lab, ("group_ready",), restarted or fault_t)
+    nan = float("nan")
     figures = {"fault -> node declared dead (s)": dead - fault_t,
-               "fault -> Ray Train restarts the group (s)": (restarted or float("nan")) - fault_t,
-               "fault -> smaller group ready (s)": (ready or float("nan")) - fault_t,
+               "fault -> Ray Train restarts the group (s)": (restarted or nan) - fault_t,
+               # Ray Train's sizing (and ElasticWatch's wait for Ray's verdict) before the first start.
+               "fault -> first group start (s)": (started or nan) - fault_t,
+               # Placement and worker processes; includes a start that timed out, if any.
+               "fault -> worker actors up (s)": (spawned or nan) - fault_t,
+               "fault -> smaller group ready (s)": (ready or nan) - fault_t,
+               "group starts until ready": float(_controller_count(lab, "group_start", restarted or fault_t,
+                                                                  ready or time.time())),
                "fault -> fewer workers (s)": shrunk["t"] - fault_t,
                "fault -> full size (s)": grown["t"] - fault_t,
                "replace_node.yml (s)": float(replaced["seconds"]),
