@@ -334,9 +334,11 @@ ADD_NODE_ATTEMPTS = 5
 
 
 def up(cdir: Path | None = None, num_cpus: int | None = None, with_mlflow: bool = True,
-       with_prometheus: bool = True, nodes: int = 1, gcs_ft: bool | None = None) -> dict[str, Any]:
+       with_prometheus: bool = True, nodes: int = 1, gcs_ft: bool | None = None,
+       training_scrape_s: float = 5) -> dict[str, Any]:
     """Start what is not already running; idempotent. ``nodes`` > 1 adds raylets on this machine
     (``num_cpus`` logical CPUs each) until the cluster has that many nodes, head included.
+    ``training_scrape_s``: Prometheus's scrape interval for the training workers' exporters.
     ``gcs_ft`` (default: RT_GCS_FT, i.e. `make cluster-up GCS_FT=1`) starts Redis first and the
     head's GCS with its tables there, so it survives a restart (docs/operations.md)."""
     cluster_dir = cdir or default_cluster_dir()
@@ -365,7 +367,7 @@ def up(cdir: Path | None = None, num_cpus: int | None = None, with_mlflow: bool 
             state["node_exporter"] = ne
             save_state(state, cluster_dir)
     if with_prometheus and not (state.get("prometheus") and alive(state["prometheus"]["pid"])):
-        prom = prometheus_up(cluster_dir, "node_exporter" in state)
+        prom = prometheus_up(cluster_dir, "node_exporter" in state, training_scrape_s)
         if prom:
             state["prometheus"] = prom
             save_state(state, cluster_dir)

@@ -55,8 +55,10 @@ def node_exporter_up(cluster_dir: Path) -> dict[str, Any] | None:
     return {"pid": pid, "url": f"http://{addr}"}
 
 
-def prometheus_config(cluster_dir: Path, node_exporter: bool) -> str:
-    """Scrape config for the local cluster: runtime workers (file_sd), Ray, node exporter, Prometheus."""
+def prometheus_config(cluster_dir: Path, node_exporter: bool, training_scrape_s: float = 5) -> str:
+    """Scrape config for the local cluster: runtime workers (file_sd), Ray, node exporter, Prometheus.
+    ``training_scrape_s``: how often the workers' exporters are scraped and their targets re-read
+    (the other jobs every 5 s)."""
     sd = cluster_dir / "prometheus" / "targets"
     rules = sorted(str(p) for p in (ROOT / "alerts").glob("*.rules.yml"))
     lines = [
@@ -64,9 +66,9 @@ def prometheus_config(cluster_dir: Path, node_exporter: bool) -> str:
         "rule_files:", *[f"  - {r}" for r in rules],
         "scrape_configs:",
         "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{port('prometheus')}']",
-        "  - job_name: training", "    honor_labels: true",
+        "  - job_name: training", "    honor_labels: true", f"    scrape_interval: {training_scrape_s:g}s",
         "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
-        "        refresh_interval: 5s",
+        f"        refresh_interval: {training_scrape_s:g}s",
         "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{port('ray_metrics')}']",
     ]
     if node_exporter:
@@ -75,14 +77,14 @@ def prometheus_config(cluster_dir: Path, node_exporter: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prometheus_up(cluster_dir: Path, node_exporter: bool) -> dict[str, Any] | None:
+def prometheus_up(cluster_dir: Path, node_exporter: bool, training_scrape_s: float = 5) -> dict[str, Any] | None:
     binary = _tool_bin("prometheus", "RT_PROMETHEUS_BIN")
     if binary is None:
         return None
     pdir = cluster_dir / "prometheus"
     (pdir / "targets").mkdir(parents=True, exist_ok=True)
     conf = pdir / "prometheus.yml"
-    conf.write_text(prometheus_config(cluster_dir, node_exporter))
+    conf.write_text(prometheus_config(cluster_dir, node_exporter, training_scrape_s))
     url = f"http://127.0.0.1:{port('prometheus')}"
     cmd = [
         str(binary), f"--config.file={conf}", f"--storage.tsdb.path={pdir / 'data'}",

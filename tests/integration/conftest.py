@@ -39,8 +39,11 @@ os.environ.setdefault("RT_CHECKPOINT__ON_NODE_DRAIN", "ignore")
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[dict[str, Any]]:
-    """Start the embedded cluster once; every integration test drives it through RAY_ADDRESS."""
-    with local_cluster(CLUSTER_DIR, num_cpus=4) as state:
+    """Start the embedded cluster once; every integration test drives it through RAY_ADDRESS.
+    Prometheus scrapes the training exporters every 2 s (5 s by default; the scrape timeout is the
+    interval, so not 1 s on 2 busy cores): a short run then spans several scrapes (test_observability)
+    without training or lingering for 5-s ones."""
+    with local_cluster(CLUSTER_DIR, num_cpus=4, training_scrape_s=2) as state:
         yield {**state, "dir": CLUSTER_DIR}
 
 

@@ -15,18 +15,24 @@ from runtime.train.driver import train
 from tests.support import job
 
 pytestmark = pytest.mark.slow
+LINGER_S = 6  # the workers' exporters stay up this long after the final report: 3 scrapes
 
 
 @pytest.fixture(scope="module")
 def observed_run(cluster: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One 2-worker digits run shared by the MLflow and Prometheus checks."""
     storage = str(tmp_path_factory.mktemp("obs") / "runs")
-    # ~20 ms a step: 600 steps span several 5 s scrapes, so rate() panels have data.
-    cfg = job("digits_smoke", storage, "train.max_steps=600", "train.log_every_steps=10",
-              "tracking.prometheus_linger_s=8", "checkpoint.interval_steps=100")
+    # 200 steps (~3-10 s) and the linger span several of the session cluster's 2-s scrapes of the
+    # exporters, so rate() panels have data (600 steps and an 8-s linger for 5-s scrapes before).
+    cfg = job("digits_smoke", storage, "train.max_steps=200", "train.log_every_steps=10",
+              f"tracking.prometheus_linger_s={LINGER_S}", "checkpoint.interval_steps=50")
     t0 = time.time()
     out = train(cfg, show_progress=False)
-    return {"outcome": out, "start": t0, "end": time.time(), "cluster": cluster}
+    # Queried 1 s before the linger ends: after the final report's scrapes, before the exporters went
+    # away. Once a target is gone Prometheus marks its series stale and an instant query after that
+    # finds nothing: the run's end minus 2 s was after it whenever Ray Train's shutdown took over 2 s.
+    at = out.history[-1]["_time"] + LINGER_S - 1
+    return {"outcome": out, "start": t0, "end": time.time(), "at": at, "cluster": cluster}
 
 
 def prom_query(url: str, expr: str, at: float) -> dict[str, Any]:
@@ -68,7 +74,7 @@ def test_mlflow_server_holds_params_metrics_tags_and_artifacts(observed_run: dic
 def test_prometheus_scraped_training_metrics_with_job_rank_node_labels(observed_run: dict) -> None:
     url = observed_run["cluster"]["prometheus"]["url"]
     job_id = observed_run["outcome"].run_name
-    at = observed_run["end"] - 2
+    at = observed_run["at"]
     for metric in ("rt_train_loss", "rt_train_samples_per_second", "rt_train_step_seconds_count",
                    "rt_train_comm_seconds_total", "rt_train_last_progress_timestamp_seconds",
                    "rt_checkpoint_last_committed_step"):
@@ -82,14 +88,14 @@ def test_prometheus_scraped_training_metrics_with_job_rank_node_labels(observed_
 
 def test_without_gpu_gpu_metrics_are_absent_not_zero(observed_run: dict) -> None:
     url = observed_run["cluster"]["prometheus"]["url"]
-    res = prom_query(url, '{__name__=~"rt_gpu_.+"}', observed_run["end"] - 2)
+    res = prom_query(url, '{__name__=~"rt_gpu_.+"}', observed_run["at"])
     assert res["status"] == "success" and res["data"]["result"] == []
 
 
 def test_every_dashboard_query_returns_data_or_is_gpu_only(observed_run: dict) -> None:
     url = observed_run["cluster"]["prometheus"]["url"]
     variables = {"job": observed_run["outcome"].run_name, "instance": ".*", "gpu": ".*", "datasource": "prometheus"}
-    at = observed_run["end"] - 2
+    at = observed_run["at"]
     empty = []
     checked = 0
     for dash in load_dashboards():
