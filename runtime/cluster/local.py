@@ -18,7 +18,6 @@ from runtime.cluster.gcs_watchdog import GCS_FILE, group_members, read_gcs_pid, 
 from runtime.cluster.processes import (
     alive,
     descendants,
-    free_port,
     http_ok,
     kill,
     kill_group_leftovers,
@@ -29,6 +28,7 @@ from runtime.cluster.processes import (
 )
 from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up, redis_up
 from runtime.cluster.state import STATE_FILE, ClusterError, default_cluster_dir, load_state, port, save_state
+from runtime.ports import free_port
 
 
 def ray_temp_dir(cluster_dir: Path) -> str:

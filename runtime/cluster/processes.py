@@ -51,12 +51,6 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:

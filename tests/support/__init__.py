@@ -6,7 +6,6 @@ tests that start no trainer; the in-process trainer lives in ``tests.support.tra
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import threading
 import time
@@ -15,14 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from runtime.ports import free_port as free_port  # one home; the suites import it from here
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (for a process group's rendezvous or a server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10) -> None:

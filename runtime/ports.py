@@ -1,0 +1,45 @@
+"""Ports for the services a process starts itself (the local cluster, test servers and process groups).
+
+Imports only the standard library: the test hosts' tools (another virtualenv) use it too.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+# Above Ray's worker ports (10002-19999 by default), which `ray start` refuses to share.
+FIRST = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (Linux's default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A port nothing is bound to, below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` lies in the range the kernel also gives outgoing connections, and one of
+    those can take it between this check and the service's own bind: on a machine busy with
+    connections (test suites, labs) Ray's dashboard once failed to start so. Below the range only
+    another listener can collide, and the bind here rules out one that is already there; from
+    ``FIRST`` on, as Ray keeps the ports below for its workers.
+    """
+    low = min(_ephemeral_low(), 65536)
+    if low > FIRST + 1000:
+        for _ in range(200):
+            port = random.randrange(FIRST, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))  # noqa: S104 (a bind test, closed at once)
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room below the range: the kernel's choice
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
