@@ -114,8 +114,8 @@ ExecStartPre=/usr/sbin/sshd -t
 
 @contextmanager
 def cache_lock() -> Iterator[None]:
-    """One builder of the cache at a time: make test-hosts runs two labs side by side, and the
-    second waits for the first's image and repository instead of building them again beside it."""
+    """One builder of the cache at a time: a second lab on the machine (make test-hosts beside
+    make bench BENCH=selfheal) waits for the first's image and repository instead of racing it."""
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -1,6 +1,6 @@
 """The self-healing loop on the lab, with an elastic training run in progress (issue 29 part 2).
 
-Run: make test-hosts (beside test_cluster.py, on a lab of its own: site.yml first, via `hosts`).
+Run: make test-hosts (after test_cluster.py, on the same lab), or on its own (site.yml first, via `hosts`).
 One run (tests/hosts/elastic_job.py, Ray Train V2 elastic 1..2 workers, one per lab worker)
 trains through the faults in sequence;
 the remediation service (ops/remediation) receives the head's Alertmanager notifications and
