@@ -2,6 +2,9 @@
 
 ``python -m runtime cluster up|down|status`` manages it. Every process it starts is recorded
 with its pid in the state file, and ``down`` stops exactly those.
+
+Over 400 lines because up and down are one job in two halves: each service's stop order (GCS
+last, MLflow's CLI once its server is gone) mirrors how it was started, and reads best beside it.
 """
 
 from __future__ import annotations
