@@ -9,8 +9,19 @@ import random
 import socket
 from pathlib import Path
 
-# Above Ray's worker ports (10002-19999 by default), which `ray start` refuses to share.
-FIRST = 20000
+# Ray's worker ports stay in its default range, 10002-19999, cut into one block per raylet on this
+# machine: `ray start` refuses a component port inside its node's worker range, and a worker bound
+# to another raylet's port would keep that raylet from starting. The ports handed out below lie above.
+WORKER_BLOCK = 1000
+WORKER_BLOCKS = 10  # 10000-19999: block 0 is the head's, the extra raylets take turns in the other nine
+FIRST = 10000 + WORKER_BLOCK * WORKER_BLOCKS
+
+
+def worker_ports(index: int) -> tuple[int, int]:
+    """The worker port range, first and last, of the local raylet ``index`` (0 the head)."""
+    block = 0 if index == 0 else 1 + (index - 1) % (WORKER_BLOCKS - 1)
+    first = 10000 + WORKER_BLOCK * block
+    return max(first, 10002), first + WORKER_BLOCK - 1  # 10001 is Ray's client server
 
 
 def _ephemeral_low() -> int:
@@ -28,7 +39,7 @@ def free_port() -> int:
     those can take it between this check and the service's own bind: on a machine busy with
     connections (test suites, labs) Ray's dashboard once failed to start so. Below the range only
     another listener can collide, and the bind here rules out one that is already there; from
-    ``FIRST`` on, as Ray keeps the ports below for its workers.
+    ``FIRST`` on, above the workers' (:func:`worker_ports`).
     """
     low = min(_ephemeral_low(), 65536)
     if low > FIRST + 1000:

@@ -31,7 +31,7 @@ from runtime.cluster.processes import (
 )
 from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up, redis_up
 from runtime.cluster.state import STATE_FILE, ClusterError, default_cluster_dir, load_state, port, save_state
-from runtime.ports import free_port
+from runtime.ports import free_port, worker_ports
 
 
 def ray_temp_dir(cluster_dir: Path) -> str:
@@ -76,6 +76,7 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
         # on the machine (tests beside yours) has none: jobs get "No available agent to submit job".
         f"--dashboard-agent-listen-port={port('dashboard_agent')}",
         f"--temp-dir={ray_temp_dir(cluster_dir)}",
+        f"--min-worker-port={worker_ports(0)[0]}", f"--max-worker-port={worker_ports(0)[1]}",
     ]
     if num_cpus:
         cmd.append(f"--num-cpus={num_cpus}")
@@ -273,13 +274,13 @@ def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, floa
     index = 1 + max((int(n["index"]) for n in nodes), default=0)
     ports = {k: free_port() for k in ("node_manager", "object_manager", "metrics", "agent_listen",
                                        "agent_grpc", "runtime_env")}
-    low = 20000 + 1000 * (index % 40)  # worker ports: a range of its own per node
+    low, high = worker_ports(index)
     cmd = [
         venv_bin("ray"), "start", "--block", f"--address={head}", "--node-ip-address=127.0.0.1",
         f"--node-manager-port={ports['node_manager']}", f"--object-manager-port={ports['object_manager']}",
         f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent_listen']}",
         f"--dashboard-agent-grpc-port={ports['agent_grpc']}", f"--runtime-env-agent-port={ports['runtime_env']}",
-        f"--min-worker-port={low}", f"--max-worker-port={low + 999}", "--disable-usage-stats",
+        f"--min-worker-port={low}", f"--max-worker-port={high}", "--disable-usage-stats",
         f"--resources={json.dumps(resources or {})}",
     ]
     if num_cpus is not None:

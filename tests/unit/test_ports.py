@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from runtime.ports import FIRST, free_port
+from runtime.ports import FIRST, free_port, worker_ports
 
 
 def test_a_free_port_lies_below_the_kernels_ephemeral_range_and_can_be_bound() -> None:
@@ -16,3 +16,13 @@ def test_a_free_port_lies_below_the_kernels_ephemeral_range_and_can_be_bound() -
     assert FIRST <= port < low
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_each_local_raylets_worker_ports_are_its_own_and_below_the_ports_handed_to_services() -> None:
+    # A raylet refuses to start when one of its ports lies in its own worker range, and a worker can
+    # take another raylet's port: the head's and nine extra raylets' ranges never meet, nor FIRST.
+    ranges = [worker_ports(i) for i in range(10)]
+    taken = [set(range(low, high + 1)) for low, high in ranges]
+    assert all(not a & b for i, a in enumerate(taken) for b in taken[i + 1:]), ranges
+    assert all(10001 < low <= high < FIRST for low, high in ranges), ranges
+    assert worker_ports(10) == worker_ports(1)  # a tenth extra raylet takes the first one's turn
