@@ -27,6 +27,7 @@ import lab as labmod  # noqa: E402
 ANSIBLE_DIR = labmod.ROOT / "ansible"
 OPS_BIN = Path(sys.executable).parent
 TIMINGS: dict[str, float] = {}
+NOTES: dict[str, str] = {}  # what a figure alone does not say (why a step took the path it took)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -34,6 +35,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("nspawn lab timings")
         for key, seconds in TIMINGS.items():
             terminalreporter.write_line(f"{key:<40} {seconds:7.1f} s")
+        for key, note in NOTES.items():
+            terminalreporter.write_line(f"{key}: {note}")
         # For `make bench BENCH=selfheal` (benchmarks/bench_selfheal.py), which reads them back.
         if os.environ.get("LAB_TIMINGS_JSON"):
             Path(os.environ["LAB_TIMINGS_JSON"]).write_text(json.dumps(TIMINGS, indent=1))

@@ -33,7 +33,7 @@ from typing import Any
 import elastic_job
 import lab as labmod
 import pytest
-from conftest import ANSIBLE_DIR, OPS_BIN, TIMINGS
+from conftest import ANSIBLE_DIR, NOTES, OPS_BIN, TIMINGS
 
 from tests.support import stop_process
 
@@ -347,6 +347,14 @@ def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_r
     _spare(lab, WORKER_B)
     figures = _recover(lab, training, remediation, WORKER_B, fault_t, "(c) spot notice", hosts(HEAD))
     TIMINGS["selfheal (c) spot notice: notice -> just-in-time checkpoint (s)"] = jit["t"] - fault_t
+    # Rank 0 gives the drained node back to Ray after that checkpoint (runtime/train/drain.py): when
+    # it did, Ray Train restarts without it before the deadline; when not, Ray's reason says why.
+    released = next((e for e in training.events() if e["event"] == "released" and e["t"] > fault_t), None)
+    if released is not None:
+        TIMINGS["selfheal (c) spot notice: notice -> node released (s)"] = released["t"] - fault_t
+    NOTES["selfheal (c) spot notice: release"] = (
+        "no release recorded" if released is None else
+        f"released {released['nodes'] or 'none'}" + (f"; not released: {released['why']}" if released["why"] else ""))
     assert '"event": "spot_notice"' in agent_log, agent_log
     assert figures["steps redone at the shrink"] == 0, (figures, jit)
 
