@@ -24,12 +24,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = {"lost": "(a) worker host lost", "spot": "(c) spot notice"}
+SCENARIOS = {"lost": "(a) worker host lost", "xid": "(b) GPU XID", "spot": "(c) spot notice"}
 FIGURES = {"dead_s": "fault -> node declared dead (s)", "fewer_s": "fault -> fewer workers (s)",
            "full_s": "fault -> full size (s)",
            "playbook_s": "replace_node.yml (s)", "redone_shrink": "steps redone at the shrink",
            "redone_growth": "steps redone at the growth"}
 GOALS = {"fewer_s": 30.0, "full_s": 300.0}
+# Figures of one scenario. A GPU XID reaches the service through GpuXidErrors' `for: 1m`, so its
+# shrink goal is counted from the service's drain, the part the platform decides.
+EXTRA = {"xid_alert_s": "selfheal (b) GPU XID: XID -> the service drains (s)",
+         "xid_drain_to_fewer_s": "selfheal (b) GPU XID: drain -> fewer workers (s)",
+         "spot_notice_to_checkpoint_s": "selfheal (c) spot notice: notice -> just-in-time checkpoint (s)"}
 
 
 def _lab_reason() -> str | None:
@@ -57,19 +62,18 @@ def _round(results_dir: Path, index: int) -> dict[str, float]:
 def summarise(samples: list[dict[str, float]]) -> dict[str, Any]:
     """Each round's lab timings -> per fault and figure: the values, their median, the goal met."""
     result: dict[str, Any] = {"rounds": len(samples)}
-    for short, label in SCENARIOS.items():
-        for key, figure in FIGURES.items():
-            name = f"selfheal {label}: {figure}"
-            values = [s[name] for s in samples if name in s]
-            if len(values) != len(samples):
-                raise RuntimeError(f"{len(samples) - len(values)} round(s) have no {name!r} in the lab timings")
-            result[f"{short}_{key}"] = values
-            result[f"{short}_{key}_median"] = statistics.median(values)
-            if key in GOALS:
-                result[f"{short}_{key}_goal_met"] = statistics.median(values) <= GOALS[key]
-    jit = [s["selfheal (c) spot notice: notice -> just-in-time checkpoint (s)"] for s in samples]
-    result["spot_notice_to_checkpoint_s"] = jit
-    result["spot_notice_to_checkpoint_s_median"] = statistics.median(jit)
+    names = {f"{short}_{key}": f"selfheal {label}: {figure}"
+             for short, label in SCENARIOS.items() for key, figure in FIGURES.items()} | EXTRA
+    for key, name in names.items():
+        values = [s[name] for s in samples if name in s]
+        if len(values) != len(samples):
+            raise RuntimeError(f"{len(samples) - len(values)} round(s) have no {name!r} in the lab timings")
+        result[key] = values
+        result[f"{key}_median"] = statistics.median(values)
+    for short in SCENARIOS:
+        for key, goal in GOALS.items():
+            figure = "xid_drain_to_fewer_s" if (short, key) == ("xid", "fewer_s") else f"{short}_{key}"
+            result[f"{short}_{key}_goal_met"] = result[f"{figure}_median"] <= goal
     result["lab"] = samples
     return result
 

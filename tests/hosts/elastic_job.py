@@ -157,8 +157,10 @@ def main() -> int:
                              failure_config=FailureConfig(max_failures=-1),
                              # PhaseClock: the controller's timeline.jsonl on the shared folder, where a
                              # shrink's seconds go (Ray's verdict, Ray Train's restart, the new group's start).
-                             callbacks=[ElasticWatch("selfheal", 1, 2, min_wait_s=900, check_interval_s=3),
-                                        PhaseClock(str(shared))]),
+                             # First, as in the runtime's driver: a state is stamped when Ray Train enters it,
+                             # before ElasticWatch's wait for Ray's verdict on the same state.
+                             callbacks=[PhaseClock(str(shared)),
+                                        ElasticWatch("selfheal", 1, 2, min_wait_s=900, check_interval_s=3)]),
     )
     result = trainer.fit()
     print(json.dumps({"finished": True, "metrics": result.metrics}), flush=True)

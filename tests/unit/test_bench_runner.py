@@ -49,13 +49,19 @@ def test_selfheal_summary_has_each_faults_medians_and_goals_and_names_a_missing_
         out = {f"selfheal (a) worker host lost: {k}": v for k, v in figures.items()}
         out |= {f"selfheal (c) spot notice: {k}": v for k, v in {**figures, "fault -> fewer workers (s)": fewer_c,
                                                                 "steps redone at the shrink": 0.0}.items()}
+        out |= {f"selfheal (b) GPU XID: {k}": v for k, v in {**figures, "fault -> fewer workers (s)": 110.0}.items()}
         out["selfheal (c) spot notice: notice -> just-in-time checkpoint (s)"] = 4.3
+        out["selfheal (b) GPU XID: XID -> the service drains (s)"] = 95.0
+        out["selfheal (b) GPU XID: drain -> fewer workers (s)"] = 15.0
         return out
 
     result = summarise([lab(44.7, 248.4, 57.6), lab(72.2, 189.4, 86.4)])
     assert result["lost_fewer_s"] == [44.7, 72.2] and result["lost_fewer_s_median"] == pytest.approx(58.45)
     assert result["lost_fewer_s_goal_met"] is False and result["lost_full_s_goal_met"] is True
     assert result["spot_redone_shrink_median"] == 0.0 and result["rounds"] == 2
+    # An XID's shrink is judged from the service's drain (15 s), not from the XID (110 s, the alert's 1 min in it).
+    assert result["xid_fewer_s_median"] == 110.0 and result["xid_fewer_s_goal_met"] is True
+    assert result["xid_alert_s_median"] == 95.0 and result["spot_notice_to_checkpoint_s"] == [4.3, 4.3]
     broken = lab(1, 2, 3)
     del broken["selfheal (c) spot notice: fault -> full size (s)"]
     with pytest.raises(RuntimeError, match="1 round.*spot notice: fault -> full size"):
