@@ -246,9 +246,21 @@ def clear_drained_nodes(preemption: Any, timeout_s: float | None = None) -> list
         while leaving and time.monotonic() < deadline:
             leaving &= {n["NodeID"] for n in ray.nodes() if n["Alive"]}
             time.sleep(0.25 if leaving else 0)
+        if leaving:  # the restart may now wait out the start timeout: say what holds the node
+            log.warning("drained node(s) %s still in the cluster after %.0f s; on them: %s",
+                        ", ".join(sorted(n[:12] for n in leaving)), timeout_s, _holders(leaving))
     except Exception as e:  # only an optimisation: Ray retries a start that cannot be placed
         log.warning("could not clear the drained nodes: %s", e)
     return drained
+
+
+def _holders(node_ids: set[str]) -> str:
+    """The live actors on ``node_ids`` (class and job): a drained raylet leaves only once idle."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)
+    held = sorted(f"{a.class_name} (job {a.job_id})" for a in actors if a.node_id in node_ids)
+    return ", ".join(held) or "no live actor (a task or a lease)"
 
 
 def refresh_capacity() -> None:

@@ -9,6 +9,7 @@ pace and the run cannot end before the resizes it checks.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -156,7 +157,8 @@ def test_a_run_whose_min_workers_never_fit_fails_with_a_message_after_min_wait(s
     assert "distributed.elastic.min_wait_s" in str(fit.error) and "min=4" in str(fit.error)
 
 
-def test_a_drains_restart_removes_this_jobs_placement_group_on_the_drained_node_and_no_other(slots: Path) -> None:
+def test_a_drains_restart_removes_this_jobs_placement_group_on_the_drained_node_and_no_other(
+        slots: Path, caplog: pytest.LogCaptureFixture) -> None:
     from ray.train.v2.api.preemption import PreemptionInfo
     from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
@@ -168,6 +170,13 @@ def test_a_drains_restart_removes_this_jobs_placement_group_on_the_drained_node_
         return placement_group([{"CPU": 0.01}], bundle_label_selector=[{"ray.io/node-id": node}])
 
     ours_drained, ours_kept = on(drained), on(kept)
+    # An actor of this job outside any placement group keeps the drained node busy: the callback names it.
+    class _Holder:
+        def ping(self) -> int:
+            return 1
+
+    holder = ray.remote(num_cpus=0)(_Holder).options(label_selector={"ray.io/node-id": drained}).remote()
+    ray.get(holder.ping.remote(), timeout=120)
     # Another job's placement group on the drained node, made by a driver of its own that has exited.
     other_job = f"""
 import ray
@@ -182,11 +191,14 @@ print(pg.id.hex())
     try:
         ray.get([ours_drained.ready(), ours_kept.ready()], timeout=120)
         # timeout_s=0: the mechanism only; how soon a drained node leaves depends on the machine's load.
-        assert clear_drained_nodes(PreemptionInfo(None, {drained: [0]}), timeout_s=0) == [drained]
+        with caplog.at_level(logging.WARNING, logger="runtime.train.elastic"):
+            assert clear_drained_nodes(PreemptionInfo(None, {drained: [0]}), timeout_s=0) == [drained]
+        assert f"{drained[:12]} still in the cluster" in caplog.text and "_Holder (job" in caplog.text, caplog.text
         state = {pg_id: pg["state"] for pg_id, pg in placement_group_table().items()}
         assert state[ours_drained.id.hex()] == "REMOVED"
         assert state[ours_kept.id.hex()] == "CREATED" and state[other] == "CREATED", state
     finally:
+        ray.kill(holder)
         for pg in (ours_kept, PlacementGroup(ray.PlacementGroupID.from_hex(other))):
             remove_placement_group(pg)
 
