@@ -255,12 +255,19 @@ def clear_drained_nodes(preemption: Any, timeout_s: float | None = None) -> list
 
 
 def _holders(node_ids: set[str]) -> str:
-    """The live actors on ``node_ids`` (class and job): a drained raylet leaves only once idle."""
+    """What is still on ``node_ids``: live actors (class and job) and objects in their object stores.
+    A drained raylet leaves only once idle, and Ray counts stored objects as work."""
+    from ray._private.state import available_resources_per_node, total_resources_per_node
     from ray.util.state import list_actors
 
     actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)
     held = sorted(f"{a.class_name} (job {a.job_id})" for a in actors if a.node_id in node_ids)
-    return ", ".join(held) or "no live actor (a task or a lease)"
+    free, total = available_resources_per_node(), total_resources_per_node()
+    for node in sorted(node_ids):
+        stored = total.get(node, {}).get("object_store_memory", 0) - free.get(node, {}).get("object_store_memory", 0)
+        if stored > 0:
+            held.append(f"{stored / 2**20:.1f} MiB of objects on {node[:12]}")
+    return ", ".join(held) or "no live actor and no stored object (a task or a lease)"
 
 
 def refresh_capacity() -> None:

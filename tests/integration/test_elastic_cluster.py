@@ -170,13 +170,15 @@ def test_a_drains_restart_removes_this_jobs_placement_group_on_the_drained_node_
         return placement_group([{"CPU": 0.01}], bundle_label_selector=[{"ray.io/node-id": node}])
 
     ours_drained, ours_kept = on(drained), on(kept)
-    # An actor of this job outside any placement group keeps the drained node busy: the callback names it.
+    # An actor of this job outside any placement group, and an object it stored there, keep the drained
+    # node busy: the callback names both.
     class _Holder:
-        def ping(self) -> int:
+        def keep(self) -> int:
+            self.kept = ray.put(b"x" * 4 * 2**20)  # 4 MiB: in the node's object store, not inlined
             return 1
 
     holder = ray.remote(num_cpus=0)(_Holder).options(label_selector={"ray.io/node-id": drained}).remote()
-    ray.get(holder.ping.remote(), timeout=120)
+    ray.get(holder.keep.remote(), timeout=120)
     # Another job's placement group on the drained node, made by a driver of its own that has exited.
     other_job = f"""
 import ray
@@ -194,6 +196,7 @@ print(pg.id.hex())
         with caplog.at_level(logging.WARNING, logger="runtime.train.elastic"):
             assert clear_drained_nodes(PreemptionInfo(None, {drained: [0]}), timeout_s=0) == [drained]
         assert f"{drained[:12]} still in the cluster" in caplog.text and "_Holder (job" in caplog.text, caplog.text
+        assert f"MiB of objects on {drained[:12]}" in caplog.text, caplog.text
         state = {pg_id: pg["state"] for pg_id, pg in placement_group_table().items()}
         assert state[ours_drained.id.hex()] == "REMOVED"
         assert state[ours_kept.id.hex()] == "CREATED" and state[other] == "CREATED", state
