@@ -239,6 +239,7 @@ def clear_drained_nodes(preemption: Any, timeout_s: float | None = None) -> list
             # A placement group id ends with its job's id.
             if pg["state"] == "CREATED" and pg_id.endswith(job) and on_drained & set(pg["bundles_to_node_id"].values()):
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+        _end_drain_watchers(on_drained, job)
         # A node where another job runs stays until its deadline: waiting for it would only add time.
         jobs = jobs_by_node()
         leaving = {n for n in on_drained if not jobs.get(n, set()) - {job}}
@@ -252,6 +253,27 @@ def clear_drained_nodes(preemption: Any, timeout_s: float | None = None) -> list
     except Exception as e:  # only an optimisation: Ray retries a start that cannot be placed
         log.warning("could not clear the drained nodes: %s", e)
     return drained
+
+
+def _end_drain_watchers(node_ids: set[str], job: str) -> None:
+    """End this job's Ray Train drain watchers on ``node_ids``.
+
+    Ray Train starts one per worker group (``PreemptionWatcher``, a zero-CPU actor Ray may place on
+    any node) and ends it when the group shuts down, which comes after this callback: one on a
+    drained node kept that node from leaving, and the restart waited out the start timeout (found on
+    the test hosts by :func:`_holders`). Ending it here is what that shutdown would do a moment
+    later; the next group gets a new one. The kill goes through this process's core worker, which
+    holds the watcher's handle: the controller created it.
+    """
+    import ray
+    from ray.util.state import list_actors
+
+    filters: list[tuple[str, str, str | bool | int | float]] = [
+        ("class_name", "=", "PreemptionWatcher"), ("state", "=", "ALIVE"), ("job_id", "=", job)]
+    core_worker = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]  # set once connected
+    for actor in list_actors(filters=filters, raise_on_missing_output=False):
+        if actor.node_id in node_ids:
+            core_worker.kill_actor(ray.ActorID.from_hex(actor.actor_id), True)
 
 
 def _holders(node_ids: set[str]) -> str:

@@ -157,10 +157,12 @@ def test_a_run_whose_min_workers_never_fit_fails_with_a_message_after_min_wait(s
     assert "distributed.elastic.min_wait_s" in str(fit.error) and "min=4" in str(fit.error)
 
 
-def test_a_drains_restart_removes_this_jobs_placement_group_on_the_drained_node_and_no_other(
+def test_a_drains_restart_removes_this_jobs_placement_group_and_drain_watcher_on_the_drained_node_and_no_other(
         slots: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ray.train.v2._internal.execution.preemption import PreemptionWatcher
     from ray.train.v2.api.preemption import PreemptionInfo
     from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+    from ray.util.state import list_actors
 
     from runtime.train.elastic import clear_drained_nodes
 
@@ -179,6 +181,12 @@ def test_a_drains_restart_removes_this_jobs_placement_group_on_the_drained_node_
 
     holder = ray.remote(num_cpus=0)(_Holder).options(label_selector={"ray.io/node-id": drained}).remote()
     ray.get(holder.keep.remote(), timeout=120)
+    # Ray Train's drain watcher, as its controller starts one per group (zero CPUs, any node): on the
+    # drained node, and on the kept one. This process stands for the controller that owns them.
+    watcher = ray.remote(num_cpus=0, max_restarts=-1)(PreemptionWatcher)
+    watchers = {node: watcher.options(label_selector={"ray.io/node-id": node}).remote(node_to_ranks={node: [0]})
+                for node in (drained, kept)}
+    ray.get([w.get_latest_preemption_info.remote() for w in watchers.values()], timeout=120)
     # Another job's placement group on the drained node, made by a driver of its own that has exited.
     other_job = f"""
 import ray
@@ -197,11 +205,21 @@ print(pg.id.hex())
             assert clear_drained_nodes(PreemptionInfo(None, {drained: [0]}), timeout_s=0) == [drained]
         assert f"{drained[:12]} still in the cluster" in caplog.text and "_Holder (job" in caplog.text, caplog.text
         assert f"MiB of objects on {drained[:12]}" in caplog.text, caplog.text
+        # The watcher on the drained node is ended (it alone would keep the node), the other one is not.
+        def watching() -> set[str]:
+            return {a.node_id for a in list_actors(filters=[("class_name", "=", "PreemptionWatcher"),
+                                                            ("state", "=", "ALIVE")], raise_on_missing_output=False)}
+
+        wait_for(lambda: drained not in watching(), "the drain watcher on the drained node to end", 30)
+        assert kept in watching(), watching()
+        assert "PreemptionWatcher" not in caplog.text, caplog.text
         state = {pg_id: pg["state"] for pg_id, pg in placement_group_table().items()}
         assert state[ours_drained.id.hex()] == "REMOVED"
         assert state[ours_kept.id.hex()] == "CREATED" and state[other] == "CREATED", state
     finally:
         ray.kill(holder)
+        for w in watchers.values():
+            ray.kill(w)
         for pg in (ours_kept, PlacementGroup(ray.PlacementGroupID.from_hex(other))):
             remove_placement_group(pg)
 
