@@ -65,6 +65,7 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
     if redis:
         ft_env = {"RAY_REDIS_ADDRESS": redis["address"],
                   "RAY_external_storage_namespace": f"rt-{ray_temp_dir(cluster_dir).rsplit('-', 1)[1]}"}
+    workers_low, workers_high = worker_ports(0)
     # With GCS fault tolerance the head runs detached and a watchdog restarts a dead GCS: `--block`
     # would stop the whole head node (its raylet and the workers on it) when the GCS dies.
     cmd = [
@@ -76,7 +77,7 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
         # on the machine (tests beside yours) has none: jobs get "No available agent to submit job".
         f"--dashboard-agent-listen-port={port('dashboard_agent')}",
         f"--temp-dir={ray_temp_dir(cluster_dir)}",
-        f"--min-worker-port={worker_ports(0)[0]}", f"--max-worker-port={worker_ports(0)[1]}",
+        f"--min-worker-port={workers_low}", f"--max-worker-port={workers_high}",
     ]
     if num_cpus:
         cmd.append(f"--num-cpus={num_cpus}")
