@@ -517,6 +517,9 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 # offline wheelhouse has no ansible-core for the head. Alertmanager sends it every alert.
                 "remediation_enabled": False,
                 "alertmanager_remediation_url": f"http://{lab.controller_address}:{REMEDIATION_PORT}/alerts",
+                # The lab's faults are real, so it need not wait out the shipped 2 min (1 min for an XID)
+                # that guard a fleet against paging on a restart: three failed 15-s scrapes still.
+                "prometheus_alert_for": {"NodeDown": "30s", "RayNodeDown": "30s", "GpuXidErrors": "15s"},
                 # What an operator keeps in a vault.
                 "prometheus_web_password": lab_secret(lab, "prometheus"),
                 "alertmanager_web_password": lab_secret(lab, "alertmanager"),

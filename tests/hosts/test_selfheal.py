@@ -53,7 +53,7 @@ FAKE_IMDS_PORT = 8111
 pytestmark = [
     pytest.mark.skipif(not labmod.TRAIN_SITE_PACKAGES.is_dir(),
                        reason="the training run needs the project's .venv (make setup)"),
-    # A scenario is an alert's 2 min `for:` plus a replacement playbook, and the first one may also
+    # A scenario is an alert's `for:` plus a replacement playbook, and the first one may also
     # bring the lab and site.yml up (pyproject's 900 s default is for a single test's work).
     pytest.mark.timeout(1800),
 ]
@@ -355,7 +355,7 @@ def test_a_gpu_xid_drains_the_node_the_run_shrinks_with_no_step_redone_and_the_n
                         f"{FAKE_DCGM_PORT} {WORKER_B}")
     _put(worker, sd_file, json.dumps([{"targets": [f"{_address(lab, WORKER_B)}:{FAKE_DCGM_PORT}"], "labels": {}}]))
     try:
-        # Prometheus finds and scrapes it (15 s each), GpuXidErrors is pending for its 1 min, then fires.
+        # Prometheus finds and scrapes it (15 s each), GpuXidErrors is pending for the lab's `for:`, then fires.
         decided = wait_for("the service's decision on GpuXidErrors",
                            lambda: [e for e in remediation.entries() if e.get("event") == "decision"
                                     and e.get("alert") == "GpuXidErrors"], 300)

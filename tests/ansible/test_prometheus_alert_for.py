@@ -1,0 +1,82 @@
+"""`prometheus_alert_for` changes only the named alerts' `for:` in the shipped rules, and refuses a
+name no rule file defines or a value that is not a duration before any host is touched.
+
+The install side runs the role's own filter on the repository's rule files and checks the result
+with the real promtool; the refusals run the role's preflight with the real ansible-playbook.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+from tests.support.ansible import ANSIBLE_DIR, run_preflight
+
+ROOT = ANSIBLE_DIR.parent
+RULES = sorted(str(p) for p in (ROOT / "alerts").glob("*.rules.yml"))
+PROMTOOL = shutil.which("promtool") or str(ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool")
+CHECK = "Assert prometheus_alert_for names alerts of the rule files, each with a duration."
+
+
+def _filters() -> ModuleType:
+    path = ANSIBLE_DIR / "roles" / "prometheus" / "filter_plugins" / "alert_for.py"
+    spec = importlib.util.spec_from_file_location("alert_for", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rules(text: str) -> dict[str, dict]:
+    return {r.get("alert") or r["record"]: r for g in yaml.safe_load(text)["groups"] for r in g["rules"]}
+
+
+@pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="promtool: run `make prometheus-tools`")
+def test_only_the_named_alerts_for_changes_and_promtool_accepts_the_file(tmp_path: Path) -> None:
+    source = (ROOT / "alerts" / "nodes.rules.yml").read_text()
+    installed = _filters().with_alert_for(source, {"NodeDown": "30s", "GpuXidErrors": "10s"})
+    before, after = _rules(source), _rules(installed)
+    assert after["NodeDown"]["for"] == "30s"
+    assert {**after["NodeDown"], "for": before["NodeDown"]["for"]} == before["NodeDown"]
+    assert {k: v for k, v in after.items() if k != "NodeDown"} == {k: v for k, v in before.items() if k != "NodeDown"}
+    (tmp_path / "nodes.rules.yml").write_text(installed)
+    check = subprocess.run([PROMTOOL, "check", "rules", str(tmp_path / "nodes.rules.yml")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_file_naming_none_of_the_alerts_is_installed_byte_for_byte() -> None:
+    source = (ROOT / "alerts" / "training.rules.yml").read_text()
+    assert _filters().with_alert_for(source, {"NodeDown": "30s"}) is source
+
+
+def _preflight(tmp_path: Path, alert_for: object) -> str:
+    proc = run_preflight("prometheus", {"prometheus_web_password": "p" * 16, "prometheus_rule_files": RULES,
+                                        "prometheus_alert_for": alert_for}, tmp_path)
+    marker = f"TASK [prometheus : {CHECK}]"
+    assert marker in proc.stdout, proc.stdout[-3000:]
+    return f"rc={proc.returncode}\n" + proc.stdout.split(marker, 1)[1].split("PLAY RECAP", 1)[0]
+
+
+def test_preflight_names_an_alert_no_rule_file_defines(tmp_path: Path) -> None:
+    out = _preflight(tmp_path, {"NodeDown": "30s", "NodeDwon": "30s"})
+    assert out.startswith("rc=2"), out
+    assert "prometheus_alert_for names alerts that no rule file defines: NodeDwon" in out, out
+
+
+def test_preflight_names_the_entry_that_is_not_a_duration(tmp_path: Path) -> None:
+    out = _preflight(tmp_path, {"NodeDown": "two minutes"})
+    assert out.startswith("rc=2"), out
+    assert ("prometheus_alert_for.NodeDown must be a Prometheus duration such as 30s or 2m; "
+            "got 'two minutes'") in out, out
+
+
+def test_preflight_passes_known_alerts_with_durations(tmp_path: Path) -> None:
+    out = _preflight(tmp_path, {"NodeDown": "30s", "GpuXidErrors": "1m30s"})
+    assert "ok: [localhost]" in out.split("TASK [", 1)[0], out
