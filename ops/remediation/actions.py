@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
@@ -81,16 +82,40 @@ class RayDrainer:
 
 
 class PlaybookReplacer:
-    """Runs the replacement command (ansible-playbook replace_node.yml) and waits for it."""
+    """Runs the replacement command (ansible-playbook replace_node.yml) and waits for it; with a
+    `log_dir`, keeps each run's whole output there, as an operator's own run would show it."""
 
-    def __init__(self, command: list[str], timeout_s: float) -> None:
-        self.command, self.timeout_s = command, timeout_s
+    def __init__(self, command: list[str], timeout_s: float, log_dir: str | None = None) -> None:
+        self.command, self.timeout_s, self.log_dir = command, timeout_s, log_dir
 
-    def replace(self, node: str) -> None:
+    def replace(self, node: str) -> str | None:
         argv = [arg.replace("{node}", node) for arg in self.command]
+        log = self._log_path(node)
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s, check=False)
         except subprocess.TimeoutExpired as err:
-            raise RuntimeError(f"{shlex.join(argv)} ran past {self.timeout_s:.0f} s") from err
+            if log:
+                log.write_text(f"$ {shlex.join(argv)}\n{_text(err.stdout)}{_text(err.stderr)}"
+                               f"ran past {self.timeout_s:.0f} s\n")
+            raise RuntimeError(f"{shlex.join(argv)} ran past {self.timeout_s:.0f} s{_see(log)}") from err
+        if log:
+            log.write_text(f"$ {shlex.join(argv)}\n{done.stdout}{done.stderr}exit {done.returncode}\n")
         if done.returncode != 0:
-            raise RuntimeError(f"{shlex.join(argv)} exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+            raise RuntimeError(f"{shlex.join(argv)} exited {done.returncode}{_see(log)}: "
+                               f"{(done.stdout + done.stderr)[-1500:]}")
+        return str(log) if log else None
+
+    def _log_path(self, node: str) -> Path | None:
+        if not self.log_dir:
+            return None
+        folder = Path(self.log_dir)
+        folder.mkdir(mode=0o750, parents=True, exist_ok=True)
+        return folder / f"replace-{node}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.log"
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
+def _see(log: Path | None) -> str:
+    return f" (whole output: {log})" if log else ""

@@ -33,8 +33,8 @@ class Drainer(Protocol):
 
 
 class Replacer(Protocol):
-    def replace(self, node: str) -> None:
-        """Replace the inventory host `node`; raise when it failed."""
+    def replace(self, node: str) -> str | None:
+        """Replace the inventory host `node`; raise when it failed. Returns where its output was kept, if it was."""
 
 
 @dataclass
@@ -152,14 +152,15 @@ class Remediator:
             for action in actions:
                 began = time.monotonic()
                 try:
+                    kept: dict[str, str] = {}
                     if action is Action.DRAIN:
                         result = "succeeded" if self._drainer.drain(self.policy.nodes[node]) == "drained" else "skipped"
                     else:
                         assert self._replacer is not None  # the policy refuses replace without a command
-                        self._replacer.replace(node)
-                        result = "succeeded"
+                        log = self._replacer.replace(node)
+                        result, kept = "succeeded", ({"log": log} if log else {})
                     _journal("action", node=node, action=action.value, result=result,
-                             seconds=round(time.monotonic() - began, 1))
+                             seconds=round(time.monotonic() - began, 1), **kept)
                 except Exception as err:
                     result = "failed"
                     _journal("action", node=node, action=action.value, result=result, error=str(err)[-2000:],

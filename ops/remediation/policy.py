@@ -66,6 +66,8 @@ class Replace(_Strict):
     command: list[str] = Field(min_length=1,
                                description="argv, e.g. ansible-playbook -i INV replace_node.yml -e node={node}.")
     timeout_s: float = Field(default=1800.0, gt=0, description="Seconds before a replacement counts as failed.")
+    log_dir: str | None = Field(default=None, description="Folder that keeps each replacement's whole output "
+                                "(replace-NODE-UTCTIME.log, named in the journal); unset keeps a failure's tail only.")
 
     @field_validator("command")
     @classmethod

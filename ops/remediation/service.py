@@ -30,7 +30,8 @@ def build(policy: Policy) -> tuple[Remediator, CollectorRegistry]:
     """The engine wired to the real actions the policy configures."""
     registry = CollectorRegistry()
     drainer = RayDrainer(policy.drain.gcs_address, policy.drain.deadline_s, policy.drain.wait_s)
-    replacer = PlaybookReplacer(policy.replace.command, policy.replace.timeout_s) if policy.replace else None
+    replacer = (PlaybookReplacer(policy.replace.command, policy.replace.timeout_s, policy.replace.log_dir)
+                if policy.replace else None)
     return Remediator(policy, drainer, replacer, registry), registry
 
 

@@ -21,7 +21,7 @@ def test_the_policy_carries_the_nodes_guard_rails_and_replacement_site_wires(tmp
     assert policy["nodes"] == {"gpu-0": "10.0.1.21"}
     assert policy["protected"] == ["head-0", "10.0.1.11"]
     assert policy["limits"] == {"per_node_per_hour": 1, "total_per_hour": 6}
-    assert policy["replace"] == {"command": command, "timeout_s": 1800}
+    assert policy["replace"] == {"command": command, "timeout_s": 1800, "log_dir": "/var/log/remediation"}
     assert [r["actions"] for r in policy["rules"]] == [["drain", "replace"]] * 3
     assert policy["dry_run"] is False
 

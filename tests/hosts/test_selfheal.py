@@ -39,7 +39,7 @@ from typing import Any
 import elastic_job
 import lab as labmod
 import pytest
-from conftest import ANSIBLE_DIR, NOTES, OPS_BIN, TIMINGS
+from conftest import ANSIBLE_DIR, NOTES, OPS_BIN, TIMINGS, recap
 
 from tests.support import stop_process
 
@@ -179,7 +179,7 @@ def remediation(lab: labmod.Lab, inventory: Path, hosts: Callable[[str], Any]) -
         "drain": {"gcs_address": f"{_address(lab, HEAD)}:6379", "deadline_s": 30, "wait_s": 60},
         "replace": {"command": [str(OPS_BIN / "ansible-playbook"), "-i", str(inventory),
                                 str(ANSIBLE_DIR / "playbooks" / "replace_node.yml"), "-e", "node={node}"],
-                    "timeout_s": 900},
+                    "timeout_s": 900, "log_dir": str(lab.workdir / "replacements")},
         "rules": [{"alert": "NodeDown", "actions": ["drain", "replace"]},
                   {"alert": "RayNodeDown", "actions": ["drain", "replace"]},
                   {"alert": "GpuXidErrors", "node_label": "node", "actions": ["drain", "replace"]}],
@@ -298,10 +298,24 @@ def _spare(lab: labmod.Lab, node: str) -> None:
 
 #### Scenarios, in order, on the one run ######################################
 
+def _known_host_keys(lab: labmod.Lab, name: str) -> set[str]:
+    """The host keys the controller's known_hosts holds for the node's SSH (public) address."""
+    # ssh-keygen -F finds hashed entries too (Debian's ssh_config hashes known hosts).
+    address = f"{lab.public_subnet}.{10 + labmod.TOPOLOGY[name]}"
+    out = subprocess.run(["ssh-keygen", "-F", address, "-f", str(lab.workdir / "known_hosts")],
+                         capture_output=True, text=True, check=False).stdout
+    return {line.split(" ", 1)[1] for line in out.splitlines() if line and not line.startswith("#")}
+
+
 def test_a_lost_worker_is_replaced_and_the_run_grows_back_while_the_heads_alert_is_refused(
         lab: labmod.Lab, hosts: Callable[[str], Any], training: Run, remediation: Service) -> None:
     head = hosts(HEAD)
     head_started = {unit: _unit_started(head, unit) for unit in ("ray-head", "prometheus")}
+    # The worker that stays: the replacement may not reboot it or restart its services.
+    kept = {unit: _unit_started(hosts(WORKER_B), unit) for unit in ("ray-worker", "prometheus-node-exporter")}
+    kept_boot = hosts(WORKER_B).file("/proc/sys/kernel/random/boot_id").content_string.strip()
+    old_key = _known_host_keys(lab, WORKER_A)
+    assert old_key, "site.yml's connections recorded no host key for worker1"
     fault_t = time.time()
     # The head's own NodeDown fires at the same time as the worker's: the service must refuse it.
     head.check_output("systemctl stop prometheus-node-exporter")
@@ -318,6 +332,19 @@ def test_a_lost_worker_is_replaced_and_the_run_grows_back_while_the_heads_alert_
     assert not any(e.get("event") == "action" and e.get("node") not in (WORKER_A, WORKER_B)
                    for e in remediation.entries()), remediation.entries()
     assert {unit: _unit_started(head, unit) for unit in head_started} == head_started
+    # What replace_node.yml did, from its whole output the service kept: it joined the bare machine and
+    # changed nothing on the other hosts (the head only ran read-only checks).
+    replaced = remediation.actions(WORKER_A, "replace")[-1]
+    output = Path(replaced["log"]).read_text()
+    assert "worker1 replaced: 3 alive Ray nodes" in output, output[-3000:]
+    changed_elsewhere = {h: c["changed"] for h, c in recap(output).items()
+                         if h not in (WORKER_A, "localhost") and c["changed"]}
+    assert set(changed_elsewhere) <= {HEAD}, output[-4000:]
+    assert {unit: _unit_started(hosts(WORKER_B), unit) for unit in kept} == kept
+    assert hosts(WORKER_B).file("/proc/sys/kernel/random/boot_id").content_string.strip() == kept_boot
+    # The re-imaged machine's new host key replaced the old one (accept-new), nothing else.
+    new_key = _known_host_keys(lab, WORKER_A)
+    assert new_key and new_key != old_key
 
 
 # A DCGM exporter as a GPU with a fatal XID shows it (79: fallen off the bus), on the port the real

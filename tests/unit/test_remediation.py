@@ -3,6 +3,7 @@ replacement is a real command the service runs)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,30 @@ def test_a_failed_replacement_is_counted_as_failed(tmp_path):
     engine.handle({"alerts": [_alert("NodeDown", "x1", instance="10.0.0.21")]})
     assert engine.wait_idle(60)
     assert _count(registry, "replace", "failed") == 1
+
+
+def test_each_replacement_keeps_its_whole_output_and_the_journal_names_the_file(tmp_path, caplog):
+    engine, _, _, _, _ = _engine(tmp_path)
+    talk = "import sys; print('PLAY RECAP', sys.argv[1]); print('x' * 3000); print('to stderr', file=sys.stderr)"
+    engine._replacer = PlaybookReplacer([sys.executable, "-c", talk, "{node}"], 60, str(tmp_path / "logs"))
+    with caplog.at_level("INFO", logger="remediation"):
+        engine.handle({"alerts": [_alert("NodeDown", "l1", instance="10.0.0.21")]})
+        assert engine.wait_idle(60)
+    [entry] = [json.loads(r.getMessage()) for r in caplog.records if '"action": "replace"' in r.getMessage()]
+    assert entry["result"] == "succeeded", entry
+    kept = Path(entry["log"]).read_text()
+    assert Path(entry["log"]).parent == tmp_path / "logs" and Path(entry["log"]).name.startswith("replace-gpu-0-")
+    assert "PLAY RECAP gpu-0" in kept and "x" * 3000 in kept and "to stderr" in kept and kept.endswith("exit 0\n")
+
+
+def test_a_failed_replacement_names_its_kept_output_in_the_error(tmp_path, caplog):
+    engine, _, _, _, _ = _engine(tmp_path)
+    engine._replacer = PlaybookReplacer([sys.executable, "-c", "print('fatal: host gone'); raise SystemExit(4)",
+                                         "{node}"], 60, str(tmp_path / "logs"))
+    with caplog.at_level("INFO", logger="remediation"):
+        engine.handle({"alerts": [_alert("NodeDown", "l2", instance="10.0.0.21")]})
+        assert engine.wait_idle(60)
+    [entry] = [json.loads(r.getMessage()) for r in caplog.records if '"action": "replace"' in r.getMessage()]
+    [kept] = (tmp_path / "logs").iterdir()
+    assert entry["result"] == "failed" and f"(whole output: {kept})" in entry["error"], entry
+    assert "fatal: host gone" in kept.read_text() and kept.read_text().endswith("exit 4\n")
