@@ -136,12 +136,13 @@ class CheckpointManager(CheckpointReader):
         on_failure: Literal["continue", "stop"] = "continue",
         fsync: bool = True,
         storage: Storage | None = None,
+        s3_retry_s: float | None = None,
     ) -> None:
         if on_failure not in ("continue", "stop"):
             raise ValueError(f"on_failure must be 'continue' or 'stop', got {on_failure!r}")
         if keep < 0:
             raise ValueError(f"keep must be >= 0 (0 = keep all), got {keep}")
-        super().__init__(storage_uri, endpoint_url=endpoint_url, storage=storage)
+        super().__init__(storage_uri, endpoint_url=endpoint_url, storage=storage, s3_retry_s=s3_retry_s)
         self.keep = keep
         self.metrics = metrics or CheckpointMetrics()
         self.on_failure = on_failure

@@ -39,8 +39,12 @@ class CheckpointReader:
     """The checkpoints of one storage root, read-only (it only puts back a copy an interrupted
     re-save left aside, so that reading sees the committed folder)."""
 
-    def __init__(self, storage_uri: str, endpoint_url: str | None = None, storage: Storage | None = None) -> None:
-        self.storage: Storage = storage or open_storage(storage_uri, endpoint_url=endpoint_url)
+    def __init__(self, storage_uri: str, endpoint_url: str | None = None, storage: Storage | None = None,
+                 s3_retry_s: float | None = None) -> None:
+        """``s3_retry_s``: how long an S3 call rides out an unreachable endpoint (the job's
+        ``checkpoint.s3_retry_s``; None = the backend's default)."""
+        retry = {} if s3_retry_s is None else {"retry_seconds": s3_retry_s}
+        self.storage: Storage = storage or open_storage(storage_uri, endpoint_url=endpoint_url, **retry)
         self._known_good: dict[str, str] = {}  # name -> sha256 of a manifest verified/written here
 
     def _folders(self) -> dict[str, dict[str, int]]:

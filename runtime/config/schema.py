@@ -413,6 +413,9 @@ class CheckpointConfig(Strict):
     keep: int = Field(3, ge=1, description="Valid checkpoints kept; the newest valid one is never deleted.")
     max_failures: int = Field(3, ge=-1, description="Worker-group restarts Ray may do; -1 = unlimited.")
     on_failure: Literal["continue", "stop"] = Field("continue", description="When a save fails.")
+    s3_retry_s: float = Field(
+        60.0, gt=0, description="How long a checkpoint save or load on S3 rides out an unreachable endpoint, "
+                                "retrying with backoff, before it counts as failed (on_failure then decides).")
     on_node_drain: Literal["checkpoint", "ignore"] = Field(
         "checkpoint",
         description="When Ray drains a node of the run (a spot notice, the remediation service): checkpoint = commit "

@@ -249,7 +249,8 @@ def export_final_model(checkpoint_uri: str, cfg: JobConfig, out_dir: Path) -> Pa
     from runtime.checkpoint import CheckpointManager
 
     try:
-        mgr = CheckpointManager(checkpoint_uri, keep=cfg.checkpoint.keep, endpoint_url=cfg.checkpoint.endpoint_url)
+        mgr = CheckpointManager(checkpoint_uri, keep=cfg.checkpoint.keep, endpoint_url=cfg.checkpoint.endpoint_url,
+                               s3_retry_s=cfg.checkpoint.s3_retry_s)
         ref, payload, _ = mgr.load_latest()
         mgr.close()
     except Exception as e:

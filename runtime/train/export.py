@@ -47,7 +47,8 @@ def final_model(checkpoint_uri: str, cfg: JobConfig) -> FinalModel | None:
     """The newest valid checkpoint under ``checkpoint_uri`` as a network in eval mode; None without one."""
     from runtime.checkpoint import CheckpointManager
 
-    with CheckpointManager(checkpoint_uri, keep=cfg.checkpoint.keep, endpoint_url=cfg.checkpoint.endpoint_url) as mgr:
+    with CheckpointManager(checkpoint_uri, keep=cfg.checkpoint.keep, endpoint_url=cfg.checkpoint.endpoint_url,
+                           s3_retry_s=cfg.checkpoint.s3_retry_s) as mgr:
         ref, payload, _ = mgr.load_latest()
         if ref is None or payload is None:
             return None

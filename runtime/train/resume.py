@@ -256,4 +256,4 @@ def build_checkpointer(cfg: JobConfig, run: RunInfo, gauges: WorkerMetrics | Non
         )
     c = cfg.checkpoint
     return CheckpointManager(run.checkpoint_uri, keep=c.keep, endpoint_url=c.endpoint_url, metrics=cm,
-                             on_failure=c.on_failure)
+                             on_failure=c.on_failure, s3_retry_s=c.s3_retry_s)

@@ -456,7 +456,9 @@ def test_s3_run_rides_out_refused_connections_from_a_commit_on_then_resumes_with
     watcher = _OutageThenStop(proxy, tmp_path / "runs" / "s3run")
     try:
         sets = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=1",
-                "checkpoint.interval_steps=2", f"checkpoint.endpoint_url={proxy.endpoint}"]
+                "checkpoint.interval_steps=2", f"checkpoint.endpoint_url={proxy.endpoint}",
+                # The outage need only outlast a save's retries: 60 s by default, trained through at full speed.
+                "checkpoint.s3_retry_s=10"]
         capfd.readouterr()
         try:  # stopped by the watcher's marker once the outage is over (the step bound is only a backstop)
             first = train(job("digits_smoke", "s3://rt-env/runs", *sets, "train.max_steps=20000"), "s3run",
@@ -476,6 +478,8 @@ def test_s3_run_rides_out_refused_connections_from_a_commit_on_then_resumes_with
               f"{watcher.facts['back_after_s']:.1f} s after S3 was back; stopped at step {last}")
         assert [h["step"] for h in history] == list(range(1, last + 1)), "a step reported twice, out of order or lost"
         assert history[-1].get("final") and last > watcher.facts["committed_after"]
+        # The save failed once the job's window (not the 60-s default) was spent: the setting reached the workers.
+        assert 10 <= watcher.facts["outage_s"] < 60, watcher.facts
         lines = console_text.splitlines()
         assert sum("checkpoint saves failing at step" in ln for ln in lines) == 1, console_text[-6000:]
         assert sum("checkpoint storage is back" in ln for ln in lines) == 1, console_text[-6000:]
