@@ -1,15 +1,19 @@
 """`prometheus_alert_for` changes only the named alerts' `for:` in the shipped rules, and refuses a
 name no rule file defines or a value that is not a duration before any host is touched.
 
-The install side runs the role's own filter on the repository's rule files and checks the result
-with the real promtool; the refusals run the role's preflight with the real ansible-playbook.
+The install side runs the role's own install expression with the real ansible-playbook on the
+repository's rule files and checks the result with the real promtool; the refusals run the role's
+preflight with the real ansible-playbook.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -37,10 +41,31 @@ def _rules(text: str) -> dict[str, dict]:
     return {r.get("alert") or r["record"]: r for g in yaml.safe_load(text)["groups"] for r in g["rules"]}
 
 
+def _install(tmp_path: Path, rule_file: Path, alert_for: dict[str, str]) -> str:
+    """The role's install expression run by the real ansible-playbook (its values are Ansible's own
+    tagged strings, not the plain ones a direct call passes): the text it would install."""
+    configure = yaml.safe_load((ANSIBLE_DIR / "roles" / "prometheus" / "tasks" / "configure.yml").read_text())
+    [install] = [t for t in configure if t["name"].startswith("Install alert and recording rules")]
+    dest = tmp_path / rule_file.name
+    play = [{"hosts": "localhost", "gather_facts": False,
+             "vars": {"prometheus_alert_for": alert_for, "item": str(rule_file)},
+             "tasks": [{"name": "Install.", "ansible.builtin.copy": {
+                 "content": install["ansible.builtin.copy"]["content"], "dest": str(dest), "mode": "0644"}}]}]
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_FILTER_PLUGINS=str(ANSIBLE_DIR / "roles" / "prometheus" / "filter_plugins"))
+    local = json.dumps({"ansible_python_interpreter": sys.executable})
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", local, str(tmp_path / "play.yml")],
+                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return dest.read_text()
+
+
 @pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="promtool: run `make prometheus-tools`")
 def test_only_the_named_alerts_for_changes_and_promtool_accepts_the_file(tmp_path: Path) -> None:
     source = (ROOT / "alerts" / "nodes.rules.yml").read_text()
-    installed = _filters().with_alert_for(source, {"NodeDown": "30s", "GpuXidErrors": "10s"})
+    installed = _install(tmp_path, ROOT / "alerts" / "nodes.rules.yml", {"NodeDown": "30s", "GpuXidErrors": "10s"})
     before, after = _rules(source), _rules(installed)
     assert after["NodeDown"]["for"] == "30s"
     assert {**after["NodeDown"], "for": before["NodeDown"]["for"]} == before["NodeDown"]

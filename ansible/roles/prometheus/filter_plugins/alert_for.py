@@ -26,7 +26,8 @@ def _check(overrides: dict[str, Any]) -> dict[str, str]:
         if not isinstance(value, str) or not value or not DURATION.match(value):
             raise AnsibleFilterError(f"prometheus_alert_for.{name} must be a Prometheus duration such as 30s or 2m; "
                                      f"got {value!r}")
-    return dict(overrides)
+    # Plain str: Ansible hands tagged str subclasses, which yaml.safe_dump cannot represent.
+    return {str(name): str(value) for name, value in overrides.items()}
 
 
 def _alerts(text: str) -> list[dict[str, Any]]:
