@@ -113,7 +113,7 @@ test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts)
 test-cpu: ## make test under process accounting (root; Debian's acct): CPU minutes per command, where the suite's time goes.
 	@command -v accton >/dev/null || apt-get install -y -q acct >/dev/null
 	@mkdir -p .cache && : > .cache/test.pacct && accton $(CURDIR)/.cache/test.pacct >/dev/null
-	@$(MAKE) --no-print-directory test; rc=$$?; accton off >/dev/null; \
+	@rc=0; $(MAKE) --no-print-directory test || rc=$$?; accton off >/dev/null; \
 	  echo "CPU by command (calls, %, real min, CPU min; processes still running at the end are not counted):"; \
 	  sa -f .cache/test.pacct -a -c | sed -n 1,30p; exit $$rc
 

@@ -3,19 +3,23 @@
 The decision is synchronous (the webhook's reply lists it, the journal logs it); the actions run
 in one thread per node, so a 20-minute playbook never blocks the next notification. Guard rails,
 in the order they are checked: a known worker (never the head or an unknown host), an alert not
-acted on before (Alertmanager re-sends firing groups), a global and a per-node hourly budget (once
-spent the service halts for that node until restarted: a human must look), one action per node.
+acted on before (Alertmanager re-sends firing groups), one action per node, an alert that began
+after the node's last replacement finished (one that began before is about the machine replaced:
+an in-place re-provisioning stops the node's exporters for a while), a global and a per-node
+hourly budget (once spent the service halts for that node until restarted: a human must look).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -56,6 +60,7 @@ class Remediator:
     def __init__(self, policy: Policy, drainer: Drainer, replacer: Replacer | None,
                  registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic) -> None:
         self.policy, self._drainer, self._replacer, self._clock = policy, drainer, replacer, clock
+        self._replaced: dict[str, float] = {}  # node -> when (epoch s) its last replacement finished
         self._lock = threading.Lock()
         self._busy: dict[str, threading.Thread] = {}
         self._seen: set[tuple[str, str]] = set()
@@ -114,6 +119,11 @@ class Remediator:
             return "duplicate", "this firing of the alert was already acted on"
         if node in self._busy:
             return "busy", "a remediation of this node is still running"
+        began, replaced = _started_at(alert), self._replaced.get(node)
+        if began is not None and replaced is not None and began < replaced:
+            return "stale", (f"began before {node}'s replacement finished "
+                             f"({datetime.fromtimestamp(replaced).astimezone().isoformat(timespec='seconds')}): "
+                             "it is about the machine replaced")
         now = self._clock()
         for window in (self._total, *self._per_node.values()):
             while window and window[0] <= now - HOUR_S:
@@ -159,6 +169,8 @@ class Remediator:
                         assert self._replacer is not None  # the policy refuses replace without a command
                         log = self._replacer.replace(node)
                         result, kept = "succeeded", ({"log": log} if log else {})
+                        with self._lock:
+                            self._replaced[node] = time.time()
                     _journal("action", node=node, action=action.value, result=result,
                              seconds=round(time.monotonic() - began, 1), **kept)
                 except Exception as err:
@@ -170,6 +182,19 @@ class Remediator:
             with self._lock:
                 self._busy.pop(node, None)
                 self.in_progress.set(len(self._busy))
+
+
+_RFC3339 = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
+
+
+def _started_at(alert: dict[str, Any]) -> float | None:
+    """The alert's startsAt (Alertmanager's RFC 3339, nanoseconds and all) as epoch seconds; None if absent."""
+    m = _RFC3339.match(str(alert.get("startsAt", "")))
+    if not m:
+        return None
+    micros = (m.group(2) or "0")[:6].ljust(6, "0")
+    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
+    return datetime.fromisoformat(f"{m.group(1)}.{micros}{zone}").timestamp()
 
 
 def _journal(event: str, **fields: Any) -> None:

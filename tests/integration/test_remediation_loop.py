@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,7 @@ def test_a_lost_worker_is_replaced_once_then_halts_when_it_fails_again(loop):
     assert _replaced(loop) == ["worker-lost"]
     # The policy allows one replacement per node per hour: the node failing again halts.
     again = {"status": "firing", "labels": {"alertname": "RayNodeDown", "instance": loop["workers"]["worker-lost"]},
-             "startsAt": "2026-11-25T00:00:00Z", "fingerprint": "again"}
+             "startsAt": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"), "fingerprint": "again"}
     reply = requests.post(f"{loop['service']}/alerts", json={"alerts": [again]}, timeout=10).json()
     assert [d["result"] for d in reply["decisions"]] == ["halted"]
     assert 'remediation_halted{node="worker-lost"} 1.0' in requests.get(f"{loop['service']}/metrics", timeout=5).text

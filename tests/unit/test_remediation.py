@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +88,11 @@ def _engine(tmp_path: Path, **change: Any) -> tuple[Remediator, Recorder, Path, 
     return Remediator(policy, drainer, replacer, registry, clock=clock), drainer, record, clock, registry
 
 
-def _alert(name: str, fingerprint: str, **labels: str) -> dict[str, Any]:
+def _alert(name: str, fingerprint: str, starts: datetime | None = None, **labels: str) -> dict[str, Any]:
+    """A firing alert as Alertmanager posts it (startsAt in RFC 3339 with nanoseconds); it began now unless told."""
+    began = (starts or datetime.now(timezone.utc)).astimezone(timezone.utc)
     return {"status": "firing", "labels": {"alertname": name, **labels}, "fingerprint": fingerprint,
-            "startsAt": f"2026-11-25T00:00:{fingerprint[-1:]}Z"}
+            "startsAt": began.strftime("%Y-%m-%dT%H:%M:%S.%f") + "123Z"}
 
 
 def _count(registry: CollectorRegistry, action: str, result: str) -> float:
@@ -213,3 +216,19 @@ def test_a_failed_replacement_names_its_kept_output_in_the_error(tmp_path, caplo
     [kept] = (tmp_path / "logs").iterdir()
     assert entry["result"] == "failed" and f"(whole output: {kept})" in entry["error"], entry
     assert "fatal: host gone" in kept.read_text() and kept.read_text().endswith("exit 4\n")
+
+
+def test_an_alert_that_began_before_the_nodes_replacement_finished_is_stale_and_one_after_is_acted_on(tmp_path):
+    """An in-place re-provisioning stops the node's exporters: NodeDown may fire for it while the playbook
+    runs and reach the service after it is done; that firing is about the machine replaced."""
+    engine, drainer, record, _, _ = _engine(tmp_path)
+    before = datetime.now(timezone.utc) - timedelta(seconds=30)
+    engine.handle({"alerts": [_alert("GpuXidErrors", "x1", node="gpu-0")]})
+    assert engine.wait_idle(60) and record.read_text().split() == ["gpu-0"]
+    [stale] = engine.handle({"alerts": [_alert("NodeDown", "s1", starts=before, instance="10.0.0.21:9100")]})
+    assert stale.result == "stale" and "began before gpu-0's replacement finished" in stale.reason, stale
+    # The other node, and this node's next firing, are unaffected.
+    [other] = engine.handle({"alerts": [_alert("NodeDown", "s2", starts=before, instance="10.0.0.22:9100")]})
+    [later] = engine.handle({"alerts": [_alert("NodeDown", "s3", instance="10.0.0.21:9100")]})
+    assert (other.result, later.result) == ("started", "started")
+    assert engine.wait_idle(60) and drainer.drained == ["10.0.0.21", "10.0.0.22", "10.0.0.21"]
