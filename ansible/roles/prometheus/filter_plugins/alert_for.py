@@ -30,14 +30,14 @@ def _check(overrides: dict[str, Any]) -> dict[str, str]:
     return {str(name): str(value) for name, value in overrides.items()}
 
 
-def _alerts(text: str) -> list[dict[str, Any]]:
-    return [rule for group in (yaml.safe_load(text) or {}).get("groups", [])
-            for rule in group.get("rules", []) if "alert" in rule]
+def _alerts(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The alerting rules of a parsed rule file (recording rules left out), as the file's own dicts."""
+    return [rule for group in data.get("groups", []) for rule in group.get("rules", []) if "alert" in rule]
 
 
 def alert_for_unknown(overrides: dict[str, Any], texts: list[str]) -> list[str]:
     """The alert names in ``overrides`` that no rule file defines (a typo would silently change nothing)."""
-    known = {rule["alert"] for text in texts for rule in _alerts(text)}
+    known = {rule["alert"] for text in texts for rule in _alerts(yaml.safe_load(text) or {})}
     return sorted(set(_check(overrides)) - known)
 
 
@@ -45,13 +45,11 @@ def with_alert_for(text: str, overrides: dict[str, Any]) -> str:
     """``text`` (a rule file) with the `for:` of each alert in ``overrides``; unchanged when it has none."""
     wanted = _check(overrides)
     data = yaml.safe_load(text) or {}
-    hit = False
-    for group in data.get("groups", []):
-        for rule in group.get("rules", []):
-            if rule.get("alert") in wanted:
-                rule["for"], hit = wanted[rule["alert"]], True
-    if not hit:
+    named = [rule for rule in _alerts(data) if rule["alert"] in wanted]
+    if not named:
         return text
+    for rule in named:
+        rule["for"] = wanted[rule["alert"]]
     head = f"# Installed by Ansible with prometheus_alert_for applied to: {', '.join(sorted(wanted))}.\n"
     return head + yaml.safe_dump(data, sort_keys=False, width=1000, allow_unicode=True)
 
