@@ -283,6 +283,10 @@ def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, floa
         f"--dashboard-agent-grpc-port={ports['agent_grpc']}", f"--runtime-env-agent-port={ports['runtime_env']}",
         f"--min-worker-port={low}", f"--max-worker-port={high}", "--disable-usage-stats",
         f"--resources={json.dumps(resources or {})}",
+        # Every raylet here writes into the head's session folder, which the head's log monitor
+        # already tails: a monitor per node would send each worker line to a `--verbose` driver
+        # once per node (Ray: one log monitor per physical host), and cost ~5 CPU-s a node.
+        "--include-log-monitor=false",
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")

@@ -1,19 +1,38 @@
-"""`make cluster-up && make cluster-down` starts the embedded cluster and leaves nothing behind."""
+"""`make cluster-up NODES=2 && make cluster-down` starts the embedded cluster, a verbose driver on it
+prints each worker line once, and `down` leaves nothing behind."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT, free_port
+from tests.support import ROOT, free_port, wait_for
 from tests.support.cluster import SERVICES
 
 pytestmark = pytest.mark.slow
+
+# A driver as `--verbose` connects (log_to_driver): a task on each node prints a marker, then the
+# driver waits to be stopped, so any copy of a line still on its way has time to arrive.
+VERBOSE_DRIVER = """
+import ray, time
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+ray.init(log_to_driver=True)
+@ray.remote(num_cpus=1)
+def say(i):
+    print(f"MARKER-{i}", flush=True)
+    return ray.get_runtime_context().get_node_id()
+nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+ran_on = ray.get([say.options(scheduling_strategy=On(n, soft=False)).remote(i) for i, n in enumerate(nodes)])
+print("nodes", len(set(ran_on)), flush=True)
+time.sleep(120)
+"""
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -30,21 +49,52 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def verbose_driver_output(env: dict[str, str]) -> str:
+    """What the driver printed once both markers arrived and 5 s more passed."""
+    out = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-c", VERBOSE_DRIVER], env=env, stdout=out, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        def printed() -> str:
+            out.seek(0)
+            return out.read()
+        wait_for(lambda: all(f"MARKER-{i}" in printed() for i in range(2)) or proc.poll() is not None,
+                 "both markers", 120)
+        time.sleep(5)
+        return printed()
+    finally:
+        proc.kill()
+        proc.wait()
+        out.close()
+
+
 def test_make_cluster_up_then_down_leaves_no_process_behind(tmp_path: Path) -> None:
     cdir = tmp_path / "cluster"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RT_"))}
     env.update({"RT_CLUSTER_DIR": str(cdir), "MAKEFLAGS": ""})
     for name in SERVICES:
         env[f"RT_{name.upper()}_PORT"] = str(free_port())
-    up = subprocess.run(["make", "cluster-up"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    up = subprocess.run(["make", "cluster-up", "NODES=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=600)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
     for service in ("Ray:", "MLflow:", "Prometheus:"):
         assert service in up.stdout
     state = json.loads((cdir / "state.json").read_text())
     pids = [state[s]["pid"] for s in ("ray", "mlflow", "prometheus", "node_exporter")]
+    pids += [n["pid"] for n in state["nodes"]]
     status = subprocess.run(["make", "cluster-status"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=120)
     assert "ray         up" in status.stdout and "mlflow      up" in status.stdout, status.stdout
+    assert "head + 1 more on this machine" in status.stdout, status.stdout
+
+    # Both raylets write into one session folder: with a log monitor on each node, every line
+    # reached the driver once per node.
+    from runtime.cluster.local import auth_env
+
+    printed = verbose_driver_output({**env, **auth_env(cdir), "RAY_ADDRESS": state["ray"]["address"]})
+    assert "nodes 2" in printed, printed[-3000:]
+    for i in range(2):
+        assert printed.count(f"MARKER-{i}") == 1, printed[-3000:]
 
     down = subprocess.run(["make", "cluster-down"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert down.returncode == 0, down.stderr
