@@ -54,7 +54,8 @@ def auth_env(cluster_dir: Path) -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
 
 
-def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | None = None) -> dict[str, Any]:
+def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | None = None,
+            log_monitor: bool = True) -> dict[str, Any]:
     """``ray start --head --block`` in its own process group, so `down` can stop exactly it.
 
     With ``redis`` (GCS fault tolerance) the GCS keeps its tables there, under a namespace of this
@@ -81,6 +82,8 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
     ]
     if num_cpus:
         cmd.append(f"--num-cpus={num_cpus}")
+    if not log_monitor:
+        cmd.append("--include-log-monitor=false")
     if redis:
         cmd.append(f"--redis-password={Path(redis['password_file']).read_text().strip()}")
     log = cluster_dir / "logs" / "ray.log"
@@ -344,12 +347,14 @@ ADD_NODE_ATTEMPTS = 5
 
 def up(cdir: Path | None = None, num_cpus: int | None = None, with_mlflow: bool = True,
        with_prometheus: bool = True, nodes: int = 1, gcs_ft: bool | None = None,
-       training_scrape_s: float = 5) -> dict[str, Any]:
+       training_scrape_s: float = 5, log_monitor: bool = True) -> dict[str, Any]:
     """Start what is not already running; idempotent. ``nodes`` > 1 adds raylets on this machine
     (``num_cpus`` logical CPUs each) until the cluster has that many nodes, head included.
     ``training_scrape_s``: Prometheus's scrape interval for the training workers' exporters.
     ``gcs_ft`` (default: RT_GCS_FT, i.e. `make cluster-up GCS_FT=1`) starts Redis first and the
-    head's GCS with its tables there, so it survives a restart (docs/operations.md)."""
+    head's GCS with its tables there, so it survives a restart (docs/operations.md).
+    ``log_monitor=False``: the head tails no worker log for drivers, so a ``--verbose`` driver
+    prints none of its workers' output (for a cluster whose drivers never ask, as the test suite's)."""
     cluster_dir = cdir or default_cluster_dir()
     state = load_state(cluster_dir)
     gcs_ft = gcs_ft_requested() if gcs_ft is None else gcs_ft
@@ -357,7 +362,7 @@ def up(cdir: Path | None = None, num_cpus: int | None = None, with_mlflow: bool 
         state["redis"] = redis_up(cluster_dir)
         save_state(state, cluster_dir)
     if not (state.get("ray") and port_open("127.0.0.1", port("ray"))):
-        state["ray"] = _ray_up(cluster_dir, num_cpus, state.get("redis") if gcs_ft else None)
+        state["ray"] = _ray_up(cluster_dir, num_cpus, state.get("redis") if gcs_ft else None, log_monitor)
         state["nodes"] = []
         save_state(state, cluster_dir)
     if nodes > 1:
