@@ -76,27 +76,30 @@ def test_make_cluster_up_then_down_leaves_no_process_behind(tmp_path: Path) -> N
         env[f"RT_{name.upper()}_PORT"] = str(free_port())
     up = subprocess.run(["make", "cluster-up", "NODES=2"], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=600)
-    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
-    for service in ("Ray:", "MLflow:", "Prometheus:"):
-        assert service in up.stdout
-    state = json.loads((cdir / "state.json").read_text())
-    pids = [state[s]["pid"] for s in ("ray", "mlflow", "prometheus", "node_exporter")]
-    pids += [n["pid"] for n in state["nodes"]]
-    status = subprocess.run(["make", "cluster-status"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert "ray         up" in status.stdout and "mlflow      up" in status.stdout, status.stdout
-    assert "head + 1 more on this machine" in status.stdout, status.stdout
+    # A failed check still stops the cluster: a half-checked one would run on beside the suite.
+    try:
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        for service in ("Ray:", "MLflow:", "Prometheus:"):
+            assert service in up.stdout
+        state = json.loads((cdir / "state.json").read_text())
+        pids = [state[s]["pid"] for s in ("ray", "mlflow", "prometheus", "node_exporter")]
+        pids += [n["pid"] for n in state["nodes"]]
+        status = subprocess.run(["make", "cluster-status"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert "ray         up" in status.stdout and "mlflow      up" in status.stdout, status.stdout
+        assert "head + 1 more on this machine" in status.stdout, status.stdout
 
-    # Both raylets write into one session folder: with a log monitor on each node, every line
-    # reached the driver once per node.
-    from runtime.cluster.local import auth_env
+        # Both raylets write into one session folder: with a log monitor on each node, every line
+        # reached the driver once per node.
+        from runtime.cluster.local import auth_env
 
-    printed = verbose_driver_output({**env, **auth_env(cdir), "RAY_ADDRESS": state["ray"]["address"]})
-    assert "nodes 2" in printed, printed[-3000:]
-    for i in range(2):
-        assert printed.count(f"MARKER-{i}") == 1, printed[-3000:]
-
-    down = subprocess.run(["make", "cluster-down"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        printed = verbose_driver_output({**env, **auth_env(cdir), "RAY_ADDRESS": state["ray"]["address"]})
+        assert "nodes 2" in printed, printed[-3000:]
+        for i in range(2):
+            assert printed.count(f"MARKER-{i}") == 1, printed[-3000:]
+    finally:
+        down = subprocess.run(["make", "cluster-down"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
     assert down.returncode == 0, down.stderr
     time.sleep(1)
     alive = [p for p in pids if Path(f"/proc/{p}").exists()]
