@@ -20,17 +20,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 RELEASE_REASON = "training run committed a checkpoint: node released"
 
 
-def jobs_by_node() -> dict[str, set[str]]:
-    """Job ids with a live actor, per node (from the GCS: a worker node need not reach the head's
-    dashboard, which a hardened head serves on loopback only). Read once per call."""
+def live_actors() -> list[dict[str, Any]]:
+    """Every live actor, as the GCS's actor table has it (``ActorClassName``, ``JobID``,
+    ``Address.NodeID``, ...): a worker node need not reach the head's dashboard, which a hardened
+    head serves on loopback only, so its state API is not asked."""
     import ray
 
+    return list(ray._private.state.state.actor_table(None, actor_state_name="ALIVE").values())
+
+
+def jobs_by_node(actors: list[dict[str, Any]] | None = None) -> dict[str, set[str]]:
+    """Job ids with a live actor, per node, from ``actors`` (default: a fresh :func:`live_actors`)."""
     jobs: dict[str, set[str]] = {}
-    for actor in ray._private.state.state.actor_table(None, actor_state_name="ALIVE").values():
+    for actor in live_actors() if actors is None else actors:
         jobs.setdefault(actor["Address"]["NodeID"], set()).add(actor["JobID"])
     return jobs
 

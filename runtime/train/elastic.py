@@ -27,7 +27,7 @@ from typing import Any
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from runtime.run import Resized
-from runtime.train.drain import jobs_by_node
+from runtime.train.drain import jobs_by_node, live_actors
 
 log = logging.getLogger("runtime.train.elastic")
 
@@ -239,9 +239,10 @@ def clear_drained_nodes(preemption: Any, timeout_s: float | None = None) -> list
             # A placement group id ends with its job's id.
             if pg["state"] == "CREATED" and pg_id.endswith(job) and on_drained & set(pg["bundles_to_node_id"].values()):
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
-        _end_drain_watchers(on_drained, job)
+        actors = live_actors()  # one read of the GCS serves the watchers and the other jobs
+        _end_drain_watchers(on_drained, job, actors)
         # A node where another job runs stays until its deadline: waiting for it would only add time.
-        jobs = jobs_by_node()
+        jobs = jobs_by_node(actors)
         leaving = {n for n in on_drained if not jobs.get(n, set()) - {job}}
         deadline = time.monotonic() + timeout_s
         while leaving and time.monotonic() < deadline:
@@ -255,7 +256,7 @@ def clear_drained_nodes(preemption: Any, timeout_s: float | None = None) -> list
     return drained
 
 
-def _end_drain_watchers(node_ids: set[str], job: str) -> None:
+def _end_drain_watchers(node_ids: set[str], job: str, actors: list[dict[str, Any]]) -> None:
     """End this job's Ray Train drain watchers on ``node_ids``.
 
     Ray Train starts one per worker group (``PreemptionWatcher``, a zero-CPU actor Ray may place on
@@ -263,27 +264,24 @@ def _end_drain_watchers(node_ids: set[str], job: str) -> None:
     drained node kept that node from leaving, and the restart waited out the start timeout (found on
     the test hosts by :func:`_holders`). Ending it here is what that shutdown would do a moment
     later; the next group gets a new one. The kill goes through this process's core worker, which
-    holds the watcher's handle: the controller created it.
+    holds the watcher's handle: the controller created it. ``actors``: :func:`live_actors`.
     """
     import ray
-    from ray.util.state import list_actors
 
-    filters: list[tuple[str, str, str | bool | int | float]] = [
-        ("class_name", "=", "PreemptionWatcher"), ("state", "=", "ALIVE"), ("job_id", "=", job)]
     core_worker = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]  # set once connected
-    for actor in list_actors(filters=filters, raise_on_missing_output=False):
-        if actor.node_id in node_ids:
-            core_worker.kill_actor(ray.ActorID.from_hex(actor.actor_id), True)
+    for actor in actors:
+        if (actor["ActorClassName"] == "PreemptionWatcher" and actor["JobID"] == job
+                and actor["Address"]["NodeID"] in node_ids):
+            core_worker.kill_actor(ray.ActorID.from_hex(actor["ActorID"]), True)
 
 
 def _holders(node_ids: set[str]) -> str:
     """What is still on ``node_ids``: live actors (class and job) and objects in their object stores.
     A drained raylet leaves only once idle, and Ray counts stored objects as work."""
     from ray._private.state import available_resources_per_node, total_resources_per_node
-    from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)
-    held = sorted(f"{a.class_name} (job {a.job_id})" for a in actors if a.node_id in node_ids)
+    held = sorted(f"{a['ActorClassName']} (job {a['JobID']})" for a in live_actors()
+                  if a["Address"]["NodeID"] in node_ids)
     free, total = available_resources_per_node(), total_resources_per_node()
     for node in sorted(node_ids):
         stored = total.get(node, {}).get("object_store_memory", 0) - free.get(node, {}).get("object_store_memory", 0)
