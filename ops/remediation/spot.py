@@ -27,8 +27,13 @@ TOKEN_TTL_S = 21600  # IMDSv2 session tokens live up to 6 h; one is fetched per 
 HTTP_TIMEOUT_S = 2.0  # IMDS answers in milliseconds; a stuck call must not hide a notice
 
 
+class BadNotice(ValueError):
+    """IMDS answered the notice path with something that is not a notice."""
+
+
 def instance_action(imds: str) -> dict[str, str] | None:
-    """The pending notice ({"action": "terminate"|"stop"|"hibernate", "time": ISO 8601}), or None."""
+    """The pending notice ({"action": "terminate"|"stop"|"hibernate", "time": ISO 8601}), or None.
+    Raises BadNotice for a reply without both (a proxy's page, a half-written stand-in file)."""
     if not imds.startswith(("http://", "https://")):
         raise ValueError(f"--imds must be an http(s) URL, got {imds!r}")
     token_req = Request(f"{imds}/latest/api/token", method="PUT",  # noqa: S310  (http(s) checked above)
@@ -39,12 +44,19 @@ def instance_action(imds: str) -> dict[str, str] | None:
                   headers={"X-aws-ec2-metadata-token": token})
     try:
         with urlopen(req, timeout=HTTP_TIMEOUT_S) as reply:  # noqa: S310
-            notice: dict[str, str] = json.loads(reply.read())
-            return notice
+            body = reply.read()
     except HTTPError as err:
         if err.code == 404:
             return None
         raise
+    try:
+        notice = json.loads(body)
+        seconds_left(notice, 0.0)  # the time must parse
+        if not isinstance(notice["action"], str):
+            raise TypeError("action is not a string")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise BadNotice(f"not a spot notice ({type(err).__name__}: {err}): {body[:200]!r}") from err
+    return {"action": notice["action"], "time": notice["time"]}
 
 
 def seconds_left(notice: dict[str, str], now: float) -> int:
@@ -54,17 +66,30 @@ def seconds_left(notice: dict[str, str], now: float) -> int:
 
 
 def watch(imds: str, drainer: RayDrainer, node_address: str, interval_s: float) -> str:
-    """Poll until a notice comes, then drain this node by its deadline; returns the drain's result."""
+    """Poll until a notice comes, then drain this node by its deadline; returns the drain's result.
+
+    A drain Ray cannot take yet (the GCS restarting) is asked again each poll until the notice's
+    time: a drain that lands late still lets the run checkpoint; after the time there is no node."""
+    announced = False
     while True:
         try:
             notice = instance_action(imds)
-        except OSError as err:  # IMDS briefly unreachable: keep polling, say so once per poll
+        except (OSError, BadNotice) as err:  # IMDS briefly unreachable or garbled: the next poll may read it
             LOG.warning(json.dumps({"event": "imds_error", "error": str(err)}))
             notice = None
         if notice is not None:
             left = seconds_left(notice, time.time())
-            LOG.info(json.dumps({"event": "spot_notice", "notice": notice, "seconds_left": left}))
-            result = drainer.drain(node_address, deadline_s=left)
+            if not announced:
+                LOG.info(json.dumps({"event": "spot_notice", "notice": notice, "seconds_left": left}))
+                announced = True
+            try:
+                result = drainer.drain(node_address, deadline_s=left)
+            except Exception as err:  # Ray's client raises its own types; each names what went wrong
+                result = f"failed: {type(err).__name__}: {err}"
+                LOG.warning(json.dumps({"event": "drain_error", "error": result, "seconds_left": left}))
+                if left > 0:
+                    time.sleep(interval_s)
+                    continue
             LOG.info(json.dumps({"event": "action", "action": "drain", "result": result, "node": node_address}))
             return result
         time.sleep(interval_s)
@@ -80,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     # Wait for the node to leave only briefly: the instance is going away regardless.
     drainer = RayDrainer(args.gcs_address, deadline_s=120, wait_s=0)
-    watch(args.imds, drainer, args.node_address, args.interval)
-    return 0
+    result = watch(args.imds, drainer, args.node_address, args.interval)
+    return 1 if result.startswith("failed") else 0
 
 
 if __name__ == "__main__":

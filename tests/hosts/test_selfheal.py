@@ -64,8 +64,10 @@ def _address(lab: labmod.Lab, name: str) -> str:
 
 
 def _put(host: Any, path: str, text: str) -> None:
+    """Write `text` to `path` on `host` whole: a reader polling the path (the fake IMDS) never sees it
+    empty or half-written."""
     host.check_output(f"mkdir -p {os.path.dirname(path)} && echo {base64.b64encode(text.encode()).decode()} "
-                      f"| base64 -d > {path}")
+                      f"| base64 -d > {path}.part && mv {path}.part {path}")
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) -> Any:
@@ -440,9 +442,13 @@ def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_r
     fault_t = time.time()
     deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fault_t + SPOT_NOTICE_S))
     _put(worker, "/tmp/spot-notice.json", json.dumps({"action": "terminate", "time": deadline}))
-    jit = wait_for("the just-in-time checkpoint",
-                   lambda: next((e for e in training.events() if e["event"] == "checkpoint" and e.get("preempted")
-                                 and e["t"] > fault_t), None), 120)
+    try:
+        jit = wait_for("the just-in-time checkpoint",
+                       lambda: next((e for e in training.events() if e["event"] == "checkpoint"
+                                     and e.get("preempted") and e["t"] > fault_t), None), 120)
+    except AssertionError as err:  # which side missed it: the agent's drain or the run's watcher
+        raise AssertionError(f"{err}\nspot agent:\n{worker.check_output('cat /tmp/spot-agent.log')}\n"
+                             f"driver (tail):\n{training.driver_log()}") from None
     # EC2 reclaims the instance at the notice's time; the spare comes up at its address.
     time.sleep(max(0.0, fault_t + SPOT_NOTICE_S - time.time()))
     agent_log = worker.check_output("cat /tmp/spot-agent.log")

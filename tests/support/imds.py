@@ -1,7 +1,8 @@
 """A local stand-in for the EC2 instance metadata service's IMDSv2 protocol, spot notice path only.
 
 PUT /latest/api/token (with a TTL header) returns a token; GET .../spot/instance-action needs it
-(401 without), answers 404 until the test posts a notice, then the notice's JSON, as EC2 does.
+(401 without), answers 404 until the test posts a notice, then the notice's JSON, as EC2 does. ``raw``, when set,
+is answered instead of the notice: a reply that is not one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ TOKEN = "AQAEAtest-token=="  # noqa: S105  (a fake IMDS session token)
 class FakeImds:
     def __init__(self) -> None:
         self.notice: dict[str, str] | None = None
+        self.raw: bytes | None = None
         self.requests: list[tuple[str, str]] = []
         imds = self
 
@@ -30,9 +32,9 @@ class FakeImds:
                 imds.requests.append(("GET", self.path))
                 if self.headers.get("X-aws-ec2-metadata-token") != TOKEN:
                     return self._send(401, b"")
-                if self.path != "/latest/meta-data/spot/instance-action" or imds.notice is None:
+                if self.path != "/latest/meta-data/spot/instance-action" or (imds.notice is None and imds.raw is None):
                     return self._send(404, b"")
-                self._send(200, json.dumps(imds.notice).encode())
+                self._send(200, imds.raw if imds.raw is not None else json.dumps(imds.notice).encode())
 
             def _send(self, status: int, body: bytes) -> None:
                 self.send_response(status)
