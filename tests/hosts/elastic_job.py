@@ -134,7 +134,7 @@ def train_loop(config: dict[str, Any]) -> None:
 def main() -> int:
     import ray
     from ray.train import FailureConfig, RunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
     from ray.train.v2.api.config import ScalingConfig
 
     # The runtime's own elastic controller callback (what `make train` adds to an elastic run): it
@@ -143,10 +143,13 @@ def main() -> int:
     from runtime.train.elastic import ElasticWatch
     from runtime.train.timeline import PhaseClock
 
+    # The runtime's trainer too: no Ray Data actor at each of the run's group starts.
+    from runtime.train.torch_trainer import LeanTorchTrainer
+
     gcs_address, shared = sys.argv[1], Path(sys.argv[2])
     pythonpath = os.environ.get("PYTHONPATH", "")
     ray.init(address=gcs_address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    trainer = TorchTrainer(
+    trainer = LeanTorchTrainer(
         train_loop,
         train_loop_config={"shared": str(shared)},
         # A dead peer fails the collective in 20 s, not gloo's default 30 minutes.
