@@ -16,6 +16,7 @@ import logging
 import sys
 import time
 from datetime import datetime, timezone
+from http.client import HTTPException
 from urllib.error import HTTPError
 from urllib.request import Request, urlopen
 
@@ -74,7 +75,7 @@ def watch(imds: str, drainer: RayDrainer, node_address: str, interval_s: float) 
     while True:
         try:
             notice = instance_action(imds)
-        except (OSError, BadNotice) as err:  # IMDS briefly unreachable or garbled: the next poll may read it
+        except (OSError, HTTPException, BadNotice) as err:  # IMDS unreachable, cut off or garbled: poll again
             LOG.warning(json.dumps({"event": "imds_error", "error": str(err)}))
             notice = None
         if notice is not None:

@@ -2,7 +2,8 @@
 
 PUT /latest/api/token (with a TTL header) returns a token; GET .../spot/instance-action needs it
 (401 without), answers 404 until the test posts a notice, then the notice's JSON, as EC2 does. ``raw``, when set,
-is answered instead of the notice: a reply that is not one.
+is answered instead of the notice: a reply that is not one; ``cut_off`` claims more bytes than it
+sends, a reply cut off mid-body.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class FakeImds:
     def __init__(self) -> None:
         self.notice: dict[str, str] | None = None
         self.raw: bytes | None = None
+        self.cut_off = False
         self.requests: list[tuple[str, str]] = []
         imds = self
 
@@ -38,7 +40,7 @@ class FakeImds:
 
             def _send(self, status: int, body: bytes) -> None:
                 self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(len(body) + (10 if imds.cut_off and body else 0)))
                 self.end_headers()
                 self.wfile.write(body)
 

@@ -68,16 +68,22 @@ def test_a_reply_that_is_not_a_notice_raises_bad_notice_quoting_it(imds, body):
     assert repr(body[:20])[2:-1] in str(err.value)
 
 
-def test_the_agent_keeps_polling_through_a_garbled_reply_and_drains_once_the_notice_reads_whole(imds, caplog):
-    imds.raw = b""  # a stand-in file caught half-written: what once stopped the agent on the test hosts
+@pytest.mark.parametrize("fault", ["empty", "cut_off"])
+def test_the_agent_keeps_polling_through_a_garbled_reply_and_drains_once_the_notice_reads_whole(
+        imds, caplog, fault):
+    if fault == "empty":
+        imds.raw = b""  # a stand-in file caught half-written: what once stopped the agent on the test hosts
+    else:
+        imds.cut_off, imds.raw = True, b'{"action": "terminate"'
     drainer = Recorder()
     done: list[str] = []
     thread = threading.Thread(target=lambda: done.append(watch(imds.url, drainer, "10.0.1.21", 0.05)), daemon=True)
     thread.start()
     wait_for(lambda: len(imds.requests) >= 6, "three polls", 10)
     assert thread.is_alive() and drainer.calls == []
-    assert "imds_error" in caplog.text and "not a spot notice" in caplog.text
-    imds.raw, imds.notice = None, {"action": "terminate", "time": "2099-01-01T00:00:00Z"}
+    said = "not a spot notice" if fault == "empty" else "IncompleteRead"
+    assert "imds_error" in caplog.text and said in caplog.text
+    imds.raw, imds.cut_off, imds.notice = None, False, {"action": "terminate", "time": "2099-01-01T00:00:00Z"}
     thread.join(10)
     assert done == ["drained"] and len(drainer.calls) == 1
 
