@@ -83,16 +83,15 @@ def watch(imds: str, drainer: RayDrainer, node_address: str, interval_s: float) 
             if not announced:
                 LOG.info(json.dumps({"event": "spot_notice", "notice": notice, "seconds_left": left}))
                 announced = True
+            failed = False
             try:
                 result = drainer.drain(node_address, deadline_s=left)
             except Exception as err:  # Ray's client raises its own types; each names what went wrong
-                result = f"failed: {type(err).__name__}: {err}"
+                failed, result = True, f"failed: {type(err).__name__}: {err}"
                 LOG.warning(json.dumps({"event": "drain_error", "error": result, "seconds_left": left}))
-                if left > 0:
-                    time.sleep(interval_s)
-                    continue
-            LOG.info(json.dumps({"event": "action", "action": "drain", "result": result, "node": node_address}))
-            return result
+            if not failed or left == 0:
+                LOG.info(json.dumps({"event": "action", "action": "drain", "result": result, "node": node_address}))
+                return result
         time.sleep(interval_s)
 
 

@@ -1,9 +1,9 @@
 """A local stand-in for the EC2 instance metadata service's IMDSv2 protocol, spot notice path only.
 
 PUT /latest/api/token (with a TTL header) returns a token; GET .../spot/instance-action needs it
-(401 without), answers 404 until the test posts a notice, then the notice's JSON, as EC2 does. ``raw``, when set,
-is answered instead of the notice: a reply that is not one; ``cut_off`` claims more bytes than it
-sends, a reply cut off mid-body.
+(401 without), answers 404 until the test posts a notice, then the notice's JSON, as EC2 does.
+``raw``, when set, is answered instead of the notice: a reply that is not one; ``cut_off`` claims
+more bytes than it sends, a reply cut off mid-body.
 """
 
 from __future__ import annotations
