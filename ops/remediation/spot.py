@@ -71,13 +71,14 @@ def watch(imds: str, drainer: RayDrainer, node_address: str, interval_s: float) 
 
     A drain Ray cannot take yet (the GCS restarting) is asked again each poll until the notice's
     time: a drain that lands late still lets the run checkpoint; after the time there is no node."""
-    announced = False
+    announced, last_error = False, ""
     while True:
         try:
             notice = instance_action(imds)
         except (OSError, HTTPException, BadNotice) as err:  # IMDS unreachable, cut off or garbled: poll again
-            LOG.warning(json.dumps({"event": "imds_error", "error": str(err)}))
-            notice = None
+            if str(err) != last_error:  # one line per new error, not one per poll
+                LOG.warning(json.dumps({"event": "imds_error", "error": str(err)}))
+            last_error, notice = str(err), None
         if notice is not None:
             left = seconds_left(notice, time.time())
             if not announced:
