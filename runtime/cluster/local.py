@@ -212,10 +212,13 @@ def _stop_detached_head(cluster_dir: Path, ray_state: dict[str, Any]) -> None:
     (cluster_dir / GCS_FILE).unlink(missing_ok=True)
 
 
-# Every local raylet: no usage reporting, and no drain on SIGTERM. Ray 2.60 drains a node for up
-# to 30 s before stopping it (for Serve proxies to quiesce); a local cluster serves nothing, and
-# after a Tune search the wait ran to its full 30 s on every `down`.
-NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+# Every local raylet: no usage reporting, no drain on SIGTERM, no workers started ahead of need.
+# Ray 2.60 drains a node for up to 30 s before stopping it (for Serve proxies to quiesce); a local
+# cluster serves nothing, and after a Tune search the wait ran to its full 30 s on every `down`.
+# Ray also starts one idle worker per CPU for each job's first driver; here every CLI call is a new
+# job, and the integration suite ended with 14 of them never used (5 CPU-s each to start).
+NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+            "RAY_prestart_worker_first_driver": "0"}
 
 # How fast the head's GCS declares a silent node dead: Ray's defaults (3 s period, 5 misses
 # after 10 s timeouts) take up to a minute; on a local cluster a lost raylet is noticed within
