@@ -110,12 +110,15 @@ test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts)
 	@$(MAKE) --no-print-directory -k -j$(TEST_JOBS) $(SYNC) test-suites
 
 .PHONY: test-cpu
-test-cpu: ## make test under process accounting (root; Debian's acct): CPU minutes per command, where the suite's time goes.
+# The sampler is stdlib only: it runs on the system's Python before `make test` builds the venv.
+test-cpu: ## make test under process accounting (root; Debian's acct) and a /proc sampler: CPU per command and per kind of process.
 	@command -v accton >/dev/null || apt-get install -y -q acct >/dev/null
 	@mkdir -p .cache && : > .cache/test.pacct && accton $(CURDIR)/.cache/test.pacct >/dev/null
-	@rc=0; $(MAKE) --no-print-directory test || rc=$$?; accton off >/dev/null; \
+	@python3 tests/support/cpu_sampler.py .cache/test-cpu.json & sampler=$$!; \
+	  rc=0; $(MAKE) --no-print-directory test || rc=$$?; accton off >/dev/null; kill $$sampler; wait $$sampler; \
 	  echo "CPU by command (calls, %, real min, CPU min; processes still running at the end are not counted):"; \
-	  sa -f .cache/test.pacct -a -c | sed -n 1,30p; exit $$rc
+	  sa -f .cache/test.pacct -a -c | sed -n 1,30p; python3 tests/support/cpu_sampler.py --report .cache/test-cpu.json; \
+	  exit $$rc
 
 .PHONY: test-suites
 test-suites: setup prometheus-tools test-python side-suites
