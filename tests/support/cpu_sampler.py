@@ -78,6 +78,8 @@ def sample(out: Path, interval: float = 1.0) -> None:
 
 def report(path: Path, top: int = 25) -> str:
     """The ``top`` kinds by CPU: seconds, processes and seconds each, with the share of the total."""
+    if not path.exists():
+        return f"CPU by kind of process: no samples in {path} (the sampler stopped before it could write)"
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for rec in json.loads(path.read_text()):
         totals[rec["kind"]][0] += rec.get("cpu_s", 0.0)
