@@ -54,8 +54,16 @@ def wanted(max_failures: int, elastic: bool) -> bool:
 
 
 def warm_imports() -> None:
-    """Ray's worker process setup hook: torch, Ray Train and the trainer imported when the process starts."""
+    """Ray's worker process setup hook: torch, Ray Train and the trainer imported when the process starts,
+    and the modules torch itself imports lazily as a worker builds its optimizer and restores."""
     import torch  # noqa: F401  (the slowest import of a worker's start)
+
+    # torch.optim imports TorchDynamo (with sympy) the first time an optimizer adds its parameters
+    # (``add_param_group`` is wrapped in ``torch._disable_dynamo``), and the resume reads the
+    # checkpoint through ``torch.distributed.checkpoint.state_dict``: 2.3 CPU-s of a restarted
+    # worker's build here, after the fault, unless the spare has already imported them.
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
 
     import runtime.train.trainer  # noqa: F401  (the train function's own imports, Ray Train's among them)
     from runtime.train.timeline import mark_warmed
