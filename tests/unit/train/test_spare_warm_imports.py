@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.support import ROOT
 
-# In a fresh interpreter: the hook, then the trainer on one rank twice in the same folder (the second
+# In a fresh interpreter: the hook, then the trainer on one rank twice in the folder argv[1] (the second
 # restores the first's checkpoint, as a restarted group does); prints the modules the runs imported.
 RESTART_AFTER_WARM = """
-import json, sys, tempfile
+import json, sys
 from pathlib import Path
 from runtime.train.spares import warm_imports
 from tests.support import job
@@ -21,7 +22,7 @@ from tests.support.trainer import train_in_process
 
 warm_imports()
 before = set(sys.modules)
-folder = Path(tempfile.mkdtemp())
+folder = Path(sys.argv[1])
 common = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "checkpoint.interval_steps=2"]
 train_in_process(job("digits_smoke", str(folder), *common, "train.max_steps=2"), folder)
 _, reports = train_in_process(job("digits_smoke", str(folder), *common, "train.max_steps=4"), folder)
@@ -34,9 +35,9 @@ print(json.dumps({"imported": sorted(set(sys.modules) - before),
 LAZY_HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.checkpoint.state_dict")
 
 
-def test_a_warmed_process_builds_restores_and_steps_without_importing_dynamo_or_dcp_state_dict() -> None:
-    done = subprocess.run([sys.executable, "-c", RESTART_AFTER_WARM], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def test_a_warmed_process_builds_restores_and_steps_without_importing_dynamo_or_dcp_state_dict(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", RESTART_AFTER_WARM, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["resumed_from"] == [2], out["resumed_from"]
