@@ -32,6 +32,9 @@ SET         ?=
 export SET
 RESUME      ?=
 TEST_TARGETS :=
+# $(call q,VALUE): VALUE as one single-quoted shell word. Every variable a user sets on the command
+# line reaches recipes through it, so `make validate JOB='x;cmd'` names a job called "x;cmd".
+q = '$(subst ','\'',$(1))'
 
 # $(call venv_stamp,VENV_DIR,REQUIREMENT_FILES): the stamp a venv's rule makes; its name
 # holds a hash of the requirement files, so changing a pin rebuilds that venv.
@@ -136,7 +139,7 @@ test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integr
 .PHONY: bench
 bench: setup cluster-ready ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.
 	@mkdir -p benchmarks/results
-	$(PY) -m benchmarks.run $(BENCH)
+	$(PY) -m benchmarks.run $(foreach b,$(BENCH),$(call q,$(b)))
 
 # The Python gpu-check runs with: the project's venv here, or the host's CUDA Python on a lent
 # machine (shared/device/gpu-env.sh BUNDLE make gpu-check GPU_PY=python3).
@@ -175,7 +178,7 @@ cluster-ready:
 cluster-up: ## Start the cluster: local Ray head + MLflow + Prometheus (NODES=3: 2 more raylets here; GCS_FT=1: the GCS survives a crash, via Redis; CLOUD=aws: Terraform + Ansible).
 ifeq ($(CLOUD),local)
 	@$(MAKE) --no-print-directory setup prometheus-tools
-	$(PY) -m runtime cluster up $(if $(NUM_CPUS),--num-cpus $(NUM_CPUS)) $(if $(NODES),--nodes $(NODES))
+	$(PY) -m runtime cluster up $(if $(NUM_CPUS),--num-cpus $(call q,$(NUM_CPUS))) $(if $(NODES),--nodes $(call q,$(NODES)))
 else
 	@$(MAKE) --no-print-directory cluster-up-$(CLOUD)
 endif
@@ -197,12 +200,12 @@ cluster-status: setup ## Show what is running and where.
 
 .PHONY: train
 train: setup cluster-ready ## Train a job: make train JOB=resnet50 [SET="optimizer.lr=0.05 train.max_steps=100"] [RUN=name].
-	$(PY) -m runtime train $(JOB) --sets "$$SET" $(if $(RUN),--run-name $(RUN))
+	$(PY) -m runtime train $(call q,$(JOB)) --sets "$$SET" $(if $(RUN),--run-name $(call q,$(RUN)))
 
 .PHONY: tune
 tune: setup cluster-ready ## Hyperparameter search: make tune JOB=digits_tune [RESUME=1].
-	$(PY) -m runtime tune $(JOB) --sets "$$SET" $(if $(RESUME),--resume) $(if $(RUN),--run-name $(RUN))
+	$(PY) -m runtime tune $(call q,$(JOB)) --sets "$$SET" $(if $(RESUME),--resume) $(if $(RUN),--run-name $(call q,$(RUN)))
 
 .PHONY: validate
 validate: setup ## Validate a job file without running it: make validate JOB=resnet50 [SET="..."] [SHOW=1].
-	$(PY) -m runtime validate $(JOB) --sets "$$SET" $(if $(SHOW),--show)
+	$(PY) -m runtime validate $(call q,$(JOB)) --sets "$$SET" $(if $(SHOW),--show)

@@ -45,16 +45,16 @@ test-hosts: ops-setup ops-host-packages ## Apply the playbooks to nspawn test ho
 
 .PHONY: cluster-up-baremetal
 cluster-up-baremetal: ops-setup ## Bring up a cluster on your hosts: make cluster-up-baremetal INVENTORY=path/to/hosts.yml
-	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(INVENTORY) playbooks/site.yml
-	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(INVENTORY) playbooks/health_check.yml
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(call q,$(INVENTORY)) playbooks/site.yml
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(call q,$(INVENTORY)) playbooks/health_check.yml
 
 .PHONY: health-check
 health-check: ops-setup ## Run the health gate on every host: make health-check INVENTORY=...
-	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(INVENTORY) playbooks/health_check.yml
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(call q,$(INVENTORY)) playbooks/health_check.yml
 
 .PHONY: replace-node
 replace-node: ops-setup ## Replace a dead worker: make replace-node NODE=<name> INVENTORY=...
-	@test -n "$(NODE)" || { echo "Set NODE=<inventory name of the worker to replace>"; exit 2; }
-	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(INVENTORY) playbooks/replace_node.yml -e node=$(NODE)
+	@test -n $(call q,$(NODE)) || { echo "Set NODE=<inventory name of the worker to replace>"; exit 2; }
+	cd $(ANSIBLE_DIR) && $(OPS_BIN)/ansible-playbook -i $(call q,$(INVENTORY)) playbooks/replace_node.yml -e node=$(call q,$(NODE))
 
 TEST_TARGETS += ansible-lint test-hosts

@@ -10,9 +10,9 @@ GPUS    ?=
 WORKERS ?=
 NAMESPACE ?=
 K8S_OUT ?=
-K8S_RENDER_ARGS = --job $(JOB) --overlay $(OVERLAY) $(if $(IMAGE),--image $(IMAGE)) $(if $(GPUS),--gpus $(GPUS)) \
-                  $(if $(WORKERS),--workers $(WORKERS)) $(if $(RUN),--run-name $(RUN)) \
-                  $(if $(NAMESPACE),--namespace $(NAMESPACE))
+K8S_RENDER_ARGS = --job $(call q,$(JOB)) --overlay $(call q,$(OVERLAY)) $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(GPUS),--gpus $(call q,$(GPUS))) \
+                  $(if $(WORKERS),--workers $(call q,$(WORKERS))) $(if $(RUN),--run-name $(call q,$(RUN))) \
+                  $(if $(NAMESPACE),--namespace $(call q,$(NAMESPACE)))
 
 .PHONY: k8s-tools
 k8s-tools: ## Check that kubectl with kustomize v5 is installed (nothing to install: it ships with the image).
@@ -22,7 +22,7 @@ k8s-tools: ## Check that kubectl with kustomize v5 is installed (nothing to inst
 
 .PHONY: k8s-render
 k8s-render: setup k8s-tools ## Render the manifests for a job: make k8s-render JOB=resnet50 OVERLAY=eks [IMAGE=repo:tag GPUS=n WORKERS=n RUN=name NAMESPACE=ns K8S_OUT=file].
-	$(PY) kubernetes/k8s_cli.py render $(K8S_RENDER_ARGS) $(if $(K8S_OUT),-o $(K8S_OUT))
+	$(PY) kubernetes/k8s_cli.py render $(K8S_RENDER_ARGS) $(if $(K8S_OUT),-o $(call q,$(K8S_OUT)))
 
 .PHONY: k8s-submit
 k8s-submit: setup k8s-tools ## Render and apply a job to the current kube context: make k8s-submit JOB=resnet50 OVERLAY=eks.
@@ -36,6 +36,6 @@ k8s-check: setup k8s-tools ## Render every overlay and check it (schemas, semant
 
 .PHONY: k8s-cluster
 k8s-cluster: setup k8s-tools ## Render a long-lived RayCluster sized for a job (workers scale from zero): make k8s-cluster JOB=resnet50 OVERLAY=eks [WORKERS=8].
-	$(PY) kubernetes/k8s_cli.py cluster $(K8S_RENDER_ARGS) $(if $(K8S_OUT),-o $(K8S_OUT))
+	$(PY) kubernetes/k8s_cli.py cluster $(K8S_RENDER_ARGS) $(if $(K8S_OUT),-o $(call q,$(K8S_OUT)))
 
 # tests/kubernetes runs in the root Makefile's test-python; k8s-check runs it alone.
