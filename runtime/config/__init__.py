@@ -4,7 +4,9 @@
   error messages (``format_errors``, ``short``);
 - ``schema``: the sections (``ModelConfig`` ... ``TrackingConfig``) and ``JobConfig``;
 - ``load``: job files, ``RT_*`` and ``--set`` overrides (``load_job``, ``config_from_dict``);
-- ``checks``: device preflight, likely-mistake warnings, run names.
+- ``checks``: device preflight, likely-mistake warnings, run names;
+- ``values``: what users type, parsed once (storage locations, URLs, ports, seeds) for the
+  schema and every subcommand.
 
 This module re-exports what other packages import; everything else is imported from its module.
 """

@@ -222,7 +222,8 @@ def _origin_of(path: tuple[str, ...], origins: Origins) -> str:
 
 def format_errors(err: ValidationError, source: str, origins: Origins | None = None, *,
                   root: type[BaseModel], prefix: tuple[str, ...] = ()) -> str:
-    """One line per bad field: dotted path, what is expected in words, the value, where it was set.
+    """One line per bad field: dotted path, what is expected in words, the value, where it was set;
+    a single bad field is the whole message, on one line.
 
     ``root``: the model validated (JobConfig, or the section that was); ``prefix``: where it sits in a job.
     """
@@ -262,5 +263,7 @@ def format_errors(err: ValidationError, source: str, origins: Origins | None = N
             or next((o for k, o in origins.items() if k[: len(path)] == path), "")  # set below it (RT_FOO__BAR)
         where = "" if named and named[0][: len(path)] == path else f"{loc}: "
         lines.append(f"  {where}{msg}{shown}" + (f"  [from {origin}]" if origin and origin != source else ""))
-    head = f"{source}: invalid job configuration ({len(lines)} error{'s' if len(lines) != 1 else ''})"
+    if len(lines) == 1:  # one problem, one line: the source, then the field and what it expects
+        return f"{source}: {lines[0].strip()}"
+    head = f"{source}: invalid job configuration ({len(lines)} errors)"
     return "\n".join([head, *capped(lines)])

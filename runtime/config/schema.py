@@ -12,7 +12,6 @@ files would scatter the reference a user reads.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import re
@@ -30,7 +29,9 @@ from runtime.config.base import (
     RUN_NAME_MAX,
     Strict,
     config_hash,
+    short,
 )
+from runtime.config.values import LocalLocation, parse_http_url, parse_mlflow_uri, parse_seed, parse_storage
 
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -154,34 +155,42 @@ class DataConfig(Strict):
             raise ValueError(f"expected 0 < low <= high, got {list(v)}")
         return v
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else parse_http_url(v)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int) -> int:
+        return parse_seed(v)
+
     @model_validator(mode="after")
     def _path_needed(self) -> DataConfig:
         if self.source in ("cifar10", "imagefolder", "shards"):
             if not self.path:
                 raise ValueError(f"data.path is required when data.source is {self.source!r}")
-            if self.source == "shards" and self.path.startswith("s3://"):
-                problem = s3_uri_problem(self.path)
+            try:
+                where = parse_storage(self.path)
+            except ValueError as e:
+                raise ValueError(f"data.path {short(self.path)} {e}") from None
+            if where.remote and self.source != "shards":
+                raise ValueError(f"data.path must be a local folder for data.source={self.source!r} (only shards "
+                                 f"are read from object storage), got {short(self.path)}")
+            if isinstance(where, LocalLocation):
+                try:
+                    folder = where.path
+                except ValueError as e:
+                    raise ValueError(f"data.path {short(self.path)} {e}") from None
+                if not folder.is_dir():
+                    raise ValueError(f"data.path {short(self.path)} is not a directory (data.source={self.source!r})")
+                problem = _local_data_problem(self.source, folder)
                 if problem:
-                    raise ValueError(f"data.path {self.path!r}: {problem}")
-            elif "://" in self.path:
-                raise ValueError(f"data.path must be a local folder or s3://bucket/prefix, got {self.path!r}")
-            elif not _expanded(self.path).is_dir():
-                raise ValueError(f"data.path {self.path!r} is not a directory (data.source={self.source!r})")
-            else:
-                problem = _local_data_problem(self.source, _expanded(self.path))
-                if problem:
-                    raise ValueError(f"data.path {self.path!r}: {problem}")
+                    raise ValueError(f"data.path {short(self.path)}: {problem}")
         if self.crop_scale[1] > 1:
             raise ValueError(f"data.crop_scale: the upper bound is a share of the image, at most 1 "
                              f"(got {list(self.crop_scale)})")
         return self
-
-
-def _expanded(path: str) -> Path:
-    try:
-        return Path(path).expanduser()
-    except RuntimeError:  # ~user of a user this machine does not have
-        raise ValueError(f"data.path {path!r}: no such user's home folder on this machine") from None
 
 
 def _local_data_problem(source: str, root: Path) -> str | None:
@@ -200,31 +209,6 @@ def _local_data_problem(source: str, root: Path) -> str | None:
     elif source == "shards" and not (root / "train").is_dir():
         return "no train/ folder of shards (expected train/000000.tar ..., written by `python -m runtime data pack`)"
     return None
-
-
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-
-
-def s3_uri_problem(uri: str) -> str | None:
-    """Why ``uri`` is not an ``s3://bucket/prefix`` S3 accepts (AWS bucket naming rules), or None."""
-    bucket = uri[len("s3://"):].split("/", 1)[0]
-    if not bucket:
-        return "needs a bucket name, e.g. s3://my-bucket/runs"
-    why = None
-    if not 3 <= len(bucket) <= 63:
-        why = f"is {len(bucket)} characters long (3 to 63 allowed)"
-    elif not _BUCKET_RE.fullmatch(bucket):
-        why = ("may hold only lowercase letters, digits, '.' and '-', and must start and end with a "
-               "letter or digit")
-    elif ".." in bucket or ".-" in bucket or "-." in bucket:
-        why = "may not hold '..', '.-' or '-.'"
-    else:
-        try:
-            ipaddress.ip_address(bucket)
-            why = "may not be an IP address"
-        except ValueError:
-            pass
-    return f"bucket name {bucket!r} {why}" if why else None
 
 
 class OptimizerConfig(Strict):
@@ -291,6 +275,11 @@ class TrainConfig(Strict):
     sync_debug: bool = Field(
         False, description="CUDA only: raise on any host sync inside a steady-state step "
                            "(torch.cuda.set_sync_debug_mode('error')); for tests and performance work.")
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int) -> int:
+        return parse_seed(v)
 
     @model_validator(mode="after")
     def _some_length(self) -> TrainConfig:
@@ -426,15 +415,14 @@ class CheckpointConfig(Strict):
 
     @field_validator("storage")
     @classmethod
-    def _storage_scheme(cls, v: str) -> str:
-        if "://" in v and not v.startswith("s3://"):
-            raise ValueError(f"storage must be a local path or s3://bucket/prefix, got {v!r}")
-        if not v.strip():
-            raise ValueError("storage is empty: give a local folder (e.g. runs) or s3://bucket/prefix")
-        problem = s3_uri_problem(v) if v.startswith("s3://") else None
-        if problem:
-            raise ValueError(problem)
+    def _storage(cls, v: str) -> str:
+        parse_storage(v).check()
         return v
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else parse_http_url(v)
 
 
 class TrackingConfig(Strict):
@@ -453,6 +441,11 @@ class TrackingConfig(Strict):
     prometheus_linger_s: float = Field(
         0.0, ge=0, le=300, description="Keep worker exporters up this long after the run for a final scrape."
     )
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _mlflow_uri(cls, v: str | None) -> str | None:
+        return None if v is None else parse_mlflow_uri(v)
 
     @field_validator("register_as")
     @classmethod
