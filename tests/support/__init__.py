@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from runtime.ports import free_port as free_port  # one home; the suites import it from here
@@ -69,6 +70,17 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
+
+    def sleep(self, seconds: float) -> None:
+        """A wait that costs no wall time: the clock moves by exactly ``seconds``."""
+        self.t += seconds
+
+    def as_time_module(self) -> Any:
+        """What a runtime module's ``time`` reads while patched (``monkeypatch.setattr(module, "time",
+        clock.as_time_module())``): every clock there is this one, so a bound the code checks depends on
+        the test's steps, not on how long a loaded machine took between two calls. Only that module's
+        name is replaced; ``time`` itself (pytest's, Ray's) is left alone."""
+        return SimpleNamespace(time=self, monotonic=self, perf_counter=self, sleep=self.sleep)
 
 
 class QuietHandler(BaseHTTPRequestHandler):

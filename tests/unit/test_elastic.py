@@ -4,7 +4,6 @@ bookkeeping (fed Ray Train's own state and decision objects)."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from runtime.errors import ConfigError
 from runtime.run import Resized
 from runtime.train.elastic import ElasticWatch, MinWorkersTimeout, clear_drained_nodes, failure_reason, resize_line
 from runtime.train.setup import for_world, reshard_position
+from tests.support import FakeClock
 
 
 def _cfg(num_workers: Any, batch: int = 8, accum: int = 2, **elastic: Any) -> Any:
@@ -215,14 +215,24 @@ def test_a_raylet_port_that_accepts_is_reachable_and_one_that_refuses_is_not() -
     assert _unreachable("127.0.0.1", port)  # closed now: refused, as a killed raylet's port
 
 
-def test_a_run_that_cannot_reach_min_workers_fails_after_min_wait_naming_the_setting() -> None:
-    from ray.train.v2._internal.execution.controller.state import InitializingState
+def test_a_run_that_cannot_reach_min_workers_fails_after_min_wait_naming_the_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.train.v2._internal.execution.controller.state import InitializingState, RunningState
 
-    watch = ElasticWatch("j2", 2, 3, min_wait_s=0.2)
+    from runtime.train import elastic
+
+    clock = FakeClock(1000.0)  # the callback's clock moves only when the test says
+    monkeypatch.setattr(elastic, "time", clock.as_time_module())
+    watch = ElasticWatch("j2", 2, 3, min_wait_s=60)
     waiting = InitializingState()
     watch.after_controller_state_update(waiting, waiting)  # the wait starts
+    clock.sleep(59.9)
     watch.after_controller_state_update(waiting, waiting)  # still within min_wait_s
-    time.sleep(0.25)
+    watch.after_controller_state_update(waiting, RunningState())  # a group started: the wait is over
+    watch.after_controller_state_update(RunningState(), waiting)  # a new wait starts from here
+    clock.sleep(59.9)
+    watch.after_controller_state_update(waiting, waiting)
+    clock.sleep(0.1)
     with pytest.raises(MinWorkersTimeout, match=r"min=2 workers .*distributed.elastic.min_wait_s"):
         watch.after_controller_state_update(waiting, waiting)
 

@@ -178,12 +178,18 @@ def test_metrics_assembler_logs_on_its_steps_and_adds_one_off_facts_once() -> No
 
 
 def _checkpointer(tmp_path: Path, manager: CheckpointManager | None, failures: list[str],
-                  **checkpoint: Any) -> Checkpointer:
+                  built: list[int] | None = None, **checkpoint: Any) -> Checkpointer:
+    """A rank-0 Checkpointer over ``manager``; each payload it builds appends to ``built``."""
     cfg = _cfg(checkpoint={"interval_steps": 5, **checkpoint})
     run = RunInfo(run_name="r", job_id="j", checkpoint_uri=str(tmp_path / "c"), run_dir=str(tmp_path))
+
+    def payload() -> dict[str, Any]:
+        if built is not None:
+            built.append(1)
+        return {"model": {"w": torch.ones(2)}}
+
     return Checkpointer(manager, cfg, run, rank=0, world=1, distributed=False, sharded=False, device=CPU,
-                        classes=["a", "b"], gauges=None, payload=lambda: {"model": {"w": torch.ones(2)}},
-                        on_failure=failures.append)
+                        classes=["a", "b"], gauges=None, payload=payload, on_failure=failures.append)
 
 
 def test_checkpointer_cadence_interval_and_at_steps_never_both(tmp_path: Path) -> None:
@@ -194,11 +200,16 @@ def test_checkpointer_cadence_interval_and_at_steps_never_both(tmp_path: Path) -
 
 
 def test_checkpointer_without_a_manager_never_saves(tmp_path: Path) -> None:
-    ck = _checkpointer(tmp_path, None, [], at_steps=[7])
+    failures: list[str] = []
+    built: list[int] = []
+    ck = _checkpointer(tmp_path, None, failures, built, at_steps=[7])
     assert not any(ck.interval_due(s) or ck.commit_due(s) for s in range(1, 20))
     ck.save(5, blocking=True)
     ck.finish(5)
     ck.close()
+    # Nothing saved, nothing even built (the payload is a collective when distributed), nothing failed.
+    assert built == [] and failures == [] and not ck.failed
+    assert ck.kept_step() is None and not (tmp_path / "c").exists()
 
 
 def test_checkpointer_finish_commits_the_last_step_once(tmp_path: Path) -> None:
@@ -222,7 +233,8 @@ def test_checkpointer_save_failure_asks_to_stop_and_the_end_does_not_save_again(
     ck = _checkpointer(tmp_path, Failing(str(tmp_path / "c"), on_failure="stop"), failures)
     ck.save(5)
     assert ck.failed and failures == ["stopped: disk full (checkpoint.on_failure=stop)"]
-    ck.finish(8)  # would raise again if it saved
+    ck.finish(8)  # does not save again: a second failure would be reported
+    assert failures == ["stopped: disk full (checkpoint.on_failure=stop)"]
     ck.close()
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
+import pytest
 import torch
 
+from runtime.train import stats
 from runtime.train.stats import StepStats
+from tests.support import FakeClock
 
 CPU = torch.device("cpu")
 
@@ -65,33 +66,43 @@ def test_the_first_step_is_timed_apart_and_left_out_of_throughput() -> None:
 
 
 class LaggingDevice:
-    """A device whose queued work takes ``lag`` seconds to drain: what a sync waits for."""
+    """A device whose queued work takes ``lag`` seconds to drain: what a sync waits for. Its time is
+    the test's clock, which only a sync moves, so every duration below is exact whatever the load."""
 
-    def __init__(self, lag: float) -> None:
-        self.lag, self.calls = lag, 0
+    def __init__(self, lag: float, clock: FakeClock) -> None:
+        self.lag, self.calls, self.clock = lag, 0, clock
 
     def sync(self) -> None:
         self.calls += 1
-        time.sleep(self.lag)
+        self.clock.sleep(self.lag)
 
 
-def test_a_window_ends_when_the_device_has_drained_its_queue_not_when_the_host_queued_the_steps() -> None:
-    dev = LaggingDevice(0.2)
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    clock = FakeClock(100.0)
+    monkeypatch.setattr(stats, "time", clock.as_time_module())
+    return clock
+
+
+def test_a_window_ends_when_the_device_has_drained_its_queue_not_when_the_host_queued_the_steps(
+        clock: FakeClock) -> None:
+    dev = LaggingDevice(0.2, clock)
     s = StepStats(CPU, sync=dev.sync)
     for step in range(1, 5):
         _step(s, 1.0, False, step)  # the host queues 4 steps at once; the device needs 0.2 s more
     m = s.exchange((False,) * 3, False, 1, True).metrics
-    assert m["time/step_s"] >= 0.2 / 4, m  # the backlog is inside the window, so throughput is not overstated
-    assert m["train/throughput"] <= 16 / 0.2
+    assert m["time/step_s"] == pytest.approx(0.2 / 4), m  # the backlog is inside the window: throughput not overstated
+    assert m["train/throughput"] == pytest.approx(16 / 0.2)
 
 
-def test_time_kept_out_of_throughput_leaves_the_training_backlog_in_and_its_own_device_work_out() -> None:
-    dev = LaggingDevice(0.0)
+def test_time_kept_out_of_throughput_leaves_the_training_backlog_in_and_its_own_device_work_out(
+        clock: FakeClock) -> None:
+    dev = LaggingDevice(0.0, clock)
     s = StepStats(CPU, sync=dev.sync)
     _step(s, 1.0, False, 1)
     dev.lag = 0.15  # draining the training steps queued before the evaluation takes 0.15 s
-    s.timed_out(lambda: setattr(dev, "lag", 0.0))
+    s.timed_out(lambda: (clock.sleep(0.5), setattr(dev, "lag", 0.0)))  # the evaluation itself: 0.5 s
     assert dev.calls == 2  # before and after
-    assert s.excluded_s < 0.15  # the training backlog was drained before the clock started
+    assert s.excluded_s == pytest.approx(0.5)  # the evaluation, without the training backlog drained before it
     m = s.exchange((False,) * 3, False, 1, True).metrics
-    assert m["time/step_s"] >= 0.15
+    assert m["time/step_s"] == pytest.approx(0.15)
