@@ -1,7 +1,9 @@
 """``python -m runtime checkpoints list|verify|prune <storage> [--endpoint-url URL] [--keep N (prune)]``.
 
-Exit codes: 0 ok, 1 an invalid checkpoint was found (verify) or storage failed, 2 bad usage
-(including a local folder that does not exist or is a file); verify also exits 1 when there is nothing to verify.
+``verify <storage>/step_<n>`` verifies that one checkpoint. Exit codes: 0 ok, 1 an invalid
+checkpoint was found (verify; a file that is a FIFO or not regular, a folder that links out of its
+storage: refused, never read) or storage failed, 2 bad usage (including a local folder that does
+not exist or is a file); verify also exits 1 when there is nothing to verify.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import os
 import sys
 
+from runtime.checkpoint.format import NAME_RE, CheckpointRef
 from runtime.checkpoint.manager import CheckpointManager
 from runtime.checkpoint.storage import CheckpointError, LocalStorage
 
@@ -34,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="{list,verify,prune}")
     helps = {
         "list": "one line per checkpoint: step, name, size, valid or why not",
-        "verify": "check every file against its manifest's sha256; exit 1 if any is invalid or none exists",
+        "verify": "check every file against its manifest's sha256 (of every checkpoint, or of the one step_<n> "
+                  "folder given); exit 1 if any is invalid or none exists",
         "prune": "delete all but the newest --keep valid checkpoints and leftovers of interrupted saves",
     }
     for name, text in helps.items():
@@ -63,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
         return int(exc.code or 0)
+    if args.command == "verify":
+        root, _, name = args.storage.rstrip("/").rpartition("/")
+        if root and NAME_RE.match(name):
+            return _verify_one(root, name, args.endpoint_url)
     keep = getattr(args, "keep", 3)
     if keep < 1:
         print("error: --keep must be >= 1", file=sys.stderr)
@@ -105,6 +113,38 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        mgr.close()
+
+
+def _verify_one(root: str, name: str, endpoint_url: str | None) -> int:
+    """``verify <storage>/step_<n>``: that checkpoint alone, as a resume would check it; one line."""
+    try:
+        mgr = CheckpointManager(root, keep=0, endpoint_url=endpoint_url)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ref: CheckpointRef | None = None
+    try:
+        if isinstance(mgr.storage, LocalStorage):
+            path = os.path.join(mgr.storage.root, name)
+            real_root, real = os.path.realpath(mgr.storage.root), os.path.realpath(path)
+            if os.path.commonpath([real_root, real]) != real_root:  # a link planted as a step folder
+                print(f"{name}: invalid: a link to {real}, outside the storage {mgr.storage.root}: not followed")
+                return 1
+            if not os.path.isdir(path):
+                why = "is not a folder" if os.path.lexists(path) else "does not exist"
+                print(f"error: checkpoint folder {path} {why}", file=sys.stderr)
+                return 2
+        ref = CheckpointRef(mgr.storage.uri_of(name), int(name.removeprefix("step_")), name)
+        manifest, _ = mgr.verified_files(ref)
+        size = sum(int(f["size"]) for f in manifest["files"].values())
+        print(f"{name}: valid ({len(manifest['files'])} files, {_human(size)}, step {ref.step})")
+        return 0
+    except CheckpointError as exc:
+        why = str(exc).removeprefix(f"{ref.uri}: ") if ref is not None else str(exc)
+        print(f"{name}: invalid: {why}")
         return 1
     finally:
         mgr.close()

@@ -23,7 +23,16 @@ from typing import Any, Literal, TypeGuard
 
 import torch
 
-from runtime.checkpoint.storage import MANIFEST, Staging, Storage, UnsafeNameError, check_name, safe_join
+from runtime.checkpoint.storage import (
+    MANIFEST,
+    NotAFileError,
+    Staging,
+    Storage,
+    UnsafeNameError,
+    check_name,
+    open_regular,
+    safe_join,
+)
 from runtime.config import config_hash
 from runtime.versions import versions
 
@@ -68,7 +77,7 @@ def file_digest(path: str) -> tuple[str, int]:
     """sha256 hex and size of a local file."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(4 * 1024 * 1024):
             h.update(chunk)
             size += len(chunk)
@@ -208,6 +217,8 @@ def read_manifest(storage: Storage, name: str, listing: dict[str, int]) -> tuple
         blob = storage.get_bytes(f"{name}/{MANIFEST}")
     except OSError as exc:  # pruned or replaced since the listing
         raise InvalidCheckpoint(f"{MANIFEST} unreadable ({exc})") from exc
+    except (NotAFileError, UnsafeNameError) as exc:  # a FIFO, a link out of the storage: never read
+        raise InvalidCheckpoint(str(exc)) from exc
     manifest = parse_manifest(blob, name)
     for fname, info in manifest["files"].items():
         if fname not in listing:
@@ -241,7 +252,7 @@ def verify_files(storage: Storage, name: str, manifest: dict[str, Any],
             paths[fname] = path
     except FileNotFoundError as exc:
         raise InvalidCheckpoint(f"{os.path.basename(str(exc.filename))} missing") from exc
-    except UnsafeNameError as exc:
+    except (UnsafeNameError, NotAFileError) as exc:
         raise InvalidCheckpoint(str(exc)) from exc
     finally:
         if tmp:

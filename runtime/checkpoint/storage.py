@@ -15,8 +15,9 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
-from typing import Protocol, TypeVar
+from typing import BinaryIO, Protocol, TypeVar
 
 log = logging.getLogger("runtime.checkpoint")
 
@@ -65,6 +66,29 @@ def safe_join(folder: str, name: str) -> str:
     if os.path.commonpath([base, path]) != base:
         raise UnsafeNameError(f"file name {name!r} resolves outside {folder}")
     return os.path.join(folder, name)
+
+
+class NotAFileError(CheckpointError):
+    """A checkpoint file that is not a regular file (a FIFO, a device, a socket, a folder)."""
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``open(path, "rb")`` for a regular file only: a FIFO planted in a checkpoint folder would block
+    a plain open (and a read) until someone writes to it, a device would be read forever. The open
+    does not block (O_NONBLOCK), the kind is read from the opened file itself (no race with a swap)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else
+                    "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a regular file")
+            raise NotAFileError(f"{os.path.basename(path)} is {kind}, not a regular file: not read")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class Staging(Protocol):
@@ -179,11 +203,12 @@ class LocalStorage:
             f.write(data)
 
     def get_bytes(self, key: str) -> bytes:
-        with open(self._path(key), "rb") as f:
+        with open_regular(self._path(key)) as f:
             return f.read()
 
     def get_file(self, key: str, dest: str) -> None:
-        shutil.copyfile(self._path(key), dest)
+        with open_regular(self._path(key)) as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out)
 
     def local_path(self, key: str) -> str | None:
         return self._path(key)
