@@ -127,17 +127,19 @@ class TrainFlow(FlowSpec):
         """A new registry version (run's final metrics and this evaluation as tags); promoted if better."""
         from pathlib import Path
 
+        from runtime.observe.mlflow_http import bound_mlflow_http, configured_uri
         from runtime.observe.mlflow_sync import register_run
-        from runtime.observe.mlflow_upload import SyncState
         from runtime.observe.registry import PromotionRefused, promote
         from runtime.train.export import save_final_model
 
-        version, run_id = register_run(Path(self.run_dir), self.registered_name, save_final_model, self.metrics)
-        state = SyncState.load(Path(self.run_dir))
-        assert state is not None
-        self.registry_uri, self.version, self.mlflow_run_id = state.uri, version, run_id
+        bound_mlflow_http()
+        # The server the trained config names (else the cluster's), never the one in the run folder's mlflow.json.
+        uri = configured_uri(self.best_config["tracking"]["mlflow_uri"])
+        done = register_run(Path(self.run_dir), uri, self.registered_name, save_final_model, self.metrics)
+        self.registry_uri, self.version, self.mlflow_run_id = uri, done.version, done.run_id
+        version = done.version
         try:
-            p = promote(state.uri, self.registered_name, version, alias=self.alias, metric=self.promote_metric)
+            p = promote(uri, self.registered_name, version, alias=self.alias, metric=self.promote_metric)
             self.promoted, self.promotion = True, p.reason
         except PromotionRefused as e:
             self.promoted, self.promotion = False, str(e)

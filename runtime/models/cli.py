@@ -5,8 +5,12 @@
     python -m runtime models promote digits 3 --metric val/accuracy [--alias champion] [--mode max] [--force]
     python -m runtime models register runs/<run> --name digits      # a run that did not register (MLflow was down)
 
+The server is ``--mlflow-uri``, else MLFLOW_TRACKING_URI, else the local cluster's (`make
+cluster-up`), else the local store; ``register`` never sends to the server a run folder names.
+
 Exit codes: 0 ok, 1 promotion refused (the version does not beat the alias's holder), 2 bad input
-(unknown model, version or alias; a metric the version lacks), 3 MLflow unreachable.
+(unknown model, version or alias; a metric the version lacks; a damaged run folder; a value MLflow
+refused), 3 MLflow unreachable.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from runtime.cluster import ClusterError, tracking_uri
+from runtime.cluster import ClusterError
 from runtime.errors import ConfigError
 from runtime.observe.registry import DEFAULT_ALIAS, PromotionRefused, Version, models, promote, resolve, versions
 
@@ -53,12 +57,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _uri(given: str | None) -> str:
-    from runtime.observe.mlflow_http import local_store_uri
-
-    return given or tracking_uri() or local_store_uri()
-
-
 def _version_lines(v: Version) -> list[str]:
     lines = [f"{v.name} version {v.version}" + (f"  @{', @'.join(v.aliases)}" if v.aliases else ""),
              f"  source     {v.source}", f"  run        {v.run_id or '-'}",
@@ -67,8 +65,7 @@ def _version_lines(v: Version) -> list[str]:
     return lines
 
 
-def _run(args: argparse.Namespace) -> int:
-    uri = _uri(args.mlflow_uri)
+def _run(args: argparse.Namespace, uri: str) -> int:
     if args.action == "list":
         rows = models(uri)
         if not rows:
@@ -96,21 +93,23 @@ def _run(args: argparse.Namespace) -> int:
     from runtime.observe.report import find_run
     from runtime.train.export import save_final_model
 
-    version, run_id = register_run(Path(find_run(args.run)), args.name, save_final_model)
-    print(f"{args.name} version {version} (MLflow run {run_id}); promote with "
-          f"`python -m runtime models promote {args.name} {version} --metric val/accuracy`")
+    done = register_run(Path(find_run(args.run)), uri, args.name, save_final_model)
+    print(f"{args.name} version {done.version} (MLflow run {done.run_id} at {uri}); promote with "
+          f"`python -m runtime models promote {args.name} {done.version} --metric val/accuracy`")
     return 0
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    from mlflow.exceptions import MlflowException
+
     from runtime.observe.history import ReportError
-    from runtime.observe.mlflow_http import bound_mlflow_http
+    from runtime.observe.mlflow_http import bound_mlflow_http, configured_uri, first_line
 
     bound_mlflow_http()
-
+    uri = configured_uri(args.mlflow_uri)
     try:
-        return _run(args)
+        return _run(args, uri)
     except PromotionRefused as e:
         print(f"refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -120,3 +119,9 @@ def main(argv: list[str]) -> int:
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_SERVICE
+    except MlflowException as e:  # a value the server refused (a bad model name, an invalid alias)
+        print(f"error: MLflow at {uri} refused it: {first_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # a run folder or file that cannot be read
+        print(f"error: {e.filename or 'the run folder'}: cannot be read: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT

@@ -1,9 +1,15 @@
-"""MLflow's HTTP client, bounded for the runtime's calls, and the local store used without a server.
+"""MLflow's HTTP client, bounded and quiet for the runtime's calls; which server a command talks to.
 
 Every module that talks to MLflow calls ``bound_mlflow_http`` first: MLflow's defaults retry a call
 7 times with exponential backoff and 120 s timeouts, minutes per call against a dead server, and
-urllib3 logs a line per retry (issue 27). Its own module because the tracker, the catch-up upload,
-the model registry's CLI and rank 0's system metrics all need it and nothing else of theirs.
+urllib3 logs a line per retry; MLflow also prints a progress bar per artifact transfer and a
+"View run" line per ended run onto the console the runtime's own lines are on. Its own module
+because the tracker, the catch-up upload, the model registry's CLI and rank 0's system metrics all
+need it and nothing else of theirs.
+
+``configured_uri``: the server a command sends to is the one its caller configured (a flag, the
+job it was given, MLFLOW_TRACKING_URI, `make cluster-up` state), never one named by a run folder:
+a run folder is data anyone with write access to the storage can plant (docs/security.md).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 
-from runtime.cluster import ROOT
+from runtime.cluster import ROOT, tracking_uri
 from runtime.layout import LOCAL_RUNS
 
 # MLflow's HTTP client settings for the runtime's calls (its defaults in brackets). A call against a
@@ -21,6 +27,8 @@ MLFLOW_HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",  # [7]
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # an int to MLflow [2]
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",  # [1.0]
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # a tqdm bar per artifact upload/download [true]
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # "🏃 View run <name> at: <url>" per ended run [false]
 }
 
 
@@ -33,7 +41,8 @@ class _NoRetryLines(logging.Filter):
 
 
 def bound_mlflow_http() -> None:
-    """MLflow calls from this process: short timeouts and few retries, unless the user set their own."""
+    """MLflow calls from this process: short timeouts, few retries and no console output of MLflow's
+    own, unless the user set their own values."""
     for key, value in MLFLOW_HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
     pool = logging.getLogger("urllib3.connectionpool")
@@ -46,6 +55,12 @@ def local_store_uri() -> str:
     d = ROOT / LOCAL_RUNS
     d.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{d / 'mlflow.db'}"
+
+
+def configured_uri(given: str | None = None) -> str:
+    """The MLflow server of this command: ``given`` (a flag, the caller's own job config), else
+    MLFLOW_TRACKING_URI or the local cluster's server (runtime.cluster.tracking_uri), else the local store."""
+    return given or tracking_uri() or local_store_uri()
 
 
 def first_line(e: BaseException) -> str:

@@ -3,35 +3,110 @@
 
 Its own module because it runs in a CLI process with no tracker: it reads history.jsonl and the
 resolved config back and makes the same calls the live tracker would have (runtime.observe.mlflow_upload).
+
+The run folder is untrusted input, as Tune's state is: anyone who can write the storage can plant
+one. So the MLflow server is the caller's (``uri``: runtime.observe.mlflow_http.configured_uri), never
+the one mlflow.json names, which would receive the caller's MLflow credentials; the checkpoint is
+the run folder's own (``<run folder>/checkpoints``; on S3, the config's storage and the folder's
+name), never a location mlflow.json names; its files are read without following links.
 """
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from runtime.cluster import ClusterError
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
+from runtime.layout import checkpoint_uri, is_s3, storage_paths
 from runtime.observe.history import CURVES_FILE, ReportError, read_history
 from runtime.observe.mlflow_http import bound_mlflow_http, first_line
-from runtime.observe.mlflow_upload import CONFIG_FILE, STATE_FILE, MlflowUpload, ModelExporter, SyncState
+from runtime.observe.mlflow_upload import (
+    CONFIG_FILE,
+    STATE_FILE,
+    STATE_LIMIT,
+    MlflowUpload,
+    ModelExporter,
+    SyncState,
+    read_regular,
+)
 
 
-def sync(run_dir: Path, export_model: ModelExporter | None = None) -> list[str]:
-    """``report <run> --sync``: upload what MLflow lacks of a run folder; the lines to print.
+@dataclass
+class Registered:
+    """What ``register_run`` made: the version of the registered model, its MLflow run, the server."""
 
-    Idempotent: the run folder's mlflow.json names the MLflow run and how many reports it holds.
-    Raises ClusterError when MLflow cannot be reached, ReportError when the run was not tracked.
-    """
+    version: str
+    run_id: str
+    uri: str
 
-    state = SyncState.load(run_dir)
+
+def _config(run_dir: Path) -> JobConfig:
+    """The run's resolved config; ReportError naming the file when it is missing or damaged."""
+    path = run_dir / CONFIG_FILE
+    data = read_regular(path, STATE_LIMIT)
+    if data is None:
+        raise ReportError(f"{path}: none (a tracked run writes it at start; without it nothing can be synced)")
+    try:
+        return JobConfig.model_validate(yaml.safe_load(data))
+    except yaml.YAMLError as e:
+        raise ReportError(f"{path}: damaged (not YAML: {first_line(e)})") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "the top level"
+        raise ReportError(f"{path}: damaged ({where}: {err['msg']}); expected the resolved config the run "
+                          "wrote") from None
+
+
+def _checkpoints(run_dir: Path, cfg: JobConfig) -> str:
+    """The run's own checkpoint folder: beside its run folder, or on S3 under the config's storage
+    and the run folder's name (runtime.layout)."""
+    if not is_s3(cfg.checkpoint.storage):
+        return checkpoint_uri(str(run_dir))
+    try:
+        return storage_paths(cfg, run_dir.name)[1]
+    except ConfigError as e:
+        raise ReportError(f"{run_dir}: {e}") from None
+
+
+def _state(run_dir: Path, uri: str) -> tuple[SyncState, JobConfig, str | None]:
+    """The folder's state bound to the configured server ``uri``, its config, and a note when
+    mlflow.json named another server (whose run id and counts mean nothing at ``uri``)."""
+    state = SyncState.read(run_dir)
     if state is None:
         raise ReportError(f"{run_dir / STATE_FILE}: none (the run was not tracked in MLflow: tracking.mlflow=false, "
-                          "or it was started before issue 27)")
-    cfg = JobConfig.model_validate(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+                          "or it was started before the runtime kept one)")
+    cfg = _config(run_dir)
+    if state.checkpoint_uri:  # the run ended with a checkpoint: the folder's own, whatever the file says
+        state.checkpoint_uri = _checkpoints(run_dir, cfg)
+    note = None
+    if state.uri != uri:
+        note = (f"mlflow.json names MLflow at {ascii(state.uri)}; sending to the configured {uri} instead "
+                "(MLFLOW_TRACKING_URI or `make cluster-up`'s server; a run folder never chooses the server)")
+        state.uri, state.run_id, state.uploaded, state.closed = uri, None, 0, False
+        state.model_step, state.registered = None, None
+    return state, cfg, note
+
+
+def sync(run_dir: Path, uri: str, export_model: ModelExporter | None = None) -> list[str]:
+    """``report <run> --sync``: upload what the MLflow server at ``uri`` lacks of a run folder; the
+    lines to print.
+
+    Idempotent: the run folder's mlflow.json names the MLflow run and how many reports it holds.
+    Raises ClusterError when MLflow cannot be reached, ReportError when the run was not tracked or
+    its folder is damaged.
+    """
+    state, cfg, note = _state(run_dir, uri)
+    return _sync(run_dir, state, cfg, export_model, note)
+
+
+def _sync(run_dir: Path, state: SyncState, cfg: JobConfig, export_model: ModelExporter | None,
+          note: str | None) -> list[str]:
     bound_mlflow_http()
     upload = MlflowUpload(state, cfg, export_model)
     history = read_history(run_dir)
@@ -48,7 +123,7 @@ def sync(run_dir: Path, export_model: ModelExporter | None = None) -> list[str]:
         closing = state.status is not None and not state.closed
         if closing:
             curves = run_dir / CURVES_FILE
-            upload.close(history, [str(curves)] if curves.exists() else [])
+            upload.close(history, [str(curves)] if curves.exists() or curves.is_symlink() else [])
             state.save(run_dir)
     except ClusterError:
         raise
@@ -56,7 +131,8 @@ def sync(run_dir: Path, export_model: ModelExporter | None = None) -> list[str]:
         state.save(run_dir)
         raise ClusterError(f"MLflow at {state.uri} unreachable: {first_line(e)}; {state.uploaded} of "
                            f"{len(history)} reports uploaded so far") from None
-    lines = [f"MLflow run   {state.run_id} at {state.uri}" + (" (created now)" if created else "")]
+    lines = [f"note         {note}"] if note else []
+    lines.append(f"MLflow run   {state.run_id} at {state.uri}" + (" (created now)" if created else ""))
     lines.append(f"reports      {len(history) - before} uploaded now, {len(history)} in MLflow")
     if closing:
         lines.append(f"end state    {state.status}, artifacts uploaded")
@@ -67,21 +143,20 @@ def sync(run_dir: Path, export_model: ModelExporter | None = None) -> list[str]:
     return lines
 
 
-def register_run(run_dir: Path, name: str, export_model: ModelExporter,
-                 metrics: dict[str, float] | None = None) -> tuple[str, str]:
-    """``models register <run> --name NAME``: the run's model as a version of ``name``; (version, run id).
+def register_run(run_dir: Path, uri: str, name: str, export_model: ModelExporter,
+                 metrics: dict[str, float] | None = None) -> Registered:
+    """``models register <run> --name NAME``: the run's model as a version of ``name`` at the MLflow
+    server ``uri``.
 
     Uploads what MLflow lacks of the run first (``sync``), logs the model if the run's end did not,
     and registers once: a run already registered under ``name`` gives its version again. ``metrics``
     (an evaluation's) become ``metric.*`` tags beside the run's final ones. Raises ReportError (not a
-    tracked run, no checkpoint), ClusterError (MLflow unreachable)."""
-
-    sync(run_dir, export_model)
-    state = SyncState.load(run_dir)
-    assert state is not None and state.run_id  # sync created and recorded the run
+    tracked run, a damaged folder, no checkpoint), ClusterError (MLflow unreachable)."""
+    state, cfg, note = _state(run_dir, uri)
+    _sync(run_dir, state, cfg, export_model, note)
+    assert state.run_id  # _sync created and recorded the run
     if state.registered and state.registered.rsplit("/", 1)[0] == name:
-        return state.registered.rsplit("/", 1)[1], state.run_id
-    cfg = JobConfig.model_validate(yaml.safe_load((run_dir / CONFIG_FILE).read_text()))
+        return Registered(state.registered.rsplit("/", 1)[1], state.run_id, uri)
     upload = MlflowUpload(state, cfg, export_model)
     try:
         if state.model_step is None and state.checkpoint_uri:
@@ -102,4 +177,4 @@ def register_run(run_dir: Path, name: str, export_model: ModelExporter,
     finally:
         state.save(run_dir)
     assert state.registered
-    return state.registered.rsplit("/", 1)[1], state.run_id
+    return Registered(state.registered.rsplit("/", 1)[1], state.run_id, uri)

@@ -5,14 +5,21 @@ run events, the end-of-run artifacts (resolved config, curves, final model) and 
 mlflow.json) records what MLflow holds, so that the live tracker (runtime.observe.tracking) and the
 catch-up after the fact (runtime.observe.mlflow_sync) upload the same things once and never a step
 twice. Its own module because both of those use it and neither needs the other.
+
+A run folder is read as untrusted input (anyone who can write the storage can plant one):
+``SyncState.read`` refuses a damaged or ill-typed mlflow.json naming the file, and the files of a
+run folder that go to MLflow are read with ``read_regular`` (no symbolic link followed, no FIFO
+opened), so a link to a secret file uploads nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -25,7 +32,7 @@ import yaml
 from runtime.cluster import ROOT
 from runtime.config import JobConfig
 from runtime.observe.curves import plot_curves
-from runtime.observe.history import CURVES_FILE
+from runtime.observe.history import CURVES_FILE, ReportError
 from runtime.observe.mlflow_http import first_line
 from runtime.versions import versions
 
@@ -36,6 +43,8 @@ STATE_FILE = "mlflow.json"  # SyncState, beside history.jsonl
 CONFIG_FILE = "resolved_config.yaml"  # the run's resolved config, logged as an artifact and read by --sync
 BATCH_METRICS = 1000  # MLflow's log_batch limit
 MODEL_ARTIFACT = "model"  # the final model's folder in the run's artifacts: runs:/<run_id>/model
+STATE_LIMIT = 64 << 20  # bytes of mlflow.json read at most (its events list is the only part that grows)
+ARTIFACT_LIMIT = 64 << 20  # bytes of a run folder's plot read at most (a curves PNG is ~100 KB)
 # Writes a run's final model as an MLflow model folder: (cfg, checkpoint URI, folder) -> (folder, step),
 # or None without a checkpoint. Given by the layer that can build networks (runtime.train.export):
 # tracking sits below it. Without one, the final weights are logged as a bare state_dict file.
@@ -76,6 +85,70 @@ def report_metrics(item: dict[str, Any]) -> list[Any]:
     return metrics
 
 
+def read_regular(path: Path, limit: int) -> bytes | None:
+    """A run folder's file as it is: None when absent; ReportError naming it when it is a symbolic
+    link (never followed: a link to ~/.netrc would upload that), not a regular file (a FIFO would
+    block the read), unreadable or over ``limit`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ReportError(f"{path}: a symbolic link; refused (a run folder's files are read as they are, "
+                              "never through a link)") from None
+        raise ReportError(f"{path}: cannot be read: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ReportError(f"{path}: not a regular file; refused")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ReportError(f"{path}: over {limit >> 20} MiB; refused (expected a file the run wrote)")
+    return data
+
+
+# mlflow.json's fields and the JSON types each may hold (a planted file must not reach MLflow's
+# calls as a TypeError, or as a float where a step count belongs).
+_OPT = type(None)
+_STATE_TYPES: dict[str, tuple[type, ...]] = {
+    "uri": (str,), "experiment": (str,), "run_name": (str,), "tags": (dict,), "run_id": (str, _OPT),
+    "uploaded": (int,), "status": (str, _OPT), "end_tags": (dict,), "checkpoint_uri": (str, _OPT),
+    "closed": (bool,), "events": (list,), "model_step": (int, _OPT), "registered": (str, _OPT)}
+_EVENT_TYPES: dict[str, tuple[type, ...]] = {"metrics": (dict,), "step": (int,), "ts_ms": (int,), "tags": (dict,)}
+
+
+def _typed(value: Any, kinds: tuple[type, ...]) -> bool:
+    """``value`` is one of ``kinds``; a JSON true is not an int here."""
+    return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+
+
+def _state_problem(raw: Any) -> str | None:
+    """What is wrong with a parsed mlflow.json, or None."""
+    if not isinstance(raw, dict):
+        return f"a JSON {type(raw).__name__}, not an object"
+    required = {"uri", "experiment", "run_name", "tags"}
+    if missing := sorted(required - raw.keys()):
+        return f"no {', '.join(missing)}"
+    if unknown := sorted(raw.keys() - _STATE_TYPES.keys()):
+        return f"unknown field {unknown[0]!r}"
+    for key, value in raw.items():
+        if not _typed(value, _STATE_TYPES[key]):
+            return f"{key} is a JSON {type(value).__name__}"
+    if raw.get("uploaded", 0) < 0:
+        return f"uploaded is {raw['uploaded']}, expected a count >= 0"
+    for key in ("tags", "end_tags"):
+        if not all(isinstance(v, str) for v in raw.get(key, {}).values()):
+            return f"{key} holds a value that is not a string"
+    for i, event in enumerate(raw.get("events", [])):
+        if not isinstance(event, dict) or event.keys() != _EVENT_TYPES.keys() or not all(
+                _typed(event[k], t) for k, t in _EVENT_TYPES.items()):
+            return f"events[{i}] is not {{metrics, step, ts_ms, tags}}"
+        if not all(_typed(v, (int, float)) for v in event["metrics"].values()):
+            return f"events[{i}].metrics holds a value that is not a number"
+    return None
+
+
 @dataclass
 class SyncState:
     """What the MLflow run holds of a run folder, saved as its mlflow.json after every change."""
@@ -96,10 +169,29 @@ class SyncState:
 
     @classmethod
     def load(cls, run_dir: Path) -> SyncState | None:
+        """The run folder's state, or None when it has none or a damaged one (the tracker starts afresh)."""
         try:
-            return cls(**json.loads((run_dir / STATE_FILE).read_text()))
-        except (OSError, ValueError, TypeError):
+            return cls.read(run_dir)
+        except ReportError:
             return None
+
+    @classmethod
+    def read(cls, run_dir: Path) -> SyncState | None:
+        """The run folder's state; None when it has none; ReportError naming the file when it is
+        damaged (not JSON, a field missing or of the wrong type), a link or not a regular file."""
+        path = run_dir / STATE_FILE
+        data = read_regular(path, STATE_LIMIT)
+        if data is None:
+            return None
+        try:
+            raw = json.loads(data)
+        except ValueError as e:
+            raise ReportError(f"{path}: damaged (not JSON: {e}); expected the MLflow state a tracked run "
+                              "writes") from None
+        problem = _state_problem(raw)
+        if problem:
+            raise ReportError(f"{path}: damaged ({problem}); expected the MLflow state a tracked run writes")
+        return cls(**raw)
 
     def save(self, run_dir: Path) -> None:
         """Atomically (a temporary file renamed); a failing disk costs the record, not the run."""
@@ -187,8 +279,8 @@ class MlflowUpload:
             cfg_path = Path(d) / CONFIG_FILE
             cfg_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
             self.client.log_artifact(run_id, str(cfg_path))
-            png = Path(plots[0]) if plots else Path(d) / CURVES_FILE
-            if plots or plot_curves(history, png):
+            png = Path(d) / CURVES_FILE
+            if _copy_plot(plots[0] if plots else None, png) or plot_curves(history, png):
                 self.client.log_artifact(run_id, str(png))
             if self.state.checkpoint_uri and self.export_model is None:
                 model = export_final_model(self.state.checkpoint_uri, self.cfg, Path(d))
@@ -230,6 +322,23 @@ class MlflowUpload:
                 "checkpoint": self.state.checkpoint_uri or "", **metric_tags(final_metrics(history))}
         version = register(self.state.uri, name, run_id, f"runs:/{run_id}/{MODEL_ARTIFACT}", tags)
         self.state.registered = f"{name}/{version.version}"
+
+
+def _copy_plot(plot: str | None, out: Path) -> bool:
+    """``plot`` (a run folder's curves) copied to ``out`` for upload, read without following a
+    link; False when there is none or it is refused (with a warning: the curves are drawn again
+    from the history instead)."""
+    if plot is None:
+        return False
+    try:
+        data = read_regular(Path(plot), ARTIFACT_LIMIT)
+    except ReportError as e:
+        log.warning("%s", e)
+        return False
+    if data is None:
+        return False
+    out.write_bytes(data)
+    return True
 
 
 def final_metrics(history: list[dict[str, Any]]) -> dict[str, float]:

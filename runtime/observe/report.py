@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from runtime.layout import LOCAL_RUNS
 from runtime.observe.cost import LEDGER_FILE, CostLedger
 from runtime.observe.history import CURVES_FILE, HISTORY_FILE, HistoryLog, ReportError, load_history, read_history
+from runtime.observe.mlflow_http import first_line
 
 if TYPE_CHECKING:
     from runtime.observe.mlflow_upload import ModelExporter
@@ -123,15 +124,25 @@ def _plot(history: list[dict[str, Any]], png: Path) -> tuple[Path | None, str]:
 
 
 def main(run: str, sync: bool = False, export_model: ModelExporter | None = None) -> int:
-    """The summary; with ``sync``, first upload what MLflow missed (exit 3 while it is unreachable);
-    ``export_model`` writes the final model as an MLflow model (runtime.observe.mlflow_upload.ModelExporter)."""
+    """The summary; with ``sync``, first upload what MLflow missed to the configured server
+    (MLFLOW_TRACKING_URI, else the local cluster's, else the local store; never the one the run
+    folder names). Exit 2: bad input (no run, a damaged run folder or file, MLflow refused a
+    value); 3: MLflow unreachable. ``export_model`` writes the final model as an MLflow model
+    (runtime.observe.mlflow_upload.ModelExporter)."""
     from runtime.cluster import ClusterError
 
     try:
         if sync:
+            from mlflow.exceptions import MlflowException
+
+            from runtime.observe.mlflow_http import configured_uri
             from runtime.observe.mlflow_sync import sync as sync_run
 
-            print("\n".join(sync_run(find_run(run), export_model)) + "\n")
+            uri = configured_uri()
+            try:
+                print("\n".join(sync_run(find_run(run), uri, export_model)) + "\n")
+            except MlflowException as e:
+                raise ReportError(f"MLflow at {uri} refused the run: {first_line(e)}") from None
         got = report(run)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -139,6 +150,9 @@ def main(run: str, sync: bool = False, export_model: ModelExporter | None = None
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_SERVICE
+    except OSError as e:  # the run folder or a file in it unreadable (permissions, a vanished mount)
+        print(f"error: {e.filename or run}: cannot be read: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if got.warning:
         print(f"warning: {got.warning}", file=sys.stderr)
     print("\n".join(got.lines))

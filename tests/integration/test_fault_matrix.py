@@ -126,7 +126,8 @@ def _sync_holds_each_step_once(run_dir: Path, url: str, history: list[dict[str, 
     from mlflow.tracking import MlflowClient
 
     synced = subprocess.run([sys.executable, "-m", "runtime", "report", str(run_dir), "--sync"], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": url},
+                            capture_output=True, text=True, timeout=300)
     assert synced.returncode == 0, synced.stdout + synced.stderr
     assert ("(created now)" in synced.stdout) == created, synced.stdout
     state = SyncState.load(run_dir)

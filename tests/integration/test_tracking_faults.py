@@ -85,8 +85,8 @@ def test_tracker_goes_offline_comes_back_and_sync_uploads_each_step_once(tmp_pat
 
     server.start()
     try:
-        first = sync(tracker.run_dir)
-        again = sync(tracker.run_dir)
+        first = sync(tracker.run_dir, server.url)
+        again = sync(tracker.run_dir, server.url)
         from mlflow.tracking import MlflowClient
 
         run = MlflowClient(tracking_uri=server.url).get_run(tracker.run_id)
@@ -141,9 +141,11 @@ def _train(run: str, storage: Path, url: str, *sets: str) -> subprocess.Popen[st
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _sync(run_dir: Path) -> subprocess.CompletedProcess[str]:
+def _sync(run_dir: Path, url: str) -> subprocess.CompletedProcess[str]:
+    """``report --sync`` as a user runs it, with the server configured (the run folder never names it)."""
     return subprocess.run([sys.executable, "-m", "runtime", "report", str(run_dir), "--sync"], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": url},
+                          capture_output=True, text=True, timeout=300)
 
 
 def _assert_quiet(console: str) -> None:
@@ -175,12 +177,12 @@ def test_mlflow_down_at_start_trains_then_sync_creates_the_run_unless_tracking_i
     never = SyncState.load(run_dir)
     assert never is not None and never.run_id is None  # the MLflow run was never created
 
-    unreachable = _sync(run_dir)
+    unreachable = _sync(run_dir, server.url)
     assert unreachable.returncode == 3 and "unreachable" in unreachable.stderr, unreachable.stderr
 
     server.start()
     try:
-        synced = _sync(run_dir)
+        synced = _sync(run_dir, server.url)
         assert synced.returncode == 0 and "(created now)" in synced.stdout, synced.stdout + synced.stderr
         state = SyncState.load(run_dir)
         assert state is not None and state.run_id and state.closed
