@@ -28,6 +28,7 @@ from runtime.run import Resized
 from runtime.train.driver import StreamingFit, connect
 from runtime.train.elastic import refresh_capacity
 from tests.support import job, wait_for
+from tests.support.cluster import oldest_allowed_resume
 from tests.support.trainer import train_in_process
 
 pytestmark = pytest.mark.slow
@@ -92,36 +93,43 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
     events: list[tuple[Resized, Any]] = []
     fit.on_resize = lambda event, step, _count: events.append((event, step))
     history: list[dict[str, Any]] = []
-    killed_at = rejoined_at = 0.0
-    shrunk_step = 0
-    shrunk_after_s = grown_after_s = None
+    # Where in the stream of reports the test acted and saw each size (indices into history).
+    killed_at = shrunk_at = rejoined_at = grown_at = 0
+    killed_step = 0
     for item in fit.reports():
         history.append(item)
-        world, step = item.get("world_size"), item.get("step")
+        world, step, at = item.get("world_size"), item.get("step"), len(history)
         if not killed_at and world == 3 and step >= 25:
             victim = max(int(n["index"]) for n in rc.load_state(slots)["nodes"])
             rc.remove_node(victim, slots)  # SIGKILL the raylet's process group: the node is lost
-            killed_at = time.monotonic()
-        elif killed_at and shrunk_after_s is None and world == 2:
-            shrunk_after_s, shrunk_step = time.monotonic() - killed_at, step
-        elif shrunk_after_s is not None and not rejoined_at and step >= shrunk_step + 5:
+            killed_at, killed_step = at, step
+        elif killed_at and not shrunk_at and world == 2:
+            shrunk_at = at
+        elif shrunk_at and not rejoined_at and at >= shrunk_at + 5:
             rc.add_node(slots, num_cpus=2, resources={SLOT: 1})  # the run waits meanwhile (lockstep)
-            rejoined_at = time.monotonic()
-        elif rejoined_at and grown_after_s is None and world == 3:
-            grown_after_s = time.monotonic() - rejoined_at
-        if rejoined_at and grown_after_s is None:
+            # The returning node's slot is free before the run goes on: how long a raylet takes to join
+            # a loaded machine is then outside the race below (the run must not end before it grows).
+            wait_for(lambda: ray.available_resources().get(SLOT, 0) >= 1, f"the returning node's free {SLOT}")
+            rejoined_at = at
+        elif rejoined_at and not grown_at and world == 3:
+            grown_at = at
+        if rejoined_at and not grown_at:
             time.sleep(0.3)  # hold the run back until the returning node is used
     assert fit.error is None, fit.error
 
     sizes = [h["world_size"] for h in history if "world_size" in h]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes
-    assert shrunk_after_s is not None and shrunk_after_s < 120, f"training again on 2 workers after {shrunk_after_s}"
-    assert grown_after_s is not None and grown_after_s < 180, f"training again on 3 workers after {grown_after_s}"
+    # How soon each resize came is a duration (make bench's elastic benchmark); what is proven here is
+    # the order: 2 workers only after the kill, 3 again only after the node came back.
+    assert 0 < killed_at < shrunk_at < rejoined_at < grown_at, (killed_at, shrunk_at, rejoined_at, grown_at)
     # Every optimizer step, at every size, trained on the configured global batch.
     assert all(h["samples_seen"] == h["step"] * GLOBAL_BATCH for h in history if "samples_seen" in h)
     # At most one checkpoint interval redone per resize (plus Ray's registration lag: we resume from storage).
     resumes = [(h["resumed_from_step"], h.get("resized_from")) for h in history if "resumed_from_step" in h]
     assert len(resumes) >= 2 and resumes[0][1] == 3, resumes  # the smaller group resumed a 3-worker checkpoint
+    # ... no older than docs/checkpoints.md's guarantee for a group killed after reporting killed_step
+    # (in lockstep it may have trained, and committed, the next step before the kill).
+    assert oldest_allowed_resume(killed_step, 0, INTERVAL) <= resumes[0][0] <= killed_step + 1, (killed_step, resumes)
     # The regrown group resumes the newest commit: the 2-worker group's, or still the 3-worker one when
     # the node came back before the smaller group's first interval (same world size: no reshard).
     assert resumes[-1][1] in (2, None) and resumes[-1][0] >= resumes[0][0], resumes
@@ -133,6 +141,7 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
     assert chain[0] == (3, 2) and chain[-1] == (2, 3), events
     assert all(a[1] == b[0] for a, b in zip(chain, chain[1:])), events
     assert "lost" in events[0][0].reason and events[-1][0].reason == "capacity came back", events
+    assert events[0][1] >= killed_step and events[-1][1] >= history[rejoined_at - 1]["step"], events
     assert history[-1]["final"] and history[-1]["step"] == MAX_STEPS
 
     # An uninterrupted run with the same global batch (1 worker x 8 x 6) ends at the same parameters.
@@ -148,13 +157,13 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
 def test_a_run_whose_min_workers_never_fit_fails_with_a_message_after_min_wait(slots: Path, storage: str) -> None:
     cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers={min: 4, max: 5}", "train.grad_accum_steps=60",
               "distributed.elastic.min_wait_s=10")
-    started = time.monotonic()
     fit = StreamingFit(cfg, "never-fits")
-    for _ in fit.reports():
-        pass
-    took = time.monotonic() - started
-    assert fit.error is not None and took < 90, (fit.error, took)
-    assert "distributed.elastic.min_wait_s" in str(fit.error) and "min=4" in str(fit.error)
+    reports = list(fit.reports())
+    # The wait's own arithmetic is proven on a clock the test moves (tests/unit/test_elastic.py); here,
+    # that the controller's callback ends the run with it, before any group of 4 could train a step.
+    assert fit.error is not None, reports
+    assert "distributed.elastic.min_wait_s" in str(fit.error) and "min=4" in str(fit.error), fit.error
+    assert not any("step" in r for r in reports), reports
 
 
 def test_a_drains_restart_removes_this_jobs_placement_group_and_drain_watcher_on_the_drained_node_and_no_other(
