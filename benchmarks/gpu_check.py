@@ -6,11 +6,14 @@
 3. Runs ``benchmarks.run gpu`` (every part of benchmarks/bench_gpu.py unless
    ``BENCH_GPU_PARTS`` narrows it), which writes ``benchmarks/results/gpu/<device>.json`` and
    ``.md``; the test outcome is added to that JSON.
+4. Measures DDP's per-bucket gradient-ready times from a real backward (ResNet-50 and GPT,
+   ``benchmarks.scaling_model measure``) into ``benchmarks/results/gpu/<device>_grad_ready_<model>.json``,
+   the scaling model's ``--ready-times`` input (docs/scaling.md).
 
 On a lent machine with no package registry, ``shared/device/gpu-env.sh BUNDLE make gpu-check
 GPU_PY=python3`` installs the offline bundle next to the host's CUDA torch first.
-``GPU_CHECK_SKIP_TESTS=1`` / ``GPU_CHECK_SKIP_BENCH=1`` run one half. Exit status: 0 only if
-the tests and the benchmarks both succeeded.
+``GPU_CHECK_SKIP_TESTS=1`` / ``GPU_CHECK_SKIP_BENCH=1`` / ``GPU_CHECK_SKIP_SCALING=1`` leave a
+part out. Exit status: 0 only if every part run succeeded.
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ def _ray_address() -> None:
         os.environ["RAY_ADDRESS"] = "local"
 
 
+def _grad_ready(device: str) -> int:
+    """The scaling model's GPU input: when each DDP bucket is ready in backward, one file per model."""
+    rc = 0
+    for model, batch in (("resnet50", "256"), ("gpt_small", "16")):
+        out = RESULTS / "gpu" / f"{device.replace(' ', '_')}_grad_ready_{model}.json"
+        rc |= subprocess.call([sys.executable, "-m", "benchmarks.scaling_model", "measure", "--model", model,
+                               "--batch", batch, "--out", str(out)], cwd=ROOT)
+    return rc
+
+
 def main() -> int:
     import torch
 
@@ -65,6 +78,8 @@ def main() -> int:
     if not os.environ.get("GPU_CHECK_SKIP_BENCH"):
         _ray_address()
         bench_rc = subprocess.call([sys.executable, "-m", "benchmarks.run", "gpu"], cwd=ROOT)
+    if not os.environ.get("GPU_CHECK_SKIP_SCALING"):
+        bench_rc |= _grad_ready(device)
     path = RESULTS / "gpu" / f"{device.replace(' ', '_')}.json"
     if tests is not None and path.is_file():
         doc = json.loads(path.read_text())

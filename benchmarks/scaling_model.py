@@ -349,6 +349,7 @@ class Scenario:
     step_cv: float = 0.0
     data: Literal["device", "cpu"] = "device"  # device: data made or decoded on the GPU; cpu: host decode
     measured: StepTimes | None = None
+    host_budget: float | None = None  # images/s per GPU the data path delivers, measured (overrides ``data``)
     inter_override: Link | None = field(default=None, compare=False)
 
     def inter(self) -> Link:
@@ -374,6 +375,8 @@ def predict(s: Scenario, nodes: int, gpus_per_node: int) -> Prediction:
         raise ModelError(f"nodes and gpus_per_node: expected >= 1, got {nodes} and {gpus_per_node}")
     if gpus_per_node > s.system.gpus_per_node:
         raise ModelError(f"gpus_per_node: {s.system.name} has {s.system.gpus_per_node}, got {gpus_per_node}")
+    if s.host_budget is not None and s.host_budget <= 0:
+        raise ModelError(f"host_budget: expected images/s > 0, got {s.host_budget}")
     if s.step_cv < 0:
         raise ModelError(f"step_cv: expected >= 0, got {s.step_cv}")
     st = s.step()
@@ -391,11 +394,12 @@ def predict(s: Scenario, nodes: int, gpus_per_node: int) -> Prediction:
     host_limited = False
     if s.workload.unit == "img":
         need = per_gpu
-        budget = s.system.vcpus_per_gpu * CPU_DECODE_IMG_PER_S_PER_VCPU if s.data == "cpu" else math.inf
+        budget = (s.host_budget if s.host_budget is not None
+                  else s.system.vcpus_per_gpu * CPU_DECODE_IMG_PER_S_PER_VCPU if s.data == "cpu" else math.inf)
         if budget < per_gpu:
             per_gpu, host_limited = budget, True
     single_per_gpu = samples / st.step_s
-    if s.data == "cpu" and s.workload.unit == "img":
+    if s.workload.unit == "img":
         single_per_gpu = min(single_per_gpu, budget)  # one GPU has its share of the host too
     efficiency = per_gpu / single_per_gpu
     unit_scale = s.workload.tokens_per_sample
@@ -615,10 +619,10 @@ def node_counts(nodes: int) -> list[int]:
     return [*out, nodes]
 
 
-def _host_cell(p: Prediction, data: str) -> str:
+def _host_cell(p: Prediction) -> str:
     if p.unit != "img":
         return "n/a"
-    if data != "cpu":
+    if math.isinf(p.host_budget_per_gpu):
         return f"{p.host_need_per_gpu:,.0f} / on device"
     return f"{p.host_need_per_gpu:,.0f} / {p.host_budget_per_gpu:,.0f}" + (" HOST-BOUND" if p.host_limited else "")
 
@@ -627,7 +631,8 @@ def table(s: Scenario, nodes: int, gpus_per_node: int) -> str:
     """One GPU, then 1, 2, 4 ... nodes: step, what the network and the slowest rank add, efficiency."""
     st = s.step()
     lines = [f"{s.workload.name} on {s.system.name}, network {s.network}, grads {s.grad}, "
-             f"overlap {'on' if s.overlap else 'off'}, step_cv {s.step_cv:.3f}, data {s.data}",
+             f"overlap {'on' if s.overlap else 'off'}, step_cv {s.step_cv:.3f}, data "
+             + (f"{s.host_budget:,.0f} img/s per GPU" if s.host_budget else s.data),
              f"1-GPU step {st.step_s * 1e3:.1f} ms ({st.source}); {len(st.buckets)} buckets, "
              f"{sum(b.nbytes for b in st.buckets) / 1e6:.1f} MB a step",
              "",
@@ -636,7 +641,7 @@ def table(s: Scenario, nodes: int, gpus_per_node: int) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|---|"]
     rows = [predict(s, 1, 1)] + [predict(s, n, gpus_per_node) for n in node_counts(nodes)]
     for p in rows:
-        host = _host_cell(p, s.data)
+        host = _host_cell(p)
         lines.append(f"| {p.gpus} | {p.nodes if p.gpus > 1 else '-'} | {p.step_s * 1e3:.1f} | "
                      f"{p.exposed_comm_s * 1e3:.2f} | {p.straggler_s * 1e3:.1f} | {p.throughput:,.0f} | "
                      f"{p.efficiency:.1%} ({p.comm_only_efficiency:.1%}) | {host} |")
@@ -740,6 +745,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--algorithm", default="auto", choices=["auto", "ring", "tree"])
     ap.add_argument("--data", default="device", choices=["device", "cpu"],
                     help="images decoded on the GPU (or synthetic), or on the host's CPU cores")
+    ap.add_argument("--host-budget", type=float, default=None, metavar="IMG_PER_S",
+                    help="images/s per GPU the data path delivers (measured); overrides --data")
     ap.add_argument("--step-cv", type=float, default=None, help="per-rank step spread; default: fitted to DLE")
     ap.add_argument("--ready-times", type=Path, default=None, help="a `measure` JSON (per-bucket ready times)")
     ap.add_argument("--report", action="store_true", help="also the calibration and the 4-node predictions grid")
@@ -752,7 +759,7 @@ def main(argv: Sequence[str]) -> int:
             raise ModelError(f"--ready-times {args.ready_times}: measured {measured.model!r}, but --model is "
                              f"{args.model!r}")
         s = Scenario(WORKLOADS[args.model], SYSTEMS[args.system], args.network, args.grad, not args.no_overlap,
-                     args.algorithm, cv, args.data, measured)
+                     args.algorithm, cv, args.data, measured, args.host_budget)
         print(table(s, args.nodes, args.gpus_per_node))
         if args.report:
             print("\n" + calibration_report() + "\n\n" + predictions_report(cv, args.nodes))

@@ -127,6 +127,10 @@ def test_host_decode_budget_caps_throughput() -> None:
     p = sm.predict(sm.Scenario(rn, starved, data="cpu"), 4, 8)
     assert p.host_limited and p.throughput == pytest.approx(32 * 2 * sm.CPU_DECODE_IMG_PER_S_PER_VCPU)
     assert not sm.predict(sm.Scenario(rn, sm.SYSTEMS["p5"], data="cpu"), 4, 8).host_limited
+    # a measured data path below what the GPU needs binds at every size, one GPU included
+    capped = sm.Scenario(rn, sm.SYSTEMS["p5"], host_budget=2559.0)
+    assert sm.predict(capped, 1, 1).throughput == pytest.approx(2559.0)
+    assert sm.predict(capped, 4, 8).host_limited and sm.predict(capped, 4, 8).efficiency == pytest.approx(1.0)
 
 
 def test_gpt_parameter_count_is_the_runtimes() -> None:
