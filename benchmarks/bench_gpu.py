@@ -72,7 +72,7 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
     """A one-rank process group in this process (NCCL on a GPU, gloo on a CPU): FSDP builds its mesh on it."""
     import torch.distributed as dist
 
-    from runtime.cluster.processes import free_port
+    from runtime.ports import free_port
 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
