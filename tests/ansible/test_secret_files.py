@@ -55,6 +55,8 @@ def writer_tasks() -> list[tuple[str, dict[str, Any], set[str]]]:
                 continue
             args = task[module]
             source = args.get("content", "")
+            if "{{ item" in source:  # the values come from the task's loop: a secret there is written too
+                source += yaml.safe_dump(task.get("loop", []))
             src = args.get("src", "")
             if module.endswith("template") and "{{" not in src:
                 source += (templates / src).read_text()
@@ -79,7 +81,7 @@ def test_the_scan_finds_the_secrets_it_must_guard() -> None:
     """Negative control: the scan sees the known secret files, and a bare task fails the check."""
     written = {where: names for where, _, names in writer_tasks() if names}
     assert any("grafana_admin_password" in names for names in written.values()), written
-    assert any("ray_gcs_ft_redis_password" in names for names in written.values()), written  # via ray.env.j2
+    assert any("ray_gcs_ft_redis_tls_secret_key" in names for names in written.values()), written
     assert any("ray_auth_token" in names for names in written.values()), written
     assert not any("ray_auth_token_path" in names for names in written.values()), written
     assert problems({}, {"mode": "0644"}) == ["no no_log: true", "no diff: false", "mode 0644 lets others read it"]
