@@ -37,6 +37,7 @@ EXIT_BAD_INPUT = 2
 EXIT_NO_CLUSTER = 3
 EXIT_BUDGET = 4
 EXIT_INTERRUPTED = 130
+MAX_LINE = 1000  # characters of one error line: a value echoed in it is cut, never megabytes of it
 
 
 class _Parser(argparse.ArgumentParser):
@@ -157,13 +158,20 @@ def main(argv: list[str] | None = None) -> int:
             return _tune(cfg, args)
         return _train(cfg, args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {bounded(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def bounded(message: str) -> str:
+    """An error message as printed: each line at most MAX_LINE characters, whatever value it echoes."""
+    return "\n".join(line if len(line) <= MAX_LINE else f"{line[:MAX_LINE - 30]}... ({len(line):,} characters)"
+                     for line in message.splitlines())
 
 
 def _checked_job(args: argparse.Namespace) -> Any:
     """Everything `train` and `tune` refuse, refused here: before Ray, MLflow or any file is touched."""
-    from runtime.config import job_warnings, load_job, planned_device, preflight, validate_run_name
+    from runtime.config import check_settings, job_warnings, load_job, planned_device, preflight, validate_run_name
+    from runtime.config.base import short
 
     if getattr(args, "run_name", None) is not None:
         validate_run_name(args.run_name)
@@ -172,11 +180,13 @@ def _checked_job(args: argparse.Namespace) -> Any:
         try:
             overrides += shlex.split(args.set_list)
         except ValueError as e:
-            raise ConfigError(f"--sets {args.set_list!r}: {e} (quote values with spaces: "
+            raise ConfigError(f"--sets {short(args.set_list)}: {e} (quote values with spaces: "
                               "SET=\"description='two words'\")") from None
     applied: list[str] = []
     origins: dict[tuple[str, ...], str] = {}  # where each key was set: parse_tune's errors name it
     cfg = load_job(args.job, overrides, environ=os.environ, applied=applied, origins=origins)
+    check_settings(os.environ)
+    _before_ray(cfg)
     use_gpu, why = planned_device(cfg)
     if args.command == "validate" or cfg.distributed.use_gpu != "auto":
         preflight(cfg, use_gpu)  # with use_gpu=auto, train checks again once it knows the cluster
@@ -198,6 +208,36 @@ def _checked_job(args: argparse.Namespace) -> Any:
             print("resolved configuration:")
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False).rstrip())
     return cfg
+
+
+def _before_ray(cfg: Any) -> None:
+    """What the driver and the workers would refuse only after Ray started, refused for `validate`,
+    `train` and `tune` alike: the price table and instance type, the S3 encryption settings, a
+    local shard set's index."""
+    from runtime.config.base import short
+    from runtime.config.values import parse_storage
+    from runtime.observe.prices import price_source
+
+    price_source(cfg.cost)  # an unreadable table or an instance type it lacks: ConfigError naming the field
+    sse, kms = os.environ.get("RT_S3_SSE"), os.environ.get("RT_S3_SSE_KMS_KEY_ID")
+    if sse or kms:
+        from runtime.checkpoint.s3 import SSE_CHOICES
+
+        if sse and sse not in SSE_CHOICES:
+            raise ConfigError(f"environment: RT_S3_SSE={short(sse)} is not one of {', '.join(SSE_CHOICES)}")
+        if kms and not (sse or "").startswith("aws:kms"):
+            raise ConfigError("environment: RT_S3_SSE_KMS_KEY_ID needs RT_S3_SSE=aws:kms (or aws:kms:dsse)")
+    if cfg.data.source == "shards" and not parse_storage(cfg.data.path).remote:
+        # S3 shard sets are read by the workers: asking S3 here could wait out an unreachable endpoint.
+        from runtime.data.shards.store import open_store
+        from runtime.data.shards.stream import load_index
+
+        store = open_store(cfg.data.path, cfg.data.endpoint_url)
+        if store.read_index() is not None:
+            load_index(store)  # parses index.json and checks each entry: no shard is read
+        elif not store.list_tars("train"):
+            raise ConfigError(f"data.path: no shards under {store.where}/train/ (expected train/000000.tar ...; "
+                              "write them with `python -m runtime data pack <imagefolder> <out>`)")
 
 
 def _train(cfg: Any, args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@
   error messages (``format_errors``, ``short``);
 - ``schema``: the sections (``ModelConfig`` ... ``TrackingConfig``) and ``JobConfig``;
 - ``load``: job files, ``RT_*`` and ``--set`` overrides (``load_job``, ``config_from_dict``);
-- ``checks``: device preflight, likely-mistake warnings, run names;
+- ``checks``: device preflight, the runtime's RT_* settings, likely-mistake and no-effect
+  warnings, run names;
 - ``values``: what users type, parsed once (storage locations, URLs, ports, seeds) for the
   schema and every subcommand.
 
@@ -12,7 +13,7 @@ This module re-exports what other packages import; everything else is imported f
 """
 
 from runtime.config.base import Strict, config_hash, format_errors, set_dotted, short
-from runtime.config.checks import job_warnings, planned_device, preflight, validate_run_name
+from runtime.config.checks import check_settings, job_warnings, planned_device, preflight, validate_run_name
 from runtime.config.load import (
     RUNTIME_SETTINGS,
     available_jobs,
@@ -31,6 +32,7 @@ __all__ = [
     "ModelConfig",
     "Strict",
     "available_jobs",
+    "check_settings",
     "config_from_dict",
     "config_hash",
     "env_overrides",

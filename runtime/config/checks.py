@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
-from runtime.config.base import RUN_NAME_MAX, short
+from runtime.cluster import DEFAULT_PORTS
+from runtime.config.base import RUN_NAME_MAX, Strict, short
 from runtime.config.schema import JobConfig
+from runtime.config.values import parse_port, parse_storage
 from runtime.errors import ConfigError
+
+# The runtime's own port settings: RT_METRICS_PORT=0 lets each worker's exporter take a free port.
+PORT_SETTINGS = {"RT_METRICS_PORT": True, **{f"RT_{service.upper()}_PORT": False for service in DEFAULT_PORTS}}
 
 
 def preflight(cfg: JobConfig, use_gpu: bool) -> None:
@@ -23,6 +29,19 @@ def preflight(cfg: JobConfig, use_gpu: bool) -> None:
         raise ConfigError("precision.dtype=fp16 needs GPUs (GradScaler); use bf16 or fp32 on CPU")
     if cfg.data.decode == "gpu" and not use_gpu:
         raise ConfigError("data.decode=gpu needs GPUs (nvJPEG on the device); use data.decode=auto or cpu")
+
+
+def check_settings(environ: Mapping[str, str]) -> None:
+    """The runtime's own RT_* settings that are numbers, checked before anything reads them (a port
+    of 99999 would otherwise fail a service's start, or a worker's exporter, after Ray started)."""
+    for name, allow_zero in PORT_SETTINGS.items():
+        value = environ.get(name)
+        if value is None or value == "":
+            continue
+        try:
+            parse_port(value, allow_zero=allow_zero)
+        except ValueError as e:
+            raise ConfigError(f"environment: {name}={short(value)}: {e}") from None
 
 
 def local_gpus() -> int:
@@ -56,7 +75,58 @@ def job_warnings(cfg: JobConfig, cpus: int | None = None) -> list[str]:
         out.append(f"distributed: {d.max_workers} workers x {d.cpus_per_worker:g} CPU need {need:g} CPUs; this "
                    f"machine has {cpus}, so a local cluster would wait for resources that never come "
                    "(fine on a larger remote cluster)")
+    return out + no_effect(cfg)
+
+
+def no_effect(cfg: JobConfig) -> list[str]:
+    """Settings the job file (or an override) gives that nothing reads with the rest of the job: a
+    warning each, since the user meant something by them (a typo in the deciding field, most often).
+    Warnings, not errors: a Tune space may switch the deciding field per trial."""
+    storage_remote = parse_storage(cfg.checkpoint.storage).remote
+    data_remote = cfg.data.source == "shards" and parse_storage(cfg.data.path or "runs").remote
+    rules: list[tuple[Strict, set[str], bool, str]] = [
+        (cfg.distributed.elastic, set(cfg.distributed.elastic.model_fields), not cfg.distributed.is_elastic,
+         f"distributed.num_workers={cfg.distributed.max_workers} is a fixed size (elastic: {{min: N, max: M}})"),
+        (cfg.train.local_sgd, set(cfg.train.local_sgd.model_fields), cfg.train.update_mode != "local_sgd",
+         f"train.update_mode is {cfg.train.update_mode}, not local_sgd"),
+        (cfg.distributed.fsdp, set(cfg.distributed.fsdp.model_fields), cfg.distributed.strategy != "fsdp",
+         f"distributed.strategy is {cfg.distributed.strategy}, not fsdp"),
+        (cfg.model.transformer, set(cfg.model.transformer.model_fields), cfg.model.name != "gpt",
+         f"model.name is {cfg.model.name}, not gpt"),
+        (cfg.schedule, {"step_size", "gamma"}, cfg.schedule.name != "step",
+         f"schedule.name is {cfg.schedule.name}, not step"),
+        (cfg.schedule, {"min_lr_ratio"}, cfg.schedule.name != "cosine",
+         f"schedule.name is {cfg.schedule.name}, not cosine"),
+        (cfg.optimizer, {"momentum", "nesterov"}, cfg.optimizer.name != "sgd",
+         f"optimizer.name is {cfg.optimizer.name}, not sgd"),
+        (cfg.optimizer, {"betas"}, cfg.optimizer.name == "sgd", "optimizer.name is sgd (betas are Adam's)"),
+        (cfg.checkpoint, {"endpoint_url"}, not storage_remote, "checkpoint.storage is a local folder"),
+        (cfg.data, {"endpoint_url"}, not data_remote, "data.path is not an s3:// shard set"),
+        (cfg.data, {"path"}, cfg.data.source not in ("cifar10", "imagefolder", "shards"),
+         f"data.source is {cfg.data.source}, which reads no files"),
+        (cfg.cost, {"region", "zones"}, cfg.cost.price_source != "ec2",
+         f"cost.price_source is {cfg.cost.price_source}, not ec2"),
+    ]
+    out = []
+    for section, fields, idle, because in rules:
+        given = sorted(f for f in fields & section.model_fields_set if getattr(section, f) is not None)
+        if idle and given:
+            names = ", ".join(f"{_path_of(cfg, section)}.{f}" for f in given)
+            out.append(f"{names} {'has' if len(given) == 1 else 'have'} no effect: {because}")
     return out
+
+
+def _path_of(cfg: JobConfig, section: Strict) -> str:
+    """The dotted path of a section object inside ``cfg`` (``distributed.elastic``)."""
+    for name in type(cfg).model_fields:
+        top = getattr(cfg, name)
+        if top is section:
+            return name
+        if isinstance(top, Strict):
+            for sub in type(top).model_fields:
+                if getattr(top, sub) is section:
+                    return f"{name}.{sub}"
+    raise LookupError(type(section).__name__)
 
 
 _RUN_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")

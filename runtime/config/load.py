@@ -30,6 +30,8 @@ RUNTIME_SETTINGS = (
     "RT_TUNE_STATE_KEY_FILE",  # runtime.tune.state: the key that seals Tune's search state
     "RT_GCS_FT", "RT_REDIS_SERVER_BIN",  # runtime.cluster: `make cluster-up GCS_FT=1` (Redis for the GCS)
     "RT_TRAIN_SPARES",  # runtime.train.spares: 0 turns off the spare worker processes kept for a restart
+    "RT_TEST_HOLD",  # runtime.train.hold: tests only, every rank waits at a named step for a file
+    "RT_TEST_CENSUS",  # tests/support/census.py: the test session's marker on the processes it starts
     # runtime.cluster.state.port(): RT_<SERVICE>_PORT moves a local cluster's service
     *(f"RT_{service.upper()}_PORT" for service in DEFAULT_PORTS),
 )
@@ -41,6 +43,16 @@ def available_jobs(jobs_dir: Path = JOBS_DIR) -> list[str]:
 
 def resolve_job_path(job: str, jobs_dir: Path = JOBS_DIR) -> Path:
     """Accept a job name (``resnet50``) or a path to a YAML file."""
+    try:
+        return _job_path(job, jobs_dir)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:  # a name too long for the file system, a NUL byte in it
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"job {short(job)} is neither a job name nor a readable file ({why})") from None
+
+
+def _job_path(job: str, jobs_dir: Path) -> Path:
     p = Path(job)
     if p.suffix in (".yaml", ".yml") or os.sep in job:
         if not p.is_file():
@@ -48,12 +60,12 @@ def resolve_job_path(job: str, jobs_dir: Path = JOBS_DIR) -> Path:
             if p.stem in available_jobs(jobs_dir):
                 hint = f"; did you mean the job name {p.stem!r} (jobs/{p.stem}.yaml), e.g. `validate {p.stem}`?"
             what = "is a folder, not a file" if p.is_dir() else "does not exist"
-            raise ConfigError(f"job file {job!r} {what}{hint}")
+            raise ConfigError(f"job file {short(job)} {what}{hint}")
         return p
     candidate = jobs_dir / f"{job}.yaml"
     if not candidate.is_file():
         jobs = available_jobs(jobs_dir)
-        raise ConfigError(f"unknown job {job!r}{did_you_mean(job, jobs)}; available jobs: {', '.join(jobs)}")
+        raise ConfigError(f"unknown job {short(job)}{did_you_mean(job, jobs)}; available jobs: {', '.join(jobs)}")
     return candidate
 
 

@@ -209,5 +209,5 @@ def parse_storage(text: str) -> StorageLocation:
                              f"{short(scheme + '://' + rest.lstrip('/'))}?")
         if rest.startswith("/") or "://" in text:
             raise ValueError(f"must be a local folder or {choices} ({scheme}:// is not a storage this "
-                             "runtime writes)")
+                             "runtime knows)")
     return LocalLocation(text)

@@ -3,7 +3,8 @@
     python -m runtime data pack /data/imagenet /data/imagenet-shards --shard-size 1000
     python -m runtime data inspect /data/imagenet-shards        (or s3://bucket/prefix, or an ImageFolder)
 
-Exit codes: 0 ok, 2 bad input (nothing written).
+Exit codes: 0 ok, 1 a file could not be read or written (the message names it; a partial pack is
+removed), 2 bad input (nothing written).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.config.base import short
+from runtime.config.values import parse_http_url, parse_storage
 from runtime.errors import ConfigError
 
+EXIT_IO = 1
 EXIT_BAD_INPUT = 2
 
 
@@ -39,9 +43,10 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:
         return EXIT_BAD_INPUT if e.code else 0
-    from runtime.data.shards.tools import inspect, pack
-
     try:
+        _check(args)
+        from runtime.data.shards.tools import inspect, pack
+
         if args.action == "pack":
             t0 = time.perf_counter()
             rep = pack(args.src, args.out, args.shard_size)
@@ -56,3 +61,25 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # a disk full, a folder not writable, a file gone mid-read
+        what = f"pack into {short(str(args.out))}" if args.action == "pack" else f"inspect {short(args.path)}"
+        where = f" ({short(str(e.filename))})" if e.filename else ""
+        print(f"error: cannot {what}: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
+        return EXIT_IO
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The arguments argparse takes as text, parsed like the job file's fields of the same kind."""
+    if args.action == "pack":
+        return
+    try:
+        parse_storage(args.path)
+    except ValueError as e:
+        raise ConfigError(f"path {short(args.path)} {e}") from None
+    if args.samples < 0:
+        raise ConfigError(f"--samples must be >= 0, got {args.samples}")
+    if args.endpoint_url is not None:
+        try:
+            parse_http_url(args.endpoint_url)
+        except ValueError as e:
+            raise ConfigError(f"--endpoint-url {short(args.endpoint_url)} {e}") from None

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from runtime.config import DataConfig
+from runtime.config import DataConfig, short
 from runtime.data.base import DataBundle, Loaders
 from runtime.data.batches import Batches, loader_workers, recipes, use_gpu_decode
 from runtime.data.images import (
@@ -118,7 +118,11 @@ def load_index(store: Store) -> ShardIndex:
             raise ConfigError(f"data.path: {store.where}/{INDEX} is not a shard index ({e})") from e
         for split, shards in splits.items():
             _check_entries(store, split, shards)
-        return ShardIndex(doc.get("classes"), splits)
+        classes = doc.get("classes")
+        if classes is not None and (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)):
+            raise ConfigError(f"data.path: {store.where}/{INDEX}: classes must be a list of class names (text), "
+                              f"got {short(classes)}")
+        return ShardIndex(classes, splits)
     splits = {}
     for split in SPLITS:
         names = store.list_tars(split)
