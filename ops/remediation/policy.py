@@ -2,18 +2,27 @@
 
 One YAML file, validated in full before the service listens: a service that guessed at a
 misspelt field could replace healthy nodes, so any error stops it with the field's dotted path.
+Numbers are strict (a boolean is not a count), finite and bounded: `wait_s: .inf` would hang a
+remediation forever and hold its node busy.
 """
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .inputs import InputError, host_port, read_text_file
 
-class PolicyError(ValueError):
+MAX_POLICY_BYTES = 1 << 20  # a policy is a few KB; a bigger file is not one
+HOUR_S = 3600.0
+
+
+class PolicyError(InputError):
     """The policy file cannot be used; the message names the offending field."""
 
 
@@ -35,6 +44,10 @@ class Rule(_Strict):
     labels: dict[str, str] = Field(default_factory=dict, description="Further labels the alert must carry, exactly.")
     node_label: str = Field(default="instance",
                             description="Label naming the node: instance (host:port) or node (a host name).")
+    instance_port: int | None = Field(default=None, ge=1, le=65535, strict=True,
+                                      description="Port of the exporter whose alert this is (9100: node "
+                                      "exporter): an instance label host:port names a node listed by its bare "
+                                      "address only with this port.")
     actions: list[Action] = Field(min_length=1, description="Actions in order, e.g. [drain, replace].")
 
     @field_validator("actions")
@@ -48,16 +61,25 @@ class Rule(_Strict):
 class Limits(_Strict):
     """Guard rails against a flapping node or a cluster-wide outage (a partition is not N dead nodes)."""
 
-    per_node_per_hour: int = Field(default=2, ge=1, description="Remediations of one node per rolling hour.")
-    total_per_hour: int = Field(default=6, ge=1, description="Remediations of all nodes together per rolling hour.")
+    per_node_per_hour: int = Field(default=2, ge=1, le=100, strict=True,
+                                   description="Remediations of one node per rolling hour.")
+    total_per_hour: int = Field(default=6, ge=1, le=1000, strict=True,
+                                description="Remediations of all nodes together per rolling hour.")
 
 
 class Drain(_Strict):
     """How the drain action reaches Ray's GCS."""
 
     gcs_address: str = Field(default="127.0.0.1:6379", description="host:port of the Ray head's GCS.")
-    deadline_s: int = Field(default=60, ge=0, description="Seconds Ray gives the node's work to leave.")
-    wait_s: float = Field(default=120.0, ge=0, description="Seconds to wait for the drained node to leave.")
+    deadline_s: int = Field(default=60, ge=0, le=3600, strict=True,
+                            description="Seconds Ray gives the node's work to leave.")
+    wait_s: float = Field(default=120.0, ge=0, le=3600, strict=True, allow_inf_nan=False,
+                          description="Seconds to wait for the drained node to leave.")
+
+    @field_validator("gcs_address")
+    @classmethod
+    def _host_port(cls, address: str) -> str:
+        return host_port(address)
 
 
 class Replace(_Strict):
@@ -65,7 +87,8 @@ class Replace(_Strict):
 
     command: list[str] = Field(min_length=1,
                                description="argv, e.g. ansible-playbook -i INV replace_node.yml -e node={node}.")
-    timeout_s: float = Field(default=1800.0, gt=0, description="Seconds before a replacement counts as failed.")
+    timeout_s: float = Field(default=1800.0, gt=0, le=6 * HOUR_S, strict=True, allow_inf_nan=False,
+                             description="Seconds before a replacement counts as failed.")
     log_dir: str | None = Field(default=None, description="Folder that keeps each replacement's whole output "
                                 "(replace-NODE-UTCTIME.log, named in the journal); unset keeps a failure's tail only.")
 
@@ -77,10 +100,30 @@ class Replace(_Strict):
         return command
 
 
+class Webhook(_Strict):
+    """Who may post alerts, and which alerts are still news."""
+
+    token_file: str = Field(description="File holding the bearer token Alertmanager sends (32+ characters, "
+                            "owned by root or the service's user, not readable by others).")
+    max_alert_age_s: float = Field(default=6 * HOUR_S, gt=0, le=7 * 24 * HOUR_S, strict=True, allow_inf_nan=False,
+                                   description="An alert that began longer ago is refused (expired): replay "
+                                   "memory is kept this long, so nothing older can be replayed.")
+
+    @field_validator("token_file")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        if not os.path.isabs(path):
+            raise ValueError(f"must be an absolute path, got {path!r}")
+        return path
+
+
 class Policy(_Strict):
     """The whole file. Nodes not listed in `nodes` (the head among them) are never acted on."""
 
-    dry_run: bool = Field(default=False, description="Log and count every decision, act on nothing.")
+    dry_run: bool = Field(default=False, strict=True, description="Log and count every decision, act on nothing.")
+    webhook: Webhook
+    state_dir: str = Field(description="Folder of the service's state file (budget, halts, replay memory): "
+                           "kept across restarts, so a killed service comes back as halted as it was.")
     listen: str = Field(default="127.0.0.1:9105", description="host:port of the webhook and /metrics.")
     nodes: dict[str, str] = Field(default_factory=dict,
                                   description="Inventory name -> address (or address:port) of each worker.")
@@ -94,10 +137,14 @@ class Policy(_Strict):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, listen: str) -> str:
-        host, sep, port = listen.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError("must be host:port")
-        return listen
+        return host_port(listen)
+
+    @field_validator("state_dir")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        if not os.path.isabs(path):
+            raise ValueError(f"must be an absolute path, got {path!r}")
+        return path
 
     @model_validator(mode="after")
     def _replace_configured(self) -> Policy:
@@ -106,6 +153,11 @@ class Policy(_Strict):
         clash = set(self.protected) & (set(self.nodes) | set(self.nodes.values()))
         if clash:
             raise ValueError(f"protected: {sorted(clash)} also listed in nodes (a protected node is never acted on)")
+        bare = sorted(name for name, address in self.nodes.items() if ":" not in address)
+        for i, rule in enumerate(self.rules):
+            if rule.node_label == "instance" and rule.instance_port is None and bare:
+                raise ValueError(f"rules.{i}.instance_port: {rule.alert} names nodes by instance (host:port) but "
+                                 f"nodes {bare} give a bare address: set the exporter's port, or host:port in nodes")
         return self
 
     def rule_for(self, labels: dict[str, str]) -> Rule | None:
@@ -115,26 +167,39 @@ class Policy(_Strict):
                 return rule
         return None
 
-    def node_named(self, value: str) -> str | None:
+    def node_named(self, value: str, instance_port: int | None = None) -> str | None:
         """The inventory name an alert's node label points at, or None (unknown or protected).
 
-        A node entry matches the label's whole value (a name, or an address:port) or its host part.
+        Exact matches only: the node's name (the `node` label of GPU alerts), its address as
+        written, or, for an address listed bare, that address with the rule's `instance_port`.
+        Any port on a worker's IP would let any exporter there (a job's own) speak for the node.
+        Protected names and addresses match by host too: the head is never acted on.
         """
-        host = value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+        host, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
         if value in self.protected or host in self.protected:
             return None
         for name, address in self.nodes.items():
-            if value in (name, address) or host in (name, address):
+            if value in (name, address) or (instance_port is not None and port == str(instance_port)
+                                              and host == address):
                 return name
         return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def load_policy(path: Path) -> Policy:
     """Read and validate the policy file; PolicyError names the first bad field by its dotted path."""
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise PolicyError(f"{path}: {err}") from err
+        text = read_text_file(path, "policy file", MAX_POLICY_BYTES)
+    except InputError as err:
+        raise PolicyError(str(err)) from err
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise PolicyError(f"{path}: not YAML: {' '.join(str(err).split())}") from err
     if not isinstance(raw, dict):
         raise PolicyError(f"{path}: expected a mapping at the top level")
     try:
@@ -143,5 +208,7 @@ def load_policy(path: Path) -> Policy:
         first = err.errors()[0]
         message = first["msg"].removeprefix("Value error, ")
         where = ".".join(str(p) for p in first["loc"])
+        if first["type"] not in ("value_error", "missing", "extra_forbidden") and "got " not in message:
+            message += f" (got {_shown(first.get('input'))})"
         # A whole-file check's message starts with the field it is about.
         raise PolicyError(f"{path}: {where}: {message}" if where else f"{path}: {message}") from err

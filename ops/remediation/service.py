@@ -1,15 +1,22 @@
 """python -m ops.remediation --policy FILE: the webhook (POST /alerts), /metrics and /-/healthy.
 
 A standard-library HTTP server: one small request per Alertmanager notification, answered with
-the decisions; the actions themselves run in the engine's threads.
+the decisions; the actions themselves run in the engine's threads. POST /alerts requires the
+bearer token of webhook.token_file (Alertmanager's `http_config.authorization.credentials_file`),
+checked before the body is read; /metrics and /-/healthy are open (counts, no secrets).
+
+Exit codes: 0 stopped by SIGTERM/SIGINT (or --check/--clear-halts done), 2 the policy, the token
+file or the state file cannot be used (one line on stderr names it), 1 anything else.
 """
 
 from __future__ import annotations
 
-import argparse
+import hmac
 import json
 import logging
+import os
 import signal
+import stat
 import sys
 import threading
 from dataclasses import asdict
@@ -20,10 +27,36 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .actions import PlaybookReplacer, RayDrainer
-from .engine import Remediator
+from .engine import BadNotification, Remediator, clear_halts
+from .inputs import InputError, OneLineParser, read_text_file
 from .policy import Policy, PolicyError, load_policy
 
 MAX_BODY_BYTES = 1 << 20  # an Alertmanager group is a few KB; refuse anything absurd
+MIN_TOKEN_CHARS = 32  # 32 random characters: no guessing over a network
+SOCKET_TIMEOUT_S = 10.0  # a client that stops sending mid-request holds a thread no longer than this
+
+
+def load_token(path: Path) -> bytes:
+    """The webhook's bearer token; PolicyError naming the file when it is missing, short or exposed.
+
+    Owned by root or this service's user and readable by no one else: a token others can read
+    is no authentication."""
+    try:
+        text = read_text_file(path, "webhook token file", 4096)
+    except InputError as err:
+        raise PolicyError(str(err)) from err
+    info = path.stat()
+    if info.st_uid not in (0, os.geteuid()):
+        raise PolicyError(f"{path}: webhook token file is owned by uid {info.st_uid}: expected root or this "
+                          "service's user")
+    if info.st_mode & (stat.S_IRWXO | stat.S_IWGRP):
+        raise PolicyError(f"{path}: webhook token file has mode {stat.S_IMODE(info.st_mode):04o}: others may read "
+                          "or change it (chmod 0640 or stricter)")
+    token = text.strip()
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise PolicyError(f"{path}: webhook token must be one word of at least {MIN_TOKEN_CHARS} characters "
+                          f"(got {len(token)})")
+    return token.encode()
 
 
 def build(policy: Policy) -> tuple[Remediator, CollectorRegistry]:
@@ -35,22 +68,40 @@ def build(policy: Policy) -> tuple[Remediator, CollectorRegistry]:
     return Remediator(policy, drainer, replacer, registry), registry
 
 
-def serve(remediator: Remediator, registry: CollectorRegistry, listen: str) -> ThreadingHTTPServer:
+def serve(remediator: Remediator, registry: CollectorRegistry, listen: str, token: bytes) -> ThreadingHTTPServer:
     """Bind `listen` (host:port; port 0 picks one) and serve in a daemon thread; returns the server."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = SOCKET_TIMEOUT_S
+
         def do_POST(self) -> None:
             if self.path != "/alerts":
                 return self._reply(404, {"error": "POST /alerts"})
-            length = int(self.headers.get("Content-Length", "0"))
-            if length > MAX_BODY_BYTES:
-                return self._reply(413, {"error": "body too large"})
+            if not self._authorized():
+                return self._reply(401, {"error": "POST /alerts requires the webhook's bearer token"},
+                                   {"WWW-Authenticate": 'Bearer realm="remediation"'})
+            length = self.headers.get("Content-Length")
+            if length is None:
+                return self._reply(411, {"error": "Content-Length required"})
+            if not length.isdigit():
+                return self._reply(400, {"error": f"Content-Length: expected a byte count, got {length[:40]!r}"})
+            if int(length) > MAX_BODY_BYTES:
+                return self._reply(413, {"error": f"body over {MAX_BODY_BYTES} bytes"})
+            body = self.rfile.read(int(length))
+            if len(body) != int(length):
+                return self._reply(400, {"error": f"body ended after {len(body)} of {length} bytes"})
             try:
-                payload = json.loads(self.rfile.read(length))
-            except ValueError as err:
+                decisions = remediator.handle(json.loads(body))
+            except BadNotification as err:
+                return self._reply(400, {"error": str(err)})
+            except ValueError as err:  # JSON's own (and UnicodeDecodeError)
                 return self._reply(400, {"error": f"not JSON: {err}"})
-            decisions = remediator.handle(payload if isinstance(payload, dict) else {})
             self._reply(200, {"decisions": [asdict(d) for d in decisions]})
+
+        def _authorized(self) -> bool:
+            scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+            # Constant time: the comparison must not tell a network caller how much of a guess was right.
+            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token)
 
         def do_GET(self) -> None:
             if self.path == "/metrics":
@@ -65,9 +116,11 @@ def serve(remediator: Remediator, registry: CollectorRegistry, listen: str) -> T
             else:
                 self._reply(404, {"error": "GET /metrics or /-/healthy"})
 
-        def _reply(self, status: int, body: dict[str, Any]) -> None:
+        def _reply(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -83,21 +136,35 @@ def serve(remediator: Remediator, registry: CollectorRegistry, listen: str) -> T
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ops.remediation", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m ops.remediation", description=__doc__.splitlines()[0])
     parser.add_argument("--policy", type=Path, required=True, help="the policy YAML file")
-    parser.add_argument("--check", action="store_true", help="validate the policy and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the policy and exit (not the token file: an installer checks the policy "
+                             "before the service's credentials exist)")
+    parser.add_argument("--clear-halts", action="store_true",
+                        help="lift every halt in the state file and exit; stop the service first")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         policy = load_policy(args.policy)
-    except PolicyError as err:
+        if args.check:
+            print(f"{args.policy}: ok ({len(policy.rules)} rules, {len(policy.nodes)} nodes, "
+                  f"dry_run={policy.dry_run})")
+            return 0
+        if args.clear_halts:
+            lifted = clear_halts(policy)
+            print(f"cleared halts: {', '.join(lifted) or 'none were set'}")
+            return 0
+        token = load_token(Path(policy.webhook.token_file))
+        remediator, registry = build(policy)
+    except PolicyError as err:  # the policy, token or state file
         print(f"remediation: refusing to start: {err}", file=sys.stderr)
         return 2
-    if args.check:
-        print(f"{args.policy}: ok ({len(policy.rules)} rules, {len(policy.nodes)} nodes, dry_run={policy.dry_run})")
-        return 0
-    remediator, registry = build(policy)
-    server = serve(remediator, registry, policy.listen)
+    try:
+        server = serve(remediator, registry, policy.listen, token)
+    except OSError as err:
+        print(f"remediation: cannot listen on {policy.listen} (listen): {err.strerror or err}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

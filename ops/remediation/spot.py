@@ -10,7 +10,6 @@ from the alert the lost node raises (the remediation service on the head).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -21,11 +20,13 @@ from urllib.error import HTTPError
 from urllib.request import Request, urlopen
 
 from .actions import RayDrainer
+from .inputs import OneLineParser, checked, host_port, http_url, ip_and_port, seconds
 
 LOG = logging.getLogger("remediation.spot")
 IMDS = "http://169.254.169.254"
 TOKEN_TTL_S = 21600  # IMDSv2 session tokens live up to 6 h; one is fetched per poll anyway
 HTTP_TIMEOUT_S = 2.0  # IMDS answers in milliseconds; a stuck call must not hide a notice
+MAX_INTERVAL_S = 60.0  # a notice comes two minutes ahead: a longer poll could miss the time to drain
 
 
 class BadNotice(ValueError):
@@ -97,11 +98,17 @@ def watch(imds: str, drainer: RayDrainer, node_address: str, interval_s: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ops.remediation.spot", description=__doc__.splitlines()[0])
-    parser.add_argument("--gcs-address", required=True, help="host:port of the Ray head's GCS")
-    parser.add_argument("--node-address", required=True, help="this node's Ray address (IP, or IP:metrics port)")
-    parser.add_argument("--imds", default=IMDS, help="instance metadata service base URL")
-    parser.add_argument("--interval", type=float, default=5.0, help="seconds between polls (AWS suggests 5)")
+    """Exit codes: 0 drained, 1 the drain failed, 2 a bad argument (one line on stderr names it)."""
+    parser = OneLineParser(prog="python -m ops.remediation.spot", description=__doc__.splitlines()[0])
+    parser.add_argument("--gcs-address", required=True, type=checked(host_port),
+                        help="host:port of the Ray head's GCS")
+    parser.add_argument("--node-address", required=True, type=checked(ip_and_port),
+                        help="this node's Ray address (IP, or IP:metrics port)")
+    parser.add_argument("--imds", default=IMDS, type=checked(http_url),
+                        help="instance metadata service base URL (http or https)")
+    # Above 0 (a zero interval would spin a core), at most a minute: a notice gives two.
+    parser.add_argument("--interval", type=checked(seconds, low=0.0, high=MAX_INTERVAL_S), default=5.0,
+                        help=f"seconds between polls (AWS suggests 5; at most {MAX_INTERVAL_S:g})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     # Wait for the node to leave only briefly: the instance is going away regardless.

@@ -1,13 +1,22 @@
 """The remediation role renders the policy the service validates: the wiring site.yml gives it lands
-in the file, and without a replacement command the rules keep only their drain."""
+in the file, and without a replacement command the rules keep only their drain. The alertmanager
+role sends the webhook's bearer token, and neither role runs without one."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
-from tests.support.ansible import render_template
+from tests.support.ansible import render_template, run_preflight
+
+ROOT = Path(__file__).resolve().parents[2]
+AMTOOL = shutil.which("amtool") or str(ROOT / ".tools" / "prometheus" / "usr" / "bin" / "amtool")
+# The service's Python (pydantic and friends): these tests run in the ops venv, which has Ansible only.
+SERVICE_PYTHON = ROOT / ".venv" / "bin" / "python"
 
 
 def _render(tmp_path: Path, **overrides: object) -> dict:
@@ -32,3 +41,42 @@ def test_without_a_replacement_command_the_rules_only_drain(tmp_path):
     assert [r["actions"] for r in policy["rules"]] == [["drain"]] * 3
     assert policy["rules"][2] == {"alert": "GpuXidErrors", "node_label": "node", "actions": ["drain"]}
     assert policy["dry_run"] is True
+
+
+def test_the_rendered_policy_passes_the_services_own_check(tmp_path):
+    """What the role's `validate:` runs on the host: the service's --check on the rendered file."""
+    text = render_template("remediation", "policy.yml.j2", tmp_path, remediation_nodes={"gpu-0": "10.0.1.21"},
+                           remediation_replace_command=["ansible-playbook", "replace_node.yml", "-e", "node={node}"])
+    policy = yaml.safe_load(text)
+    assert policy["webhook"] == {"token_file": "/etc/remediation/webhook-token", "max_alert_age_s": 21600}
+    assert policy["state_dir"] == "/var/lib/remediation/state"
+    assert [r.get("instance_port") for r in policy["rules"]] == [8080, 9100, None]
+    done = subprocess.run([str(SERVICE_PYTHON), "-m", "ops.remediation", "--check", "--policy",
+                           str(tmp_path / "policy.yml")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("role", "role_vars", "says"), [
+    ("remediation", {"remediation_source_dir": "/x", "remediation_webhook_token": "short"},
+     "remediation_webhook_token is empty or shorter than 32 characters"),
+    ("alertmanager", {"alertmanager_web_password": "w" * 16, "alertmanager_remediation_url": "http://10.0.0.1:9105/alerts"},
+     "alertmanager_remediation_token is empty or shorter than 32"),
+])
+def test_neither_role_runs_the_webhook_without_its_token(tmp_path, role, role_vars, says):
+    proc = run_preflight(role, role_vars, tmp_path)
+    assert proc.returncode != 0 and says in proc.stdout, proc.stdout[-3000:]
+
+
+def test_alertmanager_sends_the_token_from_a_file_and_amtool_accepts_it(tmp_path):
+    text = render_template("alertmanager", "alertmanager.yml.j2", tmp_path, alertmanager_config_dir=str(tmp_path),
+                           alertmanager_remediation_url="http://10.0.0.1:9105/alerts",
+                           alertmanager_remediation_token="t" * 40)
+    [hook] = next(r for r in yaml.safe_load(text)["receivers"] if r["name"] == "remediation")["webhook_configs"]
+    assert hook["http_config"] == {"authorization": {"type": "Bearer",
+                                                     "credentials_file": f"{tmp_path}/remediation-token"}}
+    assert "t" * 40 not in text, "the token itself stays out of the configuration"
+    if Path(AMTOOL).exists():
+        (tmp_path / "remediation-token").write_text("t" * 40)
+        done = subprocess.run([AMTOOL, "check-config", str(tmp_path / "alertmanager.yml")], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr

@@ -469,6 +469,8 @@ class Lab:
 TOPOLOGY = {"ray-head": 1, "worker1": 2, "worker2": 3}
 # Where the lab's remediation service listens (on the controller's bridge address).
 REMEDIATION_PORT = 9105
+# On the monitoring host: the DCGM exporter targets test_selfheal plants as root (job "dcgm").
+LAB_DCGM_SD_FILE = "/etc/prometheus/lab-dcgm.json"
 GROUPS = {"head": ["ray-head"], "gpu_workers": ["worker1", "worker2"], "monitoring": ["ray-head"]}
 
 
@@ -517,6 +519,15 @@ def write_inventory(lab: Lab, path: Path) -> Path:
                 # offline wheelhouse has no ansible-core for the head. Alertmanager sends it every alert.
                 "remediation_enabled": False,
                 "alertmanager_remediation_url": f"http://{lab.controller_address}:{REMEDIATION_PORT}/alerts",
+                # The bearer token the service requires (test_selfheal points its policy at this secret's file).
+                "alertmanager_remediation_token": lab_secret(lab, "remediation"),
+                # The workers have no GPU, so site.yml gives Prometheus no DCGM targets. test_selfheal's fake
+                # exporter is listed here by root (as an operator's own file_sd would be), under job "dcgm":
+                # the training targets jobs write can no longer claim it (the prometheus role pins job).
+                "prometheus_extra_scrape_configs": [{
+                    "job_name": "lab-dcgm",
+                    "file_sd_configs": [{"files": [LAB_DCGM_SD_FILE], "refresh_interval": "15s"}],
+                    "relabel_configs": [{"target_label": "job", "replacement": "dcgm"}]}],
                 # The lab's faults are real, so it need not wait out the shipped 2 min (1 min for an XID)
                 # that guard a fleet against paging on a restart: three failed 15-s scrapes still.
                 "prometheus_alert_for": {"NodeDown": "30s", "RayNodeDown": "30s", "GpuXidErrors": "15s"},

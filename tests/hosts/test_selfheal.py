@@ -172,8 +172,11 @@ def remediation(lab: labmod.Lab, inventory: Path, hosts: Callable[[str], Any]) -
     token.write_text(hosts(HEAD).check_output("cat /etc/ray/auth_token"))
     token.chmod(0o600)
     listen = f"{lab.controller_address}:{labmod.REMEDIATION_PORT}"
+    labmod.lab_secret(lab, "remediation")  # the token Alertmanager sends (lab.py), in a 0600 file
     policy = {
         "listen": listen,
+        "webhook": {"token_file": str(lab.workdir / "secret-remediation")},
+        "state_dir": str(lab.workdir / "remediation-state"),
         "nodes": {name: _address(lab, name) for name in (WORKER_A, WORKER_B)},
         "protected": [HEAD, _address(lab, HEAD)],
         # Two replacements per node per hour: worker2's third fault (the last scenario) is the flapping node.
@@ -182,8 +185,9 @@ def remediation(lab: labmod.Lab, inventory: Path, hosts: Callable[[str], Any]) -
         "replace": {"command": [str(OPS_BIN / "ansible-playbook"), "-i", str(inventory),
                                 str(ANSIBLE_DIR / "playbooks" / "replace_node.yml"), "-e", "node={node}"],
                     "timeout_s": 900, "log_dir": str(lab.workdir / "replacements")},
-        "rules": [{"alert": "NodeDown", "actions": ["drain", "replace"]},
-                  {"alert": "RayNodeDown", "actions": ["drain", "replace"]},
+        # Nodes are listed by bare address: each instance rule names its exporter's port.
+        "rules": [{"alert": "NodeDown", "instance_port": 9100, "actions": ["drain", "replace"]},
+                  {"alert": "RayNodeDown", "instance_port": 8080, "actions": ["drain", "replace"]},
                   {"alert": "GpuXidErrors", "node_label": "node", "actions": ["drain", "replace"]}],
     }
     policy_file = lab.workdir / "remediation-policy.yml"
@@ -367,22 +371,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
 http.server.HTTPServer(("0.0.0.0", int(sys.argv[1])), Handler).serve_forever()
 """
 FAKE_DCGM_PORT = 9400
-# Where the ray role's targets server finds exporters to announce (ray_prometheus_sd_dir).
-TRAINING_SD_DIR = "/var/lib/ray/prometheus-sd"
 
 
 def test_a_gpu_xid_drains_the_node_the_run_shrinks_with_no_step_redone_and_the_node_is_replaced(
         lab: labmod.Lab, hosts: Callable[[str], Any], training: Run, remediation: Service) -> None:
     worker = hosts(WORKER_B)
-    # The lab's workers have no GPU, so site.yml gave Prometheus no DCGM targets: the fake exporter
-    # announces itself through the node's target list, as a training exporter does. It runs as the
-    # dcgm-exporter unit, which replace_node.yml stops on the old node: the replacement's GPU is sound.
+    # The lab's workers have no GPU, so site.yml gave Prometheus no DCGM targets: the fake exporter is
+    # listed in the lab's root-owned DCGM target file on the monitoring host (lab.py), not in a target
+    # list jobs write (those cannot claim job "dcgm"). It runs as the dcgm-exporter unit, which
+    # replace_node.yml stops on the old node: the replacement's GPU is sound.
     _put(worker, "/opt/fake-dcgm/exporter.py", _FAKE_DCGM)
-    sd_file = f"{TRAINING_SD_DIR}/fake-dcgm.json"
+    sd_file, monitoring = labmod.LAB_DCGM_SD_FILE, hosts(labmod.GROUPS["monitoring"][0])
     fault_t = time.time()
     worker.check_output(f"systemd-run --unit=dcgm-exporter /opt/ray/venv/bin/python /opt/fake-dcgm/exporter.py "
                         f"{FAKE_DCGM_PORT} {WORKER_B}")
-    _put(worker, sd_file, json.dumps([{"targets": [f"{_address(lab, WORKER_B)}:{FAKE_DCGM_PORT}"], "labels": {}}]))
+    _put(monitoring, sd_file, json.dumps([{"targets": [f"{_address(lab, WORKER_B)}:{FAKE_DCGM_PORT}"],
+                                           "labels": {}}]))
     try:
         # Prometheus finds and scrapes it (15 s each), GpuXidErrors is pending for the lab's `for:`, then fires.
         decided = wait_for("the service's decision on GpuXidErrors",
@@ -392,7 +396,7 @@ def test_a_gpu_xid_drains_the_node_the_run_shrinks_with_no_step_redone_and_the_n
         assert [(d["node"], d["result"]) for d in decided] == [(WORKER_B, "started")], decided
         figures = _recover(lab, training, remediation, WORKER_B, fault_t, "(b) GPU XID", hosts(HEAD))
     finally:
-        worker.run(f"rm -f {sd_file}")
+        monitoring.run(f"rm -f {sd_file}")
     TIMINGS["selfheal (b) GPU XID: XID -> the service drains (s)"] = acted_t - fault_t
     TIMINGS["selfheal (b) GPU XID: drain -> fewer workers (s)"] = figures["fault -> fewer workers (s)"] - (
         acted_t - fault_t)
@@ -428,7 +432,7 @@ def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_r
     worker = hosts(WORKER_B)
     # The spot agent (ops/remediation/spot.py) as it runs on a spot node, against a fake IMDS.
     for source in ("ops/__init__.py", "ops/remediation/__init__.py", "ops/remediation/actions.py",
-                   "ops/remediation/spot.py"):
+                   "ops/remediation/inputs.py", "ops/remediation/spot.py"):
         _put(worker, f"/opt/spot/{source}", (labmod.ROOT / source).read_text())
     _put(worker, "/opt/spot/fake_imds.py", _FAKE_IMDS)
     worker.check_output(f"nohup /opt/ray/venv/bin/python /opt/spot/fake_imds.py {FAKE_IMDS_PORT} "

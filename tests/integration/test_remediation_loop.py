@@ -2,7 +2,9 @@
 routes them to the service's webhook, the service drains through Ray's GCS and runs its replace
 command, which joins a new raylet to the session's cluster (what replace_node.yml does to a host).
 
-The only change to the shipped rules is their `for:` window (1 s instead of minutes).
+The only change to the shipped rules is their `for:` window (1 s instead of minutes). Alertmanager
+authenticates to the service with a bearer token from a file, as the alertmanager role configures it;
+a post without it is refused (tests/unit/test_remediation_service.py attacks that on its own).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -123,8 +126,14 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
         script = tmp / "replace.py"
         script.write_text(REPLACE_SCRIPT)
         service_port = free_port()
+        # The bearer token Alertmanager sends and the service requires (each reads it from its own file).
+        token = tmp / "webhook-token"
+        token.write_text(secrets.token_hex(24))
+        token.chmod(0o600)
         policy = {
             "listen": f"127.0.0.1:{service_port}",
+            "webhook": {"token_file": str(token)},
+            "state_dir": str(tmp / "state"),
             "nodes": workers,
             "protected": [f"{ip}:{head_port}"],
             "limits": {"per_node_per_hour": 1, "total_per_hour": 5},
@@ -150,7 +159,8 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
             "route": {"receiver": "remediation", "group_by": ["alertname", "instance", "node"],
                       "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
             "receivers": [{"name": "remediation", "webhook_configs": [
-                {"url": f"{service}/alerts", "send_resolved": True}]}]}))
+                {"url": f"{service}/alerts", "send_resolved": True,
+                 "http_config": {"authorization": {"type": "Bearer", "credentials_file": str(token)}}}]}]}))
         am_log = tmp / "alertmanager.log"
         with am_log.open("w") as out:
             procs.append(subprocess.Popen(
@@ -167,7 +177,8 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
         prometheus.start()
         prometheus.wait_for('count(up{job="ray"} == 1) == 3')
         yield {"service": service, "workers": workers, "dcgm": dcgm, "record": record, "cdir": cdir,
-               "ray": ray, "log": service_log, "head": f"{ip}:{head_port}"}
+               "ray": ray, "log": service_log, "head": f"{ip}:{head_port}",
+               "auth": {"Authorization": f"Bearer {token.read_text()}"}}
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -199,7 +210,8 @@ def test_a_lost_worker_is_replaced_once_then_halts_when_it_fails_again(loop):
     # The policy allows one replacement per node per hour: the node failing again halts.
     again = {"status": "firing", "labels": {"alertname": "RayNodeDown", "instance": loop["workers"]["worker-lost"]},
              "startsAt": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"), "fingerprint": "again"}
-    reply = requests.post(f"{loop['service']}/alerts", json={"alerts": [again]}, timeout=10).json()
+    reply = requests.post(f"{loop['service']}/alerts", json={"alerts": [again]}, headers=loop["auth"],
+                          timeout=10).json()
     assert [d["result"] for d in reply["decisions"]] == ["halted"]
     assert 'remediation_halted{node="worker-lost"} 1.0' in requests.get(f"{loop['service']}/metrics", timeout=5).text
     assert _replaced(loop) == ["worker-lost"]
@@ -218,8 +230,9 @@ def test_a_fatal_xid_drains_the_live_node_off_ray_then_replaces_it(loop):
 def test_an_alert_for_the_head_changes_nothing(loop):
     replaced = _replaced(loop)
     firing = {"status": "firing", "labels": {"alertname": "RayNodeDown", "instance": loop["head"]},
-              "startsAt": "2026-11-25T00:00:00Z", "fingerprint": "head"}
-    reply = requests.post(f"{loop['service']}/alerts", json={"alerts": [firing]}, timeout=10).json()
+              "startsAt": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"), "fingerprint": "head"}
+    reply = requests.post(f"{loop['service']}/alerts", json={"alerts": [firing]}, headers=loop["auth"],
+                          timeout=10).json()
     assert [d["result"] for d in reply["decisions"]] == ["refused"]
     assert _replaced(loop) == replaced
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,16 @@ GOOD: dict[str, Any] = {
     "protected": ["head-0", "10.0.0.11"],
     "limits": {"per_node_per_hour": 2, "total_per_hour": 3},
     "replace": {"command": ["true", "{node}"]},
-    "rules": [{"alert": "NodeDown", "actions": ["drain", "replace"]},
+    "rules": [{"alert": "NodeDown", "instance_port": 9100, "actions": ["drain", "replace"]},
               {"alert": "GpuXidErrors", "node_label": "node", "actions": ["drain", "replace"]}],
 }
 
 
 def _write(tmp_path: Path, policy: dict[str, Any]) -> Path:
+    """The policy with this test's own token file and state folder unless it gives them."""
     path = tmp_path / "policy.yml"
-    path.write_text(yaml.safe_dump(policy))
+    local = {"webhook": {"token_file": str(tmp_path / "token")}, "state_dir": str(tmp_path / "state")}
+    path.write_text(yaml.safe_dump({**local, **policy}))
     return path
 
 
@@ -43,6 +46,9 @@ def _write(tmp_path: Path, policy: dict[str, Any]) -> Path:
     ({"listen": "9105"}, "listen"),
     ({"replace": None}, "replace"),
     ({"protected": ["gpu-0"]}, "protected"),
+    ({"rules": [{"alert": "NodeDown", "actions": ["drain"]}]}, "rules.0.instance_port"),
+    ({"state_dir": "relative/state"}, "state_dir"),
+    ({"webhook": {}}, "webhook.token_file"),
 ])
 def test_a_bad_policy_refuses_to_start_naming_the_field(tmp_path, change, field):
     path = _write(tmp_path, {**GOOD, **change})
@@ -71,11 +77,16 @@ class Recorder:
 
 
 class Clock:
+    """Wall time that the test moves: the budget's hour passes without waiting for it."""
+
     def __init__(self) -> None:
-        self.now = 1000.0
+        self.now = time.time()
 
     def __call__(self) -> float:
         return self.now
+
+    def at(self) -> datetime:
+        return datetime.fromtimestamp(self.now, timezone.utc)
 
 
 def _engine(tmp_path: Path, **change: Any) -> tuple[Remediator, Recorder, Path, Clock, CollectorRegistry]:
@@ -135,19 +146,20 @@ def test_a_re_sent_firing_is_acted_on_once(tmp_path):
     assert drainer.drained == ["10.0.0.21"]
 
 
-def test_a_flapping_node_halts_after_its_hourly_budget_until_restarted(tmp_path):
+def test_a_flapping_node_halts_after_its_hourly_budget_until_cleared(tmp_path):
     engine, _, record, clock, registry = _engine(tmp_path)
     results = []
     for i in range(3):
-        results += [d.result for d in engine.handle({"alerts": [_alert("NodeDown", f"f{i}", instance="10.0.0.21")]})]
+        alert = _alert("NodeDown", f"f{i}", starts=clock.at(), instance="10.0.0.21")
+        results += [d.result for d in engine.handle({"alerts": [alert]})]
         engine.wait_idle(60)
         clock.now += 60
     assert results == ["started", "started", "halted"]
     assert record.read_text().split() == ["gpu-0", "gpu-0"]
     assert registry.get_sample_value("remediation_halted", {"node": "gpu-0"}) == 1
     clock.now += 3600  # the window has passed, but a halted node stays halted: a human must look
-    again = engine.handle({"alerts": [_alert("NodeDown", "f9", instance="10.0.0.21")]})
-    other = engine.handle({"alerts": [_alert("NodeDown", "o1", instance="10.0.0.22")]})
+    again = engine.handle({"alerts": [_alert("NodeDown", "f9", starts=clock.at(), instance="10.0.0.21")]})
+    other = engine.handle({"alerts": [_alert("NodeDown", "o1", starts=clock.at(), instance="10.0.0.22")]})
     assert [d.result for d in again + other] == ["halted", "started"]  # another node still has its budget
     engine.wait_idle(60)
 
