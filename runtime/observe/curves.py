@@ -5,6 +5,7 @@ and needs nothing of MLflow.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ def plot_curves(history: list[dict[str, Any]], out: Path) -> bool:
     rows = curve_rows(history, "train/loss")
     if not rows:
         return False
+    # A first import builds matplotlib's font cache and logs that it does (INFO; a WARNING when it takes
+    # over 5 s) onto the CLI's console: not the user's concern.
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     import matplotlib
 
     matplotlib.use("Agg")
