@@ -244,3 +244,15 @@ def test_an_alert_that_began_before_the_nodes_replacement_finished_is_stale_and_
     [later] = engine.handle({"alerts": [_alert("NodeDown", "s3", instance="10.0.0.21:9100")]})
     assert (other.result, later.result) == ("started", "started")
     assert engine.wait_idle(60) and drainer.drained == ["10.0.0.21", "10.0.0.22", "10.0.0.21"]
+
+
+def test_another_port_on_a_workers_address_never_names_it(tmp_path):
+    """A job's own exporter on a worker (any port but the rule's exporter's) cannot speak for the node."""
+    engine, drainer, record, _, _ = _engine(tmp_path)
+    decisions = engine.handle({"alerts": [_alert("NodeDown", "p1", instance="10.0.0.21:9470"),
+                                          _alert("NodeDown", "p2", instance="10.0.0.21:91000"),
+                                          _alert("NodeDown", "p3", instance="gpu-0.example:9100")]})
+    assert [(d.node, d.result) for d in decisions] == [(None, "refused")] * 3
+    [named] = engine.handle({"alerts": [_alert("NodeDown", "p4", instance="10.0.0.21:9100")]})
+    assert (named.node, named.result) == ("gpu-0", "started")
+    assert engine.wait_idle(60) and drainer.drained == ["10.0.0.21"] and record.read_text().split() == ["gpu-0"]
