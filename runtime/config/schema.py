@@ -34,6 +34,9 @@ from runtime.config.base import (
 from runtime.config.values import LocalLocation, parse_http_url, parse_mlflow_uri, parse_seed, parse_storage
 
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# The longest a run may wait on one thing (a collective, a retried S3 call, workers to fit): past a
+# week it is a hang by another name, and torch's collective timeout overflows its timedelta near 10**14 s.
+MAX_WAIT_S = 7 * 86_400
 
 
 class TransformerConfig(Strict):
@@ -321,7 +324,8 @@ class ElasticConfig(Strict):
         30.0, gt=0, le=3600,
         description="How often Ray Train looks for room to grow a healthy run (a loss is noticed at once).")
     min_wait_s: float = Field(
-        300.0, ge=1, description="Give up (fail the run with a message) when fewer than min workers fit this long.")
+        300.0, ge=1, le=MAX_WAIT_S,
+        description="Give up (fail the run with a message) when fewer than min workers fit this long.")
 
 
 class DistributedConfig(Strict):
@@ -338,7 +342,8 @@ class DistributedConfig(Strict):
     gpus_per_worker: float = Field(1, gt=0)
     resources_per_worker: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    timeout_s: int = Field(120, ge=5, description="Collective timeout: a dead peer fails the step, not hangs.")
+    timeout_s: int = Field(120, ge=5, le=MAX_WAIT_S,
+                           description="Collective timeout: a dead peer fails the step, not hangs.")
     poll_interval_s: float = Field(
         0.5, gt=0, le=60,
         description="How often Ray Train's controller polls the workers: checkpoint registrations, the end "
@@ -403,8 +408,9 @@ class CheckpointConfig(Strict):
     max_failures: int = Field(3, ge=-1, description="Worker-group restarts Ray may do; -1 = unlimited.")
     on_failure: Literal["continue", "stop"] = Field("continue", description="When a save fails.")
     s3_retry_s: float = Field(
-        60.0, gt=0, description="How long a checkpoint save or load on S3 rides out an unreachable endpoint, "
-                                "retrying with backoff, before it counts as failed (on_failure then decides).")
+        60.0, gt=0, le=MAX_WAIT_S,
+        description="How long a checkpoint save or load on S3 rides out an unreachable endpoint, retrying with "
+                    "backoff, before it counts as failed (on_failure then decides).")
     on_node_drain: Literal["checkpoint", "ignore"] = Field(
         "checkpoint",
         description="When Ray drains a node of the run (a spot notice, the remediation service): checkpoint = commit "

@@ -78,6 +78,8 @@ CASES = {
     "boolean timeout": s("distributed.timeout_s=yes", expect=("distributed.timeout_s", "not a boolean")),
     "zero poll interval": s("distributed.poll_interval_s=0", expect=("distributed.poll_interval_s", "greater than 0")),
     "infinite s3 retry": s("checkpoint.s3_retry_s=.inf", expect=("checkpoint.s3_retry_s", "finite")),
+    "collective timeout of 10**14 s": s("distributed.timeout_s=100000000000000",
+                                        expect=("distributed.timeout_s", "less than or equal to 604800")),
     "negative linger": s("tracking.prometheus_linger_s=-1", expect=("tracking.prometheus_linger_s", "greater than")),
     # the runtime's own settings
     "port 99999": Case(["validate", "digits_smoke"], ["RT_MLFLOW_PORT", "'99999'", "1 to 65535"],
