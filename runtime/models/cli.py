@@ -123,5 +123,5 @@ def main(argv: list[str]) -> int:
         print(f"error: MLflow at {uri} refused it: {first_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:  # a run folder or file that cannot be read
-        print(f"error: {e.filename or 'the run folder'}: cannot be read: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {e.filename or 'the run folder'}: {e.strerror or e}", file=sys.stderr)
         return EXIT_BAD_INPUT

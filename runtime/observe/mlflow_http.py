@@ -45,6 +45,9 @@ def bound_mlflow_http() -> None:
     own, unless the user set their own values."""
     for key, value in MLFLOW_HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    # A new sqlite store logs its table creation and migrations at INFO onto the console.
+    for name in ("mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     pool = logging.getLogger("urllib3.connectionpool")
     if not any(isinstance(f, _NoRetryLines) for f in pool.filters):
         pool.addFilter(_NoRetryLines())

@@ -150,8 +150,8 @@ def main(run: str, sync: bool = False, export_model: ModelExporter | None = None
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_SERVICE
-    except OSError as e:  # the run folder or a file in it unreadable (permissions, a vanished mount)
-        print(f"error: {e.filename or run}: cannot be read: {e.strerror or e}", file=sys.stderr)
+    except OSError as e:  # a file of the run folder unreadable or unwritable (permissions, a directory, a full disk)
+        print(f"error: {e.filename or run}: {e.strerror or e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if got.warning:
         print(f"warning: {got.warning}", file=sys.stderr)
