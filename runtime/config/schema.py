@@ -546,6 +546,12 @@ class JobConfig(Strict):
         if self.model.name == "gpt" and not tokens:
             raise ValueError(f"model.name=gpt reads token sequences: use data.source=tokens or text "
                              f"(got {self.data.source})")
+        if self.model.name == "vit_b_16" and self.data.image_size % 16:
+            raise ValueError(f"model.name=vit_b_16 cuts images into 16x16 patches: data.image_size must be a multiple "
+                             f"of 16, got {self.data.image_size}")
+        if self.model.name == "vit_b_16" and self.data.source == "digits":
+            raise ValueError("model.name=vit_b_16 needs 3-channel images: data.source=digits is greyscale (use "
+                             "synthetic, cifar10, imagefolder or shards, or a CNN)")
         if self.data.source == "text" and self.model.transformer.vocab_size < 256:
             raise ValueError("data.source=text makes byte tokens: model.transformer.vocab_size must be >= 256, "
                              f"got {self.model.transformer.vocab_size}")

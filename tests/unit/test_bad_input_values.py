@@ -81,6 +81,9 @@ CASES = {
     "collective timeout of 10**14 s": s("distributed.timeout_s=100000000000000",
                                         expect=("distributed.timeout_s", "less than or equal to 604800")),
     "negative linger": s("tracking.prometheus_linger_s=-1", expect=("tracking.prometheus_linger_s", "greater than")),
+    "vit with 40-pixel images": Case(["train", "vit_b_16", "--set", "data.image_size=40"],
+                                     ["model.name=vit_b_16", "multiple of 16", "40"]),
+    "vit on greyscale digits": s("model.name=vit_b_16", "data.image_size=32", expect=("vit_b_16", "3-channel")),
     # the runtime's own settings
     "port 99999": Case(["validate", "digits_smoke"], ["RT_MLFLOW_PORT", "'99999'", "1 to 65535"],
                        env={"RT_MLFLOW_PORT": "99999"}),
