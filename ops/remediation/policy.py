@@ -20,6 +20,7 @@ from .inputs import InputError, host_port, read_text_file
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KB; a bigger file is not one
 HOUR_S = 3600.0
+EVERY_INTERFACE = ("0.0.0.0", "0", "", "::", "[::]", "*")  # noqa: S104  (refused, not bound)
 
 
 class PolicyError(InputError):
@@ -137,6 +138,9 @@ class Policy(_Strict):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, listen: str) -> str:
+        # Python binds every interface for each of these spellings, not only for 0.0.0.0.
+        if listen.rpartition(":")[0] in EVERY_INTERFACE:
+            raise ValueError(f"must name one address (loopback or private), not every interface: {listen!r}")
         return host_port(listen)
 
     @field_validator("state_dir")

@@ -66,10 +66,13 @@ def test_the_rendered_policy_passes_the_services_own_check(tmp_path):
     ("remediation", {"remediation_source_dir": "/x", "remediation_webhook_token": "t" * 32,
                      "remediation_environment_files": ["/etc/ray/ray.env"]},
      "must not be in remediation_environment_files"),
+    ("remediation", {"remediation_source_dir": "/x", "remediation_webhook_token": "t" * 32,
+                     "remediation_listen_address": "0:9105"}, "not every interface (0.0.0.0, 0, ::) (got 0:9105)"),
     ("alertmanager", {"alertmanager_web_password": "w" * 16, "alertmanager_remediation_url": "http://10.0.0.1:9105/alerts"},
      "alertmanager_remediation_token is empty or shorter than 32"),
 ])
-def test_the_roles_refuse_a_webhook_without_its_token_and_a_service_run_as_ray(tmp_path, role, role_vars, says):
+def test_the_roles_refuse_a_webhook_without_its_token_or_on_every_interface_or_run_as_ray(
+        tmp_path, role, role_vars, says):
     proc = run_preflight(role, role_vars, tmp_path)
     assert proc.returncode != 0 and says in proc.stdout, proc.stdout[-3000:]
 
