@@ -220,6 +220,20 @@ def test_a_malformed_alert_refuses_the_whole_notification_naming_the_field(servi
     assert service.decisions() == [] and service.replaced() == []
 
 
+def test_a_client_that_stops_sending_is_cut_off_and_others_are_served(service: Service):
+    """A post that promises more body than it sends holds one thread until the socket timeout
+    (SOCKET_TIMEOUT_S), not for ever; meanwhile and afterwards the service answers."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", service.port), timeout=120) as stalled:
+        stalled.sendall(f"POST /alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                        "Content-Length: 1000\r\n\r\n{\"alerts\": [".encode())
+        assert service.request("GET", "/-/healthy")[0] == 200
+        assert stalled.recv(4096) == b"", "the server closes the stalled connection"
+    assert service.decisions() == [] and "Traceback" not in service.log.read_text()
+    assert service.post([_firing(1)])[0] == 200
+
+
 def test_a_body_that_is_not_json_is_a_400_not_a_traceback(service: Service):
     body = b"\xff\xfe{not json"
     status, reply = service.request("POST", "/alerts", body, {"Authorization": f"Bearer {TOKEN}",
