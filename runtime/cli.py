@@ -17,8 +17,11 @@ says what, and ``report <run> --sync`` uploads it), 1 the run failed (tune: no t
 metric), 2 bad input (nothing was started), 3 no cluster or required service to run on (no Ray
 cluster; MLflow unreachable with tracking.required, or for ``report --sync``), 4 train: the run
 reached cost.budget_usd and stopped or paused at a committed checkpoint (docs/cost.md; raise the
-budget and run again with the same --run-name to continue), 130 tune: the search was interrupted
-(resume with --resume).
+budget and run again with the same --run-name to continue), 5 train: the run ended past its newest
+committed checkpoint (its final save failed: the summary names the steps not committed), 6 train:
+another driver holds the run (its lock names it; --take-over for a lock another host left), 130
+interrupted: tune's search (resume with --resume), train's run by Ctrl+C at a committed checkpoint
+(resume with the same --run-name).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ EXIT_RUN_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_CLUSTER = 3
 EXIT_BUDGET = 4
+EXIT_UNCOMMITTED = 5
+EXIT_RUN_LOCKED = 6
 EXIT_INTERRUPTED = 130
 MAX_LINE = 1000  # characters of one error line: a value echoed in it is cut, never megabytes of it
 
@@ -66,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
             s.add_argument("--verbose", action="store_true",
                            help="also show Ray's output from the workers and the Train controller")
+        if name == "train":
+            s.add_argument("--take-over", action="store_true",
+                           help="start even though the run's lock names a driver on another host (one that is gone)")
         if name == "tune":
             s.add_argument("--resume", action="store_true", help="resume an interrupted search (Tuner.restore)")
     # These two parse their own arguments (and their own --help, which names their subcommands).
@@ -92,6 +100,16 @@ def _cluster(args: argparse.Namespace) -> int:
     from runtime import cluster
 
     if args.action == "up":
+        from runtime.config import check_settings
+
+        try:  # a bad RT_<SERVICE>_PORT found after Ray and MLflow started would leave them running
+            check_settings(os.environ)
+            for option, value in (("--num-cpus", args.num_cpus), ("--nodes", args.nodes)):
+                if value is not None and value < 1:
+                    raise ConfigError(f"{option} must be >= 1, got {value}")
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         state = cluster.up(num_cpus=args.num_cpus, with_mlflow=not args.no_mlflow,
                            with_prometheus=not args.no_prometheus, nodes=args.nodes)
         print("local cluster is up:")
@@ -246,12 +264,20 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     use_cluster_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
     from runtime.observe.cost import BUDGET_REASON
     from runtime.train.driver import outcome_summary, train
+    from runtime.train.runlock import RunLocked
 
     try:
-        outcome = train(cfg, args.run_name, show_progress=not args.no_progress, verbose=args.verbose)
+        outcome = train(cfg, args.run_name, show_progress=not args.no_progress, verbose=args.verbose,
+                        take_over=args.take_over)
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_CLUSTER
+    except RunLocked as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RUN_LOCKED
+    except KeyboardInterrupt:  # Ctrl+C before the workers started or after they ended: nothing to commit
+        print("interrupted (Ctrl+C) while the run was starting or ending, not while it trained", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ConfigError:
         raise
     except Exception as e:  # the run failed; its failures were printed one line each as they happened
@@ -263,13 +289,14 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
         return EXIT_RUN_FAILED
     print(outcome_summary(outcome))
     reason = outcome.metrics.get("stop_reason")
-    if outcome.error:
+    budget = isinstance(reason, str) and reason.startswith(BUDGET_REASON)
+    if outcome.error or reason not in (None, "preempted") and not budget:
         return EXIT_RUN_FAILED
-    if isinstance(reason, str) and reason.startswith(BUDGET_REASON):
-        return EXIT_BUDGET
-    if reason not in (None, "preempted"):
-        return EXIT_RUN_FAILED
-    return 0
+    if outcome.uncommitted_steps() is not None:
+        return EXIT_UNCOMMITTED
+    if outcome.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_BUDGET if budget else 0
 
 
 def _tune(cfg: Any, args: argparse.Namespace) -> int:

@@ -42,9 +42,23 @@ class TrainOutcome:
     mlflow_uri: str | None = None
     tracking_gap: str | None = None  # what MLflow lacks of the run and how to upload it (None: nothing)
     preempted: bool = False
+    interrupted: bool = False  # stopped by Ctrl+C at a commit (a SIGINT to the driver)
+    # The newest step committed in storage at the end (None: none, or checkpoints off), and whether
+    # the run checkpoints at all: a run that ends past its newest commit lost its last steps.
+    committed_step: int | None = None
+    checkpointed: bool = False
     error: str | None = None
     restarts: int = 0  # worker-group failures Ray Train recovered from during this call
     plots: list[str] = field(default_factory=list)  # files written into the run folder (training_curves.png)
+
+    def uncommitted_steps(self) -> tuple[int, int] | None:
+        """(first, last) of the steps the run trained past its newest commit (its final save failed);
+        None when its last step is committed or it does not checkpoint."""
+        step = self.metrics.get("step")
+        if not self.checkpointed or not isinstance(step, int):
+            return None
+        kept = self.committed_step if self.committed_step is not None else 0
+        return (kept + 1, step) if kept < step else None
 
 
 # ---------------------------------------------------------------- the driver's event stream

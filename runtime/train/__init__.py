@@ -17,6 +17,8 @@ small parts (torchtitan-style).
 - ``reporter``: where a report goes (driver stream, Ray Train, Prometheus, cost).
 - ``tokens``: token sequences for the language model, made on the device.
 - ``run``: what the driver hands each worker and what a run hands back.
+- ``runlock``: the run folder's lock (host, pid, start): one driver per run.
+- ``hold``: the step barrier tests inject faults at (``RT_TEST_HOLD``).
 
 This package file imports nothing heavy: Tune and tracking import ``run`` without the driver.
 """

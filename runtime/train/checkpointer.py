@@ -41,6 +41,7 @@ class Checkpointer:
         self.payload = payload  # a collective when distributed: every rank builds it
         self.on_failure = on_failure  # with checkpoint.on_failure=stop: ask the loop to stop
         self.failed = False  # a save failed with on_failure=stop (rank 0 knows; the end agrees on it)
+        self.restored_step: int | None = None  # the commit this attempt resumed from (set by the trainer)
 
     def commit_due(self, step: int) -> bool:
         """A commit at ``step`` before its report, so that report carries it (``checkpoint.at_steps``)."""
@@ -80,6 +81,13 @@ class Checkpointer:
             dist.broadcast(committed, src=0)  # all ranks must agree whether to save again
         if int(committed[0].item()) != step and not committed[1].item():
             self.save(step, blocking=True)
+
+    def kept_step(self) -> int | None:
+        """Rank 0, after ``finish``: the newest step committed in storage as far as this run knows (this
+        attempt's newest commit, else the one it resumed from; None: none). The driver compares it with
+        the final step: a final save lost to a full or failing storage must not read as a clean finish."""
+        last = self.manager.last_committed() if self.manager is not None else None
+        return last.step if last is not None else self.restored_step
 
     def settle(self) -> None:
         """Before the optimizer changes parameters in place: a sharded save's copy to CPU is done."""

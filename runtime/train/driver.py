@@ -4,8 +4,9 @@
 ends up in :func:`train`. The driver connects to the cluster, resolves devices,
 builds ``TorchTrainer(train_loop_per_worker, ScalingConfig, RunConfig(storage,
 FailureConfig))``, streams progress from the workers' reports
-and prints where the results are. On SIGTERM it asks the workers to write an
-emergency checkpoint and stop (spot preemption), then exits cleanly.
+and prints where the results are. On SIGTERM (spot preemption) or a first Ctrl+C it asks the
+workers to write an emergency checkpoint and stop; a second Ctrl+C ends the driver at once. A run
+folder holds one driver at a time (runtime.train.runlock).
 
 Over 400 lines: the run's whole driver-side life (connect, build, stream, preempt, summarise)
 reads in one place; the elastic controller and the tracker already live apart.
@@ -19,16 +20,17 @@ import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray.train
 
-from runtime.cluster import ClusterError, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
+from runtime.cluster import ClusterError, authenticate, prometheus_sd_dir, ray_address, tracking_uri
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
 from runtime.layout import storage_filesystem, storage_paths
@@ -37,11 +39,16 @@ from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import Progress, failure_line
 from runtime.run import PREEMPT_FILE, Resized, RunInfo, TrainOutcome, WorkerGroupFailed
 from runtime.train.elastic import record_resize, resize_line
+from runtime.train.hold import HOLD_ENV
+from runtime.train.runlock import RunLock
 from runtime.train.spares import wanted as spares_wanted
 from runtime.train.spares import worker_runtime_env
 from runtime.train.stop_policy import watches_drains
 from runtime.train.timeline import PhaseClock
 from runtime.train.worker import run_rank, train_loop_per_worker
+
+if TYPE_CHECKING:
+    from runtime.train.spend import DriverCosts
 
 log = logging.getLogger("runtime.train.driver")
 
@@ -59,18 +66,10 @@ def connect(address: str | None = None, *, verbose: bool = False) -> None:
     if ray.is_initialized():
         return
     addr = address or ray_address()
-    if addr != "local" and use_cluster_auth():
-        _reload_ray_auth()
+    if addr != "local":
+        authenticate()
     ray.init(address=addr, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING,
              runtime_env={"env_vars": _worker_env()}, configure_logging=True)
-
-
-def _reload_ray_auth() -> None:
-    """Ray reads RAY_AUTH_* once, when first imported: make it read the token just put there."""
-    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
 
 
 # What the driver hands every worker through the job's runtime_env. Ray shows a job's
@@ -81,7 +80,7 @@ WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", 
               "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
               "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "AWS_ENDPOINT_URL",
               "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2", "AWS_DEFAULT_REGION", "AWS_REGION", "RT_S3_SSE",
-              "RT_S3_SSE_KMS_KEY_ID",
+              "RT_S3_SSE_KMS_KEY_ID", HOLD_ENV,
               "PYTHONPATH")
 
 
@@ -353,25 +352,37 @@ def _reported(metrics: dict[str, Any], checkpoint: Any = None) -> None:
 
 
 def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = None,
-          show_progress: bool = True, verbose: bool = False) -> TrainOutcome:
+          show_progress: bool = True, verbose: bool = False, take_over: bool = False) -> TrainOutcome:
     """Run one training job to completion (or preemption, or the budget) on the Ray cluster.
 
     With ``cost.pause_above_usd_per_hour``, a run that rank 0 paused for the spot price waits here
     (no workers) until the price is back at or below it, then continues from its checkpoint as
     the same run: one outcome, one history, one MLflow run (runtime.train.spend, docs/cost.md).
     ``verbose``: Ray's worker and controller output on the console too (see :func:`connect`).
+    The run folder's lock is held throughout: a second driver of the same run is refused with
+    RunLocked naming this one; ``take_over`` takes a lock another host left (runtime.train.runlock).
     """
-    from runtime.observe.curves import plot_curves
-    from runtime.observe.tracking import Tracker
-    from runtime.train.export import save_final_model
-    from runtime.train.spend import DriverCosts, paused_for_price
+    from runtime.train.spend import DriverCosts
 
     if run_name is not None:
         validate_run_name(run_name)  # before the cluster, MLflow or storage are touched
     run_name = run_name or default_run_name(cfg)
+    run_dir = Path(storage_paths(cfg, run_name)[2])
+    costs = DriverCosts(cfg, run_dir)  # a bad price table or a spent budget: refused before anything is written
+    with RunLock(run_dir, run_name, take_over=take_over):
+        return _train_locked(cfg, run_name, costs, address=address, show_progress=show_progress, verbose=verbose)
+
+
+def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address: str | None, show_progress: bool,
+                  verbose: bool) -> TrainOutcome:
+    """``train`` once the run is this driver's."""
+    from runtime.observe.curves import plot_curves
+    from runtime.observe.tracking import Tracker
+    from runtime.train.export import save_final_model
+    from runtime.train.spend import paused_for_price
+
     _storage, checkpoint_uri, run_folder = storage_paths(cfg, run_name)
     run_dir = Path(run_folder)
-    costs = DriverCosts(cfg, run_dir)  # a bad price table or a spent budget: refused before Ray starts
     connect(address, verbose=verbose)
     progress = Progress(total=None, enabled=show_progress)
     # Best-effort: MLflow down (at start or mid-run) costs one console line, never the run (issue 27).
@@ -387,7 +398,8 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     run_dir.mkdir(parents=True, exist_ok=True)
     # A marker left by the preempted run we now resume would end a pause before its first attempt.
     (run_dir / PREEMPT_FILE).unlink(missing_ok=True)
-    previous = _install_sigterm(run_dir)
+    signals = StopSignals(run_dir, run_name)
+    signals.install()
     # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.observe.report).
     history = HistoryLog(run_dir)
     fitting: StreamingFit | None = None
@@ -417,8 +429,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
             outcome.preempted = True
     finally:
         history.close()
-        if previous is not None:  # None: not the main thread (e.g. Tune or tests), nothing was installed
-            signal.signal(signal.SIGTERM, previous)
+        signals.restore()
         progress.close()
     outcome.restarts = progress.failures
     curves = run_dir / CURVES_FILE
@@ -439,6 +450,13 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     if result is not None and result.metrics and not outcome.history:
         outcome.metrics.update(result.metrics)
     outcome.preempted = outcome.preempted or bool(outcome.metrics.get("preempted"))
+    outcome.interrupted = outcome.preempted and signals.interrupts > 0
+    kept = outcome.metrics.get("committed_step")
+    if isinstance(kept, int) and kept >= 0:
+        outcome.committed_step = kept
+    elif kept is not None:  # checkpoints on, none committed by the end
+        outcome.committed_step = None
+    outcome.checkpointed = kept is not None
     if tracker:
         tracker.finish(outcome, status="FAILED" if outcome.error else "FINISHED")
         outcome.mlflow_run_id, outcome.mlflow_uri = tracker.run_id or None, tracker.uri
@@ -446,22 +464,53 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     return outcome
 
 
-def _install_sigterm(run_dir: Path) -> Any:
-    """SIGTERM (e.g. a spot notice) -> marker file: workers checkpoint at the next step and stop."""
+class StopSignals:
+    """SIGTERM (a spot notice) and a first Ctrl+C -> the preemption marker: the workers commit a
+    checkpoint at the next boundary and stop. A second Ctrl+C ends the driver at once (exit 130):
+    the run's actors die with their driver's job, and it resumes from its newest commit.
 
-    def on_term(_sig: int, _frame: Any) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / PREEMPT_FILE).write_text(f"{socket.gethostname()} {time.time()}\n")
-        log.warning("SIGTERM: asked workers for an emergency checkpoint; waiting for them to stop")
+    A terminal sends SIGINT to its whole process group; the cluster's services run in sessions of
+    their own (runtime.cluster.processes), so only this driver sees it. Python delivers signals
+    to the main thread only: elsewhere (Tune, tests) nothing is installed.
+    """
 
-    if threading.current_thread() is not threading.main_thread():
-        return None  # Python delivers signals to the main thread only
-    return signal.signal(signal.SIGTERM, on_term)
+    def __init__(self, run_dir: Path, run_name: str) -> None:
+        self.run_dir, self.run_name = run_dir, run_name
+        self.interrupts = 0  # Ctrl+C presses seen
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, sig: int, _frame: Any) -> None:
+        if sig == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                sys.stdout.flush()
+                print(f"second Ctrl+C: stopped at once; run again with --run-name {self.run_name} to resume "
+                      "from its newest committed checkpoint", file=sys.stderr, flush=True)
+                os._exit(128 + signal.SIGINT)  # what a shell reports for a process ended by SIGINT: 130
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / PREEMPT_FILE).write_text(f"{socket.gethostname()} {time.time()}\n")
+        if sig == signal.SIGINT:
+            log.warning("Ctrl+C: committing a checkpoint at the next step, then stopping (Ctrl+C again: stop now)")
+        else:
+            log.warning("SIGTERM: asked workers for an emergency checkpoint; waiting for them to stop")
 
 
 def outcome_summary(outcome: TrainOutcome) -> str:
     m = outcome.metrics
-    if outcome.preempted:
+    if outcome.interrupted:
+        state = f"INTERRUPTED by Ctrl+C (resume with --run-name {outcome.run_name})"
+    elif outcome.preempted:
         state = f"PREEMPTED (resume with --run-name {outcome.run_name})"
     elif str(m.get("stop_reason", "")).startswith(BUDGET_REASON):
         state = f"STOPPED BY THE BUDGET (raise cost.budget_usd and resume with --run-name {outcome.run_name})"
@@ -473,6 +522,13 @@ def outcome_summary(outcome: TrainOutcome) -> str:
                                   for k in keys if k in m))
     if m.get("stop_reason"):
         lines.append(f"  {m['stop_reason']}")
+    lost = outcome.uncommitted_steps()
+    if lost is not None:
+        newest = (f"the newest committed checkpoint is step {outcome.committed_step}"
+                  if outcome.committed_step is not None else "no checkpoint was committed")
+        lines[0] += ", but its last steps are NOT in a checkpoint"
+        lines.append(f"  checkpoint:   steps {lost[0]}-{lost[1]} NOT committed (the final save failed: see the "
+                     f"lines above); {newest}, where --run-name {outcome.run_name} resumes")
     if isinstance(m.get("cost/estimated_dollars"), float):
         lines.append(f"  cost:         {m['cost/estimated_dollars']:.4f} USD (estimate: docs/cost.md)")
     if outcome.restarts:

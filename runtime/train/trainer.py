@@ -43,6 +43,7 @@ from runtime.train import drain
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import DevicePrefetcher, host_batches, make_stage
 from runtime.train.evaluator import Evaluator
+from runtime.train.hold import StepHold
 from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import (
     MicroBatcher,
@@ -176,6 +177,7 @@ class Trainer:
             # Files the loader could not read, plus images the GPU decoder could not (data.decode=gpu).
             skipped_samples=lambda: self.loaders.train.skipped + getattr(self.loaders.device_stage, "failed", 0))
         self.on_first_step = on_first_step  # e.g. spare processes for the next group (train.spares)
+        self.hold = StepHold.from_env()  # tests only: every rank waits at a named boundary (train.hold)
         self.recovered = False
         self._nonfinite_exported = 0
         self._recovery_noted = False
@@ -202,6 +204,7 @@ class Trainer:
         if saved is None:
             return
         load_merged(self.stateful, saved)
+        self.checkpointer.restored_step = self.state.global_step
         self._reshard()
         self.recovered = True
         if self.gauges:
@@ -240,6 +243,8 @@ class Trainer:
             commit, save = self.checkpointer.commit_due(step), self.checkpointer.interval_due(step)
             if not (evaluate or log_step or save or commit):
                 continue  # a steady-state step: nothing waits for the device
+            if self.hold is not None:
+                self.hold.wait(step, self.rank)
             extra: dict[str, Any] = self._timed(self.evaluator.run) if evaluate else {}
             if commit:  # committed before the exchange: this report carries it
                 self._timed(self.checkpointer.save, step, True)
@@ -274,7 +279,7 @@ class Trainer:
         if not saved:
             self.checkpointer.save(self.state.global_step, blocking=True)
         final = self.exchange(want_metrics=True)
-        self.report(final, {**extra, "preempted": True}, final=True)
+        self.report(final, {**extra, **self._kept(), "preempted": True}, final=True)
         self.stop.request("preempted")
 
     def _drained(self, extra: dict[str, Any], saved: bool) -> NoReturn:
@@ -300,9 +305,17 @@ class Trainer:
         """End of training: evaluate, commit a final checkpoint, report with it."""
         extra = self.evaluator.run()
         self.checkpointer.finish(self.state.global_step)
+        extra.update(self._kept())
         if self.stop.reason:
             extra["stop_reason"] = self.stop.reason
         self.report(self.exchange(want_metrics=True), extra, final=True)
+
+    def _kept(self) -> dict[str, Any]:
+        """The final report's ``committed_step`` (rank 0's newest commit; -1: none), with checkpoints on."""
+        if self.checkpoints is None or self.rank != 0:
+            return {}
+        kept = self.checkpointer.kept_step()
+        return {"committed_step": -1 if kept is None else kept}
 
     def train_step(self, batches: DevicePrefetcher) -> None:
         """One optimizer step over ``grad_accum_steps`` loader batches, with no host sync (unless

@@ -1,0 +1,51 @@
+"""A barrier the trainer honours in tests: every rank waits at a named step until a file appears.
+
+Faults are injected at a known step, not raced against wall time (a signal "a few steps after
+checkpoint 25" lands anywhere on a loaded machine). With ``RT_TEST_HOLD="<step>:<folder>"`` in
+the workers' environment (the driver forwards it, runtime.train.driver.WORKER_ENV), each rank,
+at the boundary of ``<step>``, writes ``<folder>/held_<step>_rank<r>`` and waits until
+``<folder>/release`` exists; then the boundary goes on (the preemption check, saves, the report).
+Unset, nothing is read at any step. Never set outside tests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HOLD_ENV = "RT_TEST_HOLD"
+RELEASE_FILE = "release"
+POLL_S = 0.05  # how often a held rank looks for the release file
+
+
+def held_file(folder: Path, step: int, rank: int) -> Path:
+    """What a rank writes once it waits at ``step`` (a test waits for it before injecting a fault)."""
+    return folder / f"held_{step}_rank{rank}"
+
+
+@dataclass(frozen=True)
+class StepHold:
+    step: int
+    folder: Path
+
+    @classmethod
+    def from_env(cls) -> StepHold | None:
+        """The hold named by ``RT_TEST_HOLD``, or None (unset or empty)."""
+        value = os.environ.get(HOLD_ENV, "")
+        if not value:
+            return None
+        step, sep, folder = value.partition(":")
+        if not sep or not step.isdigit() or not folder:
+            raise ValueError(f"{HOLD_ENV}={value!r}: expected '<step>:<folder>'")
+        return cls(int(step), Path(folder))
+
+    def wait(self, step: int, rank: int) -> None:
+        """At ``self.step``: announce this rank is held, then wait for the release file."""
+        if step != self.step:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        held_file(self.folder, step, rank).touch()
+        while not (self.folder / RELEASE_FILE).exists():
+            time.sleep(POLL_S)
