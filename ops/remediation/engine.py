@@ -16,6 +16,7 @@ post (BadNotification), it does not act on the rest.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -154,8 +155,11 @@ class Remediator:
         with self._lock:
             decision.result, decision.reason = self._guard(alert, node)
             if decision.result == "started":
-                self._record_start(node)  # type: ignore[arg-type]  # _guard returned started: node is set
-                if self.policy.dry_run:
+                unwritten = self._record_start(node, alert)  # type: ignore[arg-type]  # started: node is set
+                if unwritten:
+                    decision.result, decision.reason = "unrecorded", (
+                        f"state file not written ({unwritten}): not acted on, so no restart can forget it")
+                elif self.policy.dry_run:
                     decision.result = "dry_run"
                 else:
                     self._start(node, rule.actions)  # type: ignore[arg-type]
@@ -194,7 +198,6 @@ class Remediator:
             self._halt(node)
             return "halted", (f"{self.policy.limits.per_node_per_hour} remediations of {node} in the last hour "
                               "(limits.per_node_per_hour)")
-        state.seen[key] = alert.starts_at
         return "started", ""
 
     def _forget_before(self, now: float) -> None:
@@ -209,15 +212,30 @@ class Remediator:
     def _halt(self, node: str) -> None:
         if node not in self._state.halted:
             self._state.halted.append(node)
-            self._file.save(self._state)
+            self._save_or_journal()
             self.halted.labels(node).set(1)
             _journal("halted", node=node, reason="budget spent: clear it (--clear-halts) once a human has looked")
 
-    def _record_start(self, node: str) -> None:
-        now = self._clock()
-        self._state.total.append(now)
-        self._state.per_node.setdefault(node, []).append(now)
-        self._file.save(self._state)
+    def _record_start(self, node: str, alert: Alert) -> str:
+        """Count the start and remember the firing, on disk first: "" when saved, else why not (and
+        nothing is counted: an action the state file does not know of could be repeated after a restart)."""
+        now, state = self._clock(), copy.deepcopy(self._state)
+        state.seen[alert.replay_key()] = alert.starts_at
+        state.total.append(now)
+        state.per_node.setdefault(node, []).append(now)
+        try:
+            self._file.save(state)
+        except OSError as err:
+            return f"{err.strerror or err}: {self._file.path}"
+        self._state = state
+        return ""
+
+    def _save_or_journal(self) -> None:
+        """Save a change that is safe to keep in memory only (a halt, a finish time) if the disk fails."""
+        try:
+            self._file.save(self._state)
+        except OSError as err:
+            _journal("state_error", path=str(self._file.path), error=str(err))
 
     def _start(self, node: str, actions: list[Action]) -> None:
         thread = threading.Thread(target=self._run, args=(node, actions), name=f"remediate-{node}", daemon=True)
@@ -240,7 +258,7 @@ class Remediator:
                         result, kept = "succeeded", ({"log": log} if log else {})
                         with self._lock:
                             self._state.replaced[node] = self._clock()
-                            self._file.save(self._state)
+                            self._save_or_journal()
                     _journal("action", node=node, action=action.value, result=result,
                              seconds=round(time.monotonic() - began, 1), **kept)
                 except Exception as err:

@@ -256,3 +256,21 @@ def test_another_port_on_a_workers_address_never_names_it(tmp_path):
     [named] = engine.handle({"alerts": [_alert("NodeDown", "p4", instance="10.0.0.21:9100")]})
     assert (named.node, named.result) == ("gpu-0", "started")
     assert engine.wait_idle(60) and drainer.drained == ["10.0.0.21"] and record.read_text().split() == ["gpu-0"]
+
+
+def test_a_start_the_state_file_cannot_record_is_not_acted_on(tmp_path):
+    """A remediation the state file does not know of could be repeated after a restart: refuse it instead."""
+    engine, drainer, record, _, _ = _engine(tmp_path)
+    engine.handle({"alerts": [_alert("NodeDown", "w0", instance="10.0.0.22")]})  # the state folder now exists
+    assert engine.wait_idle(60)
+    state = tmp_path / "state"
+    state.rename(tmp_path / "state.moved")
+    state.write_text("a file where the folder was")  # every save now fails (as on a full or read-only disk)
+    [decision] = engine.handle({"alerts": [_alert("NodeDown", "w1", instance="10.0.0.21")]})
+    assert decision.result == "unrecorded" and "state file not written" in decision.reason, decision
+    state.unlink()
+    (tmp_path / "state.moved").rename(state)
+    [again] = engine.handle({"alerts": [_alert("NodeDown", "w1", instance="10.0.0.21")]})
+    assert again.result == "started", "nothing of the refused start was remembered"
+    assert engine.wait_idle(60) and drainer.drained == ["10.0.0.22", "10.0.0.21"]
+    assert record.read_text().split() == ["gpu-1", "gpu-0"]
