@@ -136,6 +136,18 @@ test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integr
 	RT_PROMETHEUS_BIN=$(PROMETHEUS) $(PY) -m pytest tests/unit tests/integration tests/observability tests/kubernetes tests/gpu \
 	  -q --durations=25 $(PYTEST_ARGS)
 
+# The inner loop's one end-to-end run: the shipped digits job on 2 Ray Train workers (one run,
+# checked by three tests), on a cluster of Ray alone (no MLflow or Prometheus server to start).
+QUICK_E2E := $(foreach t,test_two_worker_ddp_keeps_ranks_identical_and_loss_falls \
+               test_digits_converges_above_90_percent_with_two_workers \
+               test_a_run_without_ray_datasets_starts_no_ray_data_actor,tests/integration/test_training.py::$(t))
+
+.PHONY: test-quick
+test-quick: setup $(TF_STAMP) ## The inner loop, <= 5 min from a warm venv: ruff, generate --check, unit tests, one Ray Train run.
+	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes generate.py dashboards alerts ops flows
+	$(PY) -m generate --check
+	$(PY) -m pytest tests/unit $(QUICK_E2E) --ray-only-cluster -q --durations=10 $(PYTEST_ARGS)
+
 .PHONY: bench
 bench: setup cluster-ready ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.
 	@mkdir -p benchmarks/results

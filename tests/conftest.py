@@ -6,11 +6,19 @@ import os
 
 import pytest
 
+from tests.support.census import Census
+
 # One OpenMP thread per process unless the caller chose: the suites run several torch processes on
 # few cores (gloo ranks, Ray workers, the driver, in-process trainers), and spinning OpenMP threads
 # then cost an order of magnitude (a small GPT's forward, measured on the shared 2-core machine:
 # 20 ms with 1 thread, 300 ms with 2). Ray already gives each worker one thread per CPU it holds.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# What the session started (Train runs, workers, trials, clusters, subprocesses), printed at its end:
+# counts that do not change with the host's hour (tests/support/census.py, docs/performance.md).
+# Started at import, before any test module starts a process, so the marker reaches every one.
+CENSUS = Census()
+CENSUS.start()
 
 
 # --cpu-durations=N: the N tests that used the most CPU, counted over the whole machine (/proc/stat),
@@ -22,6 +30,8 @@ _CPU: dict[str, float] = {}
 def pytest_addoption(parser):  # type: ignore[no-untyped-def]
     parser.addoption("--cpu-durations", type=int, default=0, metavar="N",
                      help="list the N tests that used the most machine-wide CPU (setup + call + teardown)")
+    parser.addoption("--ray-only-cluster", action="store_true",
+                     help="the integration session's cluster without MLflow and Prometheus (make test-quick)")
 
 
 def _busy_s() -> float:
@@ -43,6 +53,11 @@ def pytest_runtest_protocol(item, nextitem):  # type: ignore[no-untyped-def]
 
 
 def pytest_terminal_summary(terminalreporter, config):  # type: ignore[no-untyped-def]
+    CENSUS.stop()
+    if not config.option.collectonly:
+        terminalreporter.section("what the session started (tests/support/census.py)")
+        for line in CENSUS.lines():
+            terminalreporter.write_line(line)
     top = config.getoption("--cpu-durations")
     if not top or not _CPU:
         return

@@ -38,15 +38,19 @@ os.environ.setdefault("RT_CHECKPOINT__ON_NODE_DRAIN", "ignore")
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[dict[str, Any]]:
+def cluster(pytestconfig: pytest.Config) -> Iterator[dict[str, Any]]:
     """Start the embedded cluster once; every integration test drives it through RAY_ADDRESS.
     Prometheus scrapes the training exporters every 2 s (5 s by default; the scrape timeout is the
     interval, so not 1 s on 2 busy cores): a short run then spans several scrapes (test_observability)
     without training or lingering for 5-s ones. No test's driver asks for its workers' output
     (log_to_driver is `--verbose`, proven on a cluster of its own in test_cluster_lifecycle.py): the
     head's log monitor, which re-reads the session's ever-growing log folder, is left out (~1
-    CPU-minute of the suite)."""
-    with local_cluster(CLUSTER_DIR, num_cpus=4, training_scrape_s=2, log_monitor=False) as state:
+    CPU-minute of the suite).
+    --ray-only-cluster (make test-quick): Ray alone, for tests that need neither MLflow nor Prometheus
+    (the MLflow server alone takes ~30 s to answer)."""
+    ray_only = pytestconfig.getoption("--ray-only-cluster")
+    with local_cluster(CLUSTER_DIR, num_cpus=4, training_scrape_s=2, log_monitor=False,
+                       with_mlflow=not ray_only, with_prometheus=not ray_only) as state:
         yield {**state, "dir": CLUSTER_DIR}
 
 
