@@ -5,7 +5,7 @@ OPS_BIN       := $(OPS_VENV)/bin
 ANSIBLE_DIR   := $(ROOT)/ansible
 INVENTORY     ?= $(ANSIBLE_DIR)/inventories/local
 NODE          ?=
-OPS_HOST_PKGS := systemd-container debootstrap dpkg-dev apt-utils openssh-client iproute2 util-linux
+OPS_HOST_PKGS := systemd-container debootstrap dpkg-dev apt-utils openssh-client iproute2 util-linux rsyslog rsyslog-relp logrotate
 HOSTS_PYTEST_ARGS ?=
 export ANSIBLE_CONFIG := $(ANSIBLE_DIR)/ansible.cfg
 
@@ -30,8 +30,9 @@ ops-host-packages: | prometheus-tools ## Install the Debian packages the test ho
 	fi
 
 .PHONY: ansible-lint
-# prometheus-tools: tests/ansible check the rendered Prometheus config with promtool.
-ansible-lint: ops-setup prometheus-tools ## Lint roles and playbooks (production profile) and run tests/ansible (role logic on the controller).
+# prometheus-tools: tests/ansible check the rendered Prometheus config with promtool; ops-host-packages:
+# they run the log_shipping role's rendered rsyslog configs with the real rsyslogd and logrotate.
+ansible-lint: ops-setup prometheus-tools ops-host-packages ## Lint roles and playbooks (production profile) and run tests/ansible (role logic on the controller).
 	cd $(ANSIBLE_DIR) && PATH=$(OPS_BIN):$$PATH $(OPS_BIN)/ansible-lint --offline --profile production
 	$(OPS_BIN)/pytest -q -p no:cacheprovider $(ROOT)/tests/ansible
 
