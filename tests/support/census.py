@@ -4,7 +4,7 @@ The suite's cost is start-ups (docs/performance.md): Train runs, Train workers, 
 Ray clusters and nodes, driver and CLI processes. Those counts do not change with the host's hour
 the way wall time does, so the session prints them at its end:
 
-- Ray nodes and clusters: a thread reads /proc once a second for raylet processes that carry this
+- Ray nodes and clusters: a thread reads /proc every 2 s for raylet processes that carry this
   session's marker in their environment (``MARKER``, set by tests/conftest.py and inherited by every
   process the tests start unless a test replaces the environment). A raylet's command line names its
   session folder: one folder per cluster, one raylet per node. Other sessions' clusters on the same
@@ -49,7 +49,7 @@ class Census:
     """Counts for one session; ``start()`` once, ``report()`` at the end."""
 
     marker: str = field(default_factory=lambda: uuid.uuid4().hex)
-    interval_s: float = 1.0
+    interval_s: float = 2.0  # a raylet lives for seconds at least; a scan costs ~10 ms of CPU
     sessions: set[str] = field(default_factory=set)
     raylets: set[str] = field(default_factory=set)  # node ids
     subprocesses: Counter[str] = field(default_factory=Counter)
@@ -92,9 +92,12 @@ class Census:
                 key = (int(entry.name), start_ticks)
                 if key in self._seen:
                     continue
-                self._seen.add(key)
                 with open(f"/proc/{entry.name}/cmdline", "rb") as f:
                     argv = f.read().decode(errors="replace").split("\0")
+                # A Python process may be the child `ray start` forked before it became a raylet
+                # (until exec it shows its parent's command line): look again at the next poll.
+                if not _python(argv[0]):
+                    self._seen.add(key)
                 if not argv[0].endswith("/raylet"):
                     continue
                 with open(f"/proc/{entry.name}/environ", "rb") as f:
