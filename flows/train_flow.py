@@ -15,9 +15,9 @@ before registering. Runs on Metaflow's local runtime and datastore unless Metafl
 S3 (METAFLOW_DEFAULT_DATASTORE=s3, METAFLOW_DATASTORE_SYSROOT_S3).
 
 Ray: the steps reach the platform's existing cluster by address (``make cluster-up`` state or
-RAY_ADDRESS) as the CLI does. Outerbounds' ``metaflow-ray`` (@metaflow_ray) gang-schedules Metaflow
-tasks and starts a Ray cluster of its own across them; it does not attach to a running cluster, so it
-is not used.
+RAY_ADDRESS) and authenticate as the CLI does, in the runtime's connect (runtime.cluster.authenticate).
+Outerbounds' ``metaflow-ray`` (@metaflow_ray) gang-schedules Metaflow tasks and starts a Ray cluster
+of its own across them; it does not attach to a running cluster, so it is not used.
 """
 
 from __future__ import annotations
@@ -61,11 +61,9 @@ class TrainFlow(FlowSpec):
         """The search; its best configuration goes on to training."""
         from metaflow.cards import Markdown, Table
 
-        from runtime.cluster import use_cluster_auth
         from runtime.layout import search_paths, storage_filesystem
         from runtime.tune import tune
 
-        use_cluster_auth()
         cfg = self._job()
         if self.budget:
             cfg = cfg.model_copy(update={"tune": {**(cfg.tune or {}), "num_samples": self.budget}})
@@ -94,10 +92,8 @@ class TrainFlow(FlowSpec):
         """The best configuration, longer; resumes from its checkpoints when this step is re-run."""
         from metaflow.cards import Image, Markdown
 
-        from runtime.cluster import use_cluster_auth
         from runtime.train.driver import train
 
-        use_cluster_auth()
         cfg = self._train_config()
         outcome = train(cfg, self.train_name, show_progress=False)
         if outcome.error:

@@ -4,17 +4,25 @@ The runtime only needs an address: ``RAY_ADDRESS`` wins, else the state that
 ``make cluster-up`` left in ``.cluster/``.
 
 - ``state``: the state file, port settings and ``ClusterError``, which every module reads.
-- ``connect``: what a client needs (Ray address, auth token, MLflow URI, Prometheus discovery).
+- ``connect``: what a client needs (Ray address, ``authenticate``, MLflow URI, Prometheus discovery).
 - ``local``: the local embedded cluster (``python -m runtime cluster up|down|status``, extra raylets).
 - ``services``: MLflow, node exporter and Prometheus beside the local Ray head.
 - ``processes``: spawning and stopping exactly the processes the local cluster started.
 """
 
-from runtime.cluster.connect import job_env, prometheus_sd_dir, ray_address, tracking_uri, use_cluster_auth
+from runtime.cluster.connect import (
+    authenticate,
+    job_env,
+    prometheus_sd_dir,
+    ray_address,
+    tracking_uri,
+    use_cluster_auth,
+)
 from runtime.cluster.local import add_node, down, ray_temp_dir, remove_node, status, up
 from runtime.cluster.state import DEFAULT_PORTS, ROOT, ClusterError, load_state
 
 __all__ = [
-    "DEFAULT_PORTS", "ROOT", "ClusterError", "add_node", "down", "job_env", "load_state", "prometheus_sd_dir",
-    "ray_address", "ray_temp_dir", "remove_node", "status", "tracking_uri", "up", "use_cluster_auth",
+    "DEFAULT_PORTS", "ROOT", "ClusterError", "add_node", "authenticate", "down", "job_env", "load_state",
+    "prometheus_sd_dir", "ray_address", "ray_temp_dir", "remove_node", "status", "tracking_uri", "up",
+    "use_cluster_auth",
 ]

@@ -1,4 +1,5 @@
-"""Connecting to a cluster: the Ray address, its auth token, the MLflow and Prometheus discovery it offers.
+"""Connecting to a cluster: the Ray address, its auth token (``authenticate``, the one way every client
+authenticates), the MLflow and Prometheus discovery it offers.
 
 ``RAY_ADDRESS`` (and ``MLFLOW_TRACKING_URI``, ``RT_PROMETHEUS_SD_DIR``) win; else the state
 that ``make cluster-up`` left in ``.cluster/``.
@@ -48,11 +49,26 @@ def prometheus_sd_dir(cdir: Path | None = None) -> str | None:
     return _recorded("RT_PROMETHEUS_SD_DIR", "prometheus", "sd_dir", cdir)
 
 
-def use_cluster_auth(cdir: Path | None = None) -> bool:
-    """Clients of the local cluster authenticate with its token, unless one was given explicitly.
+def authenticate(cdir: Path | None = None) -> None:
+    """Every client of the cluster calls this before ``ray.init``: the local cluster's token (unless
+    one was given explicitly), and Ray's cached auth settings read again from the environment.
 
-    Returns True when this changed the environment (callers refresh Ray's cached config).
+    Ray reads RAY_AUTH_MODE and the token once, when ``ray._raylet`` is first imported or first asked;
+    whoever set the variables (this function earlier, a Metaflow step, the user's shell), a process
+    that imported Ray before them would present no token: every GCS call fails with InvalidAuthToken.
+    So the refresh is unconditional, not tied to this call having changed the environment.
     """
+    use_cluster_auth(cdir)
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def use_cluster_auth(cdir: Path | None = None) -> bool:
+    """The local cluster's token in this process's environment, unless one was given explicitly;
+    True when this changed it. Ray may have read the old environment already: clients call
+    ``authenticate``, which also refreshes Ray's cache."""
     cluster_dir = cdir or default_cluster_dir()
     token = load_state(cluster_dir).get("ray", {}).get("auth_token_path")
     if not token or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") == str(token):
