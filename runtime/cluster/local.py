@@ -29,7 +29,7 @@ from runtime.cluster.processes import (
     venv_bin,
     wait_until,
 )
-from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up, redis_up
+from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up, redis_tls_env, redis_up
 from runtime.cluster.state import STATE_FILE, ClusterError, default_cluster_dir, load_state, port, save_state
 from runtime.ports import free_port, worker_ports
 
@@ -59,12 +59,14 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
     """``ray start --head --block`` in its own process group, so `down` can stop exactly it.
 
     With ``redis`` (GCS fault tolerance) the GCS keeps its tables there, under a namespace of this
-    cluster's own, so a restarted GCS finds the nodes, actors and jobs it had (docs/operations.md)."""
+    cluster's own, so a restarted GCS finds the nodes, actors and jobs it had (docs/operations.md);
+    it authenticates with a client certificate named in its environment, never a password on a
+    command line (runtime.cluster.services.redis_up)."""
     host = "127.0.0.1"
     auth = auth_env(cluster_dir)
     ft_env: dict[str, str] = {}
     if redis:
-        ft_env = {"RAY_REDIS_ADDRESS": redis["address"],
+        ft_env = {**redis_tls_env(redis),
                   "RAY_external_storage_namespace": f"rt-{ray_temp_dir(cluster_dir).rsplit('-', 1)[1]}"}
     workers_low, workers_high = worker_ports(0)
     # With GCS fault tolerance the head runs detached and a watchdog restarts a dead GCS: `--block`
@@ -84,8 +86,6 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
         cmd.append(f"--num-cpus={num_cpus}")
     if not log_monitor:
         cmd.append("--include-log-monitor=false")
-    if redis:
-        cmd.append(f"--redis-password={Path(redis['password_file']).read_text().strip()}")
     log = cluster_dir / "logs" / "ray.log"
     pid = spawn(cmd, log, env={**NODE_ENV, **auth, **job_env(), **NODE_HEALTH_ENV, **ft_env})
     out = {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",

@@ -108,12 +108,83 @@ def _tool_bin_at(name: str, env_var: str, folder: Path) -> Path | None:
     return next((c for c in candidates if c.exists()), None)
 
 
-def redis_up(cluster_dir: Path) -> dict[str, Any]:
-    """Redis for Ray's GCS fault tolerance: loopback only, a password of its own (mode 600, in a
-    config file rather than on the command line), no snapshots (the GCS outlives its own restarts
-    through it; Redis itself restarting is out of scope on one machine)."""
-    import secrets
+# What the GCS presents to Redis and what it checks Redis with (Ray reads RAY_REDIS_* from its
+# environment): files under <cluster>/redis/tls, mode 600.
+REDIS_TLS_FILES = ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")
 
+
+def _tls_files(tls: Path) -> dict[str, Path]:
+    """A private CA for this cluster's Redis, a server certificate for 127.0.0.1 and the GCS's client
+    certificate, made once (EC P-256, ten years; a local cluster's lifetime)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    files = {name: tls / name for name in REDIS_TLS_FILES}
+    if all(f.exists() for f in files.values()):
+        return files
+    tls.mkdir(parents=True, exist_ok=True, mode=0o700)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey,
+             extensions: list[tuple[x509.ExtensionType, bool]]) -> x509.Certificate:
+        builder = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=3650)))
+        for ext, critical in extensions:
+            builder = builder.add_extension(ext, critical=critical)
+        return builder.sign(signer, hashes.SHA256())
+
+    def write(path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    ca_key, server_key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    ca = cert("rt-redis-ca", ca_key, "rt-redis-ca", ca_key, [(x509.BasicConstraints(ca=True, path_length=0), True)])
+    leaf = [(x509.BasicConstraints(ca=False, path_length=None), True)]
+    server = cert("127.0.0.1", server_key, "rt-redis-ca", ca_key, [
+        *leaf, (x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False),
+        (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)])
+    client = cert("rt-gcs", client_key, "rt-redis-ca", ca_key, [
+        *leaf, (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False)])
+    pem = serialization.Encoding.PEM
+    plain = (serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    write(files["server.key"], server_key.private_bytes(pem, *plain))
+    write(files["client.key"], client_key.private_bytes(pem, *plain))
+    write(files["server.crt"], server.public_bytes(pem))
+    write(files["client.crt"], client.public_bytes(pem))
+    write(files["ca.crt"], ca.public_bytes(pem))  # last: its presence says the set is complete
+    return files
+
+
+def redis_tls_env(redis: dict[str, Any]) -> dict[str, str]:
+    """What the head's GCS needs to reach ``redis`` (redis_up's record): Ray's RAY_REDIS_* settings,
+    read from the environment, so no credential is on any command line."""
+    tls = Path(redis["tls_dir"])
+    return {"RAY_REDIS_ADDRESS": f"rediss://{redis['address']}", "RAY_REDIS_CA_CERT": str(tls / "ca.crt"),
+            "RAY_REDIS_CLIENT_CERT": str(tls / "client.crt"), "RAY_REDIS_CLIENT_KEY": str(tls / "client.key"),
+            "RAY_REDIS_SERVER_NAME": "127.0.0.1"}
+
+
+def redis_up(cluster_dir: Path) -> dict[str, Any]:
+    """Redis for Ray's GCS fault tolerance: loopback only, TLS only, and a client certificate of
+    this cluster's own CA required of every client (mode-600 files under ``<cluster>/redis/tls``); no
+    snapshots (the GCS outlives its own restarts through it; Redis itself restarting is out of scope
+    on one machine).
+
+    Why certificates and not a password: Ray 2.60 copies ``--redis-password`` onto the command lines
+    of ``gcs_server``, the raylet and every worker it starts (ray/_private/services.py), where every
+    local account reads it with ``ps``; the GCS reads the certificate's paths from RAY_REDIS_CLIENT_*
+    in its environment (readable by its own user only), and the key file is mode 600."""
     from runtime.cluster.state import ClusterError
 
     binary = redis_bin()
@@ -122,16 +193,13 @@ def redis_up(cluster_dir: Path) -> dict[str, Any]:
                            "(or `make cluster-up GCS_FT=1`), or set RT_REDIS_SERVER_BIN")
     rdir = cluster_dir / "redis"
     rdir.mkdir(parents=True, exist_ok=True)
-    password_file = rdir / "password"
-    if not password_file.exists():
-        fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(24))
-    password = password_file.read_text().strip()
+    tls = _tls_files(rdir / "tls")
     conf = rdir / "redis.conf"
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"bind 127.0.0.1\nport {port('redis')}\nprotected-mode yes\nrequirepass {password}\n"
+        f.write(f"bind 127.0.0.1\nport 0\ntls-port {port('redis')}\nprotected-mode yes\n"
+                f"tls-cert-file {tls['server.crt']}\ntls-key-file {tls['server.key']}\n"
+                f"tls-ca-cert-file {tls['ca.crt']}\ntls-auth-clients yes\n"
                 f"dir {rdir}\nsave \"\"\nappendonly no\n")
     # The binary needs liblzf and jemalloc, unpacked beside it by `make redis-tools`.
     libs = binary.resolve().parents[1] / "lib" / "x86_64-linux-gnu"
@@ -143,4 +211,4 @@ def redis_up(cluster_dir: Path) -> dict[str, Any]:
     wait_until(lambda: port_open("127.0.0.1", port("redis")) or not alive(pid), "Redis", 30, log)
     if not alive(pid):
         raise ClusterError(f"Redis exited during start-up; see {log}")
-    return {"pid": pid, "address": f"127.0.0.1:{port('redis')}", "password_file": str(password_file)}
+    return {"pid": pid, "address": f"127.0.0.1:{port('redis')}", "tls_dir": str(tls["ca.crt"].parent)}

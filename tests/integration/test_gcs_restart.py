@@ -28,6 +28,7 @@ from runtime.cluster.gcs_watchdog import running
 from runtime.cluster.services import redis_bin
 from tests.support import ROOT
 from tests.support.cluster import committed_steps, own_cluster_env
+from tests.support.redis import redis_says
 
 pytestmark = pytest.mark.slow
 
@@ -120,3 +121,68 @@ def test_gcs_killed_mid_run_with_redis_ft_is_restarted_and_the_run_loses_no_step
     after = [h["step"] for h in history if "step" in h and h["_time"] > float(killed_at) and not h.get("final")]
     assert before and after, f"not mid-run: {len(before)} steps reported before the kill, {len(after)} after"
     assert committed_steps(checkpoints)[-1] == MAX_STEPS
+
+
+# Holds a worker (an actor) while the test reads every process's command line.
+HOLDER = """
+import sys, ray
+ray.init(log_to_driver=False)
+@ray.remote(num_cpus=0)
+class Holder:
+    def ready(self):
+        return True
+h = Holder.remote()
+ray.get(h.ready.remote())
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def redis_credentials_in_argv(key: bytes) -> list[str]:
+    """Every process on the machine whose command line carries a Redis password or the client key."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for arg in argv:
+            flag, _, value = arg.partition(b"=")
+            if (flag.lstrip(b"-").replace(b"-", b"_") in (b"redis_password", b"ray_redis_password") and value) \
+                    or (len(key) > 0 and key in arg):
+                found.append(f"{proc.name}: {arg[:40]!r}")
+    return found
+
+
+def test_no_process_of_a_gcs_ft_cluster_carries_a_redis_credential_on_its_command_line(
+        ft_cluster: dict[str, str]) -> None:
+    """What any local account sees with `ps`: the head's processes, a worker, and the GCS the watchdog
+    starts again after a kill. The GCS still keeps its tables in Redis (over TLS, with the cluster's
+    client certificate), or the check would prove nothing."""
+    cdir = Path(ft_cluster["RT_CLUSTER_DIR"])
+    state = json.loads((cdir / "state.json").read_text())
+    tls = Path(state["redis"]["tls_dir"])
+    key = b"".join((tls / "client.key").read_bytes().splitlines()[1:-1])  # the PEM body, as it would be passed
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=ROOT, env=ft_cluster, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert holder.stdout is not None
+        said: list[str] = []
+        for line in holder.stdout:  # Ray's INFO lines come first
+            said.append(line)
+            if line.strip() == "ready":
+                break
+        assert said and said[-1].strip() == "ready", "".join(said)[-3000:]
+        port = int(state["redis"]["address"].rsplit(":", 1)[1])
+        assert int(redis_says(port, "DBSIZE", tls_dir=tls)[0].lstrip(":")) > 0  # the GCS's tables are there
+        assert redis_credentials_in_argv(key) == []
+        restarted = subprocess.run([sys.executable, "-c", "from runtime.cluster.local import restart_gcs; "
+                                    "print(restart_gcs())"], cwd=ROOT, env=ft_cluster, capture_output=True,
+                                   text=True, timeout=300)
+        assert restarted.returncode == 0, restarted.stderr[-3000:]
+        assert redis_credentials_in_argv(key) == []
+    finally:
+        holder.kill()
+        holder.wait()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -21,6 +21,7 @@ from runtime.cluster.local import gcs_ft_requested
 from runtime.cluster.processes import kill
 from runtime.cluster.services import redis_bin, redis_up
 from tests.support import ROOT, free_port, wait_for
+from tests.support.redis import redis_says
 
 
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("0", False), ("", False), ("no", False)])
@@ -29,32 +30,28 @@ def test_gcs_ft_is_asked_for_by_rt_gcs_ft(monkeypatch: pytest.MonkeyPatch, value
     assert gcs_ft_requested() is on
 
 
-def redis_says(port: int, *commands: str) -> list[str]:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall("".join(f"{c}\r\n" for c in commands).encode())
-        replies: list[str] = []
-        buf = b""
-        while len(replies) < len(commands):
-            buf += s.recv(4096)
-            *done, buf = buf.split(b"\r\n")
-            replies += [d.decode() for d in done]
-        return replies
-
-
-def test_redis_listens_on_loopback_with_a_password_kept_out_of_argv(
+def test_redis_takes_only_tls_clients_with_the_clusters_certificate_and_no_secret_in_argv(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack a local account can make: connect without the key (plain, or TLS without a client
+    certificate), or read a credential from Redis's command line."""
     assert redis_bin() is not None, "redis-server missing: run `make redis-tools`"
     port = free_port()
     monkeypatch.setenv("RT_REDIS_PORT", str(port))
     redis = redis_up(tmp_path)
     try:
-        password = Path(redis["password_file"]).read_text().strip()
-        assert redis["address"] == f"127.0.0.1:{port}" and len(password) >= 32
-        for secret in (tmp_path / "redis" / "password", tmp_path / "redis" / "redis.conf"):
+        tls = Path(redis["tls_dir"])
+        assert redis["address"] == f"127.0.0.1:{port}"
+        for secret in (tls / "client.key", tls / "server.key", tmp_path / "redis" / "redis.conf"):
             assert secret.stat().st_mode & 0o077 == 0, secret
-        assert password.encode() not in Path(f"/proc/{redis['pid']}/cmdline").read_bytes()
-        assert redis_says(port, "PING")[0].startswith("-NOAUTH")
-        assert redis_says(port, f"AUTH {password}", "PING") == ["+OK", "+PONG"]
+        key = (tls / "client.key").read_bytes()
+        assert key not in Path(f"/proc/{redis['pid']}/cmdline").read_bytes()
+        assert redis_says(port, "PING", tls_dir=tls) == ["+PONG"]
+        for plain, with_cert in ((True, False), (False, False)):  # plain TCP; TLS without the certificate
+            try:
+                refused = redis_says(port, "PING", tls_dir=None if plain else tls, client_cert=with_cert)
+            except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+                refused = []
+            assert refused == [], (plain, refused)
     finally:
         kill(redis["pid"])
 
