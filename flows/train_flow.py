@@ -22,16 +22,22 @@ of its own across them; it does not attach to a running cluster, so it is not us
 
 from __future__ import annotations
 
+import argparse
+import os
 import shlex
+import sys
 from typing import Any
 
 from metaflow import FlowSpec, Parameter, card, current, step
+
+DEFAULT_JOB = "digits_tune"
+EXIT_BAD_INPUT = 2  # the CLI's: a job, override or search space refused before anything starts
 
 
 class TrainFlow(FlowSpec):
     """Tune, train, evaluate and register one job of the platform."""
 
-    job = Parameter("job", default="digits_tune", help="a tuning job: a name from jobs/ or a YAML path")
+    job = Parameter("job", default=DEFAULT_JOB, help="a tuning job: a name from jobs/ or a YAML path")
     budget = Parameter("budget", default=0, type=int, help="trials in the search (0: the job's tune.num_samples)")
     train_steps = Parameter("train_steps", default=0, type=int,
                             help="steps of the final training (0: 3x the trials' train.max_steps)")
@@ -150,8 +156,6 @@ class TrainFlow(FlowSpec):
               + (f" is @{self.alias}" if self.promoted else ""))
 
     def _job(self) -> Any:
-        import os
-
         from runtime.config import load_job
 
         return load_job(self.job, shlex.split(self.overrides), environ=os.environ)
@@ -170,5 +174,31 @@ def _cell(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def preflight(argv: list[str]) -> int | None:
+    """``run``'s job, overrides and search space checked before Metaflow starts: a bad one is one line
+    and exit 2, as from the CLI, not a failed start step under Metaflow's traceback. None: go on."""
+    if "run" not in argv:
+        return None
+    from runtime.config import load_job
+    from runtime.errors import ConfigError
+    from runtime.tune import parse_tune
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--job", default=DEFAULT_JOB)
+    p.add_argument("--set", default="")
+    args, _ = p.parse_known_args(argv[argv.index("run") + 1:])
+    try:
+        parse_tune(load_job(args.job, shlex.split(args.set), environ=os.environ))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ValueError as e:  # shlex: an unbalanced quote in --set
+        print(f"error: --set {args.set!r}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return None
+
+
 if __name__ == "__main__":
+    if (code := preflight(sys.argv[1:])) is not None:
+        sys.exit(code)
     TrainFlow()
