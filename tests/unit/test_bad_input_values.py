@@ -1,7 +1,8 @@
 """Values users type (storage locations, URLs, ports, seeds, the runtime's RT_* settings) fed for real
 through ``python -m runtime``: each is refused with exit 2, one line on stderr naming the field and
 what was expected, no traceback, and nothing written. ``train`` is refused before it touches Ray:
-RAY_ADDRESS points at a closed port, so a run that got as far as connecting would exit 3 instead.
+RAY_ADDRESS points at a closed port, so a run that got as far as connecting would exit 3 instead;
+``cluster up`` before it starts anything: its state folder (RT_CLUSTER_DIR) stays unmade.
 
 ``validate`` makes every check ``train`` makes before Ray: the parity cases run both commands.
 """
@@ -90,6 +91,10 @@ CASES = {
     "port in words": Case(["train", "digits_smoke"], ["RT_RAY_PORT", "port number"], env={"RT_RAY_PORT": "six"}),
     "negative metrics port": Case(["validate", "digits_smoke"], ["RT_METRICS_PORT", "0 to 65535"],
                                   env={"RT_METRICS_PORT": "-1"}),
+    "cluster up with port 99999": Case(["cluster", "up", "--no-mlflow"], ["RT_PROMETHEUS_PORT", "1 to 65535"],
+                                       env={"RT_PROMETHEUS_PORT": "99999"}),
+    "cluster up with no nodes": Case(["cluster", "up", "--nodes", "0"], ["--nodes must be >= 1"]),
+    "cluster up with -2 CPUs": Case(["cluster", "up", "--num-cpus", "-2"], ["--num-cpus must be >= 1"]),
     # echoed values stay short
     "alias bomb through --set": s(f"train.seed={BOMB}", expect=("train.seed", "characters")),
     "a 100,000-character job name": Case(["validate", "j" * 100_000], ["job 'jjjj", "File name too long"]),
