@@ -5,12 +5,15 @@ Both are what an operator would run by hand; the service only decides when.
 
 from __future__ import annotations
 
+import base64
+import json
 import shlex
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.request import Request, urlopen
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
@@ -119,3 +122,22 @@ def _text(out: str | bytes | None) -> str:
 
 def _see(log: Path | None) -> str:
     return f" (whole output: {log})" if log else ""
+
+
+class AlertmanagerAlerts:
+    """The alerts Alertmanager holds now (GET /api/v2/alerts), as (labels, startsAt) pairs: what a
+    posted alert must be among before the service acts on it."""
+
+    def __init__(self, url: str, timeout_s: float, user: str = "", password: str = "") -> None:
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self._auth = base64.b64encode(f"{user}:{password}".encode()).decode() if user else ""
+
+    def active(self) -> list[tuple[dict[str, str], str]]:
+        """Every alert Alertmanager holds; raises OSError or ValueError when it cannot say."""
+        req = Request(f"{self.url}/api/v2/alerts?active=true&silenced=true&inhibited=true&unprocessed=true",  # noqa: S310
+                      headers={"Authorization": f"Basic {self._auth}"} if self._auth else {})
+        with urlopen(req, timeout=self.timeout_s) as reply:  # noqa: S310  (http(s): checked by the policy)
+            alerts = json.loads(reply.read())
+        if not isinstance(alerts, list):
+            raise ValueError("GET /api/v2/alerts did not answer a list")
+        return [(a["labels"], a["startsAt"]) for a in alerts if isinstance(a, dict) and "labels" in a]

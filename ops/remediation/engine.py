@@ -90,6 +90,11 @@ class Drainer(Protocol):
         """Drain the Ray node at `address`; return "drained" or "not_alive"; raise when refused or failed."""
 
 
+class AlertSource(Protocol):
+    def active(self) -> list[tuple[dict[str, str], str]]:
+        """(labels, startsAt) of every alert the source holds now; raises when it cannot say."""
+
+
 class Replacer(Protocol):
     def replace(self, node: str) -> str | None:
         """Replace the inventory host `node`; raise when it failed. Returns where its output was kept, if it was."""
@@ -112,9 +117,12 @@ class Remediator:
     """Maps firing alerts to actions under the policy's guard rails; exports its counts to `registry`."""
 
     def __init__(self, policy: Policy, drainer: Drainer, replacer: Replacer | None,
-                 registry: CollectorRegistry, clock: Callable[[], float] = time.time) -> None:
-        """Loads the state file (StateError if it is damaged): the budget, halts and replay memory go on."""
+                 registry: CollectorRegistry, clock: Callable[[], float] = time.time,
+                 confirm: AlertSource | None = None) -> None:
+        """Loads the state file (StateError if it is damaged): the budget, halts and replay memory go on.
+        With `confirm`, an alert acts only if that source (Alertmanager's API) holds it too."""
         self.policy, self._drainer, self._replacer, self._clock = policy, drainer, replacer, clock
+        self._confirm = confirm
         self._file = StateFile(policy.state_dir)
         self._state = self._file.load()
         self._lock = threading.Lock()
@@ -132,9 +140,26 @@ class Remediator:
     def handle(self, payload: Any) -> list[Decision]:
         """Decide on every firing alert of one webhook notification (resolved ones need nothing).
         BadNotification, before any decision, when the body is not a notification."""
-        alerts = parse_notification(payload)
-        decisions = [self._decide(a) for a in alerts if a.status == "firing"]
+        alerts = [a for a in parse_notification(payload) if a.status == "firing"]
+        held, why = self._held(alerts)
+        decisions = [self._decide(a, held, why) for a in alerts]
         return [d for d in decisions if d is not None]
+
+    def _held(self, alerts: list[Alert]) -> tuple[set[str] | None, str]:
+        """Replay keys of the alerts the confirming source holds (None: no source configured), and
+        why none could be read. One API call per notification, outside the engine's lock."""
+        if self._confirm is None or not alerts:
+            return None, ""
+        try:
+            pairs = self._confirm.active()
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return set(), f"Alertmanager's API did not answer ({type(err).__name__}: {err})"
+        held = set()
+        for labels, starts in pairs:
+            began = _started_at(starts)
+            if began is not None and isinstance(labels, dict):
+                held.add(Alert(status="firing", labels=labels, starts_at=began).replay_key())
+        return held, "Alertmanager holds no such alert (labels and startsAt): not from Prometheus' rules"
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Join every running remediation (tests and shutdown); False if some still run."""
@@ -143,7 +168,7 @@ class Remediator:
             thread.join(max(0.0, deadline - self._clock()))
         return not self._busy
 
-    def _decide(self, alert: Alert) -> Decision | None:
+    def _decide(self, alert: Alert, held: set[str] | None, unheld: str) -> Decision | None:
         labels = alert.labels
         rule = self.policy.rule_for(labels)
         if rule is None:
@@ -154,6 +179,8 @@ class Remediator:
                             actions=[a.value for a in rule.actions], result="")
         with self._lock:
             decision.result, decision.reason = self._guard(alert, node)
+            if decision.result == "started" and held is not None and alert.replay_key() not in held:
+                decision.result, decision.reason = "unconfirmed", unheld
             if decision.result == "started":
                 unwritten = self._record_start(node, alert)  # type: ignore[arg-type]  # started: node is set
                 if unwritten:

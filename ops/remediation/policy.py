@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .inputs import InputError, host_port, read_text_file
+from .inputs import InputError, host_port, http_url, read_text_file
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KB; a bigger file is not one
 HOUR_S = 3600.0
@@ -118,6 +118,30 @@ class Webhook(_Strict):
         return path
 
 
+class Confirm(_Strict):
+    """Alertmanager's API, asked before acting whether the posted alert is one it holds: a stolen
+    webhook token alone then cannot invent an alert (the attacker must also reach Prometheus' rules)."""
+
+    url: str = Field(description="Alertmanager's base URL, e.g. http://10.0.1.11:9093.")
+    user: str = Field(default="", description="Basic-auth user (alertmanager_web_user); empty: no auth.")
+    password_file: str = Field(default="", description="File holding that user's password (private, like the token).")
+    timeout_s: float = Field(default=5.0, gt=0, le=60, strict=True, allow_inf_nan=False,
+                             description="Seconds the API call may take; past them the alert is unconfirmed.")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        return http_url(url)
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> Confirm:
+        if bool(self.user) != bool(self.password_file):
+            raise ValueError("alertmanager: user and password_file go together")
+        if self.password_file and not os.path.isabs(self.password_file):
+            raise ValueError(f"alertmanager.password_file: must be an absolute path, got {self.password_file!r}")
+        return self
+
+
 class Policy(_Strict):
     """The whole file. Nodes not listed in `nodes` (the head among them) are never acted on."""
 
@@ -130,6 +154,8 @@ class Policy(_Strict):
                                   description="Inventory name -> address (or address:port) of each worker.")
     protected: list[str] = Field(default_factory=list,
                                  description="Names or addresses never acted on (the head), even if listed in nodes.")
+    alertmanager: Confirm | None = Field(default=None, description="Confirm each alert with Alertmanager's API "
+                                         "before acting (recommended); unset trusts the authenticated post.")
     limits: Limits = Limits()
     drain: Drain = Drain()
     replace: Replace | None = None

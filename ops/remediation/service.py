@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from .actions import PlaybookReplacer, RayDrainer
+from .actions import AlertmanagerAlerts, PlaybookReplacer, RayDrainer
 from .engine import BadNotification, Remediator, clear_halts
 from .inputs import InputError, OneLineParser, read_text_file
 from .policy import Policy, PolicyError, load_policy
@@ -37,35 +37,42 @@ SOCKET_TIMEOUT_S = 10.0  # a client that stops sending mid-request holds a threa
 
 
 def load_token(path: Path) -> bytes:
-    """The webhook's bearer token; PolicyError naming the file when it is missing, short or exposed.
+    """The webhook's bearer token; PolicyError naming the file when it is missing, short or exposed."""
+    return _private_secret(path, "webhook token file", MIN_TOKEN_CHARS)
 
-    Owned by root or this service's user and readable by no one else: a token others can read
-    is no authentication."""
+
+def _private_secret(path: Path, what: str, min_chars: int) -> bytes:
+    """One word of at least `min_chars` from `path`, owned by root or this service's user and readable
+    by no one else: a secret others can read authenticates nothing. PolicyError naming the file."""
     try:
-        text = read_text_file(path, "webhook token file", 4096)
+        text = read_text_file(path, what, 4096)
     except InputError as err:
         raise PolicyError(str(err)) from err
     info = path.stat()
     if info.st_uid not in (0, os.geteuid()):
-        raise PolicyError(f"{path}: webhook token file is owned by uid {info.st_uid}: expected root or this "
-                          "service's user")
+        raise PolicyError(f"{path}: {what} is owned by uid {info.st_uid}: expected root or this service's user")
     if info.st_mode & (stat.S_IRWXO | stat.S_IWGRP):
-        raise PolicyError(f"{path}: webhook token file has mode {stat.S_IMODE(info.st_mode):04o}: others may read "
+        raise PolicyError(f"{path}: {what} has mode {stat.S_IMODE(info.st_mode):04o}: others may read "
                           "or change it (chmod 0640 or stricter)")
-    token = text.strip()
-    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
-        raise PolicyError(f"{path}: webhook token must be one word of at least {MIN_TOKEN_CHARS} characters "
-                          f"(got {len(token)})")
-    return token.encode()
+    secret = text.strip()
+    if len(secret) < min_chars or any(c.isspace() for c in secret):
+        raise PolicyError(f"{path}: {what} must hold one word of at least {min_chars} characters (got {len(secret)})")
+    return secret.encode()
 
 
 def build(policy: Policy) -> tuple[Remediator, CollectorRegistry]:
-    """The engine wired to the real actions the policy configures."""
+    """The engine wired to the real actions (and Alertmanager's API) the policy configures."""
     registry = CollectorRegistry()
     drainer = RayDrainer(policy.drain.gcs_address, policy.drain.deadline_s, policy.drain.wait_s)
     replacer = (PlaybookReplacer(policy.replace.command, policy.replace.timeout_s, policy.replace.log_dir)
                 if policy.replace else None)
-    return Remediator(policy, drainer, replacer, registry), registry
+    confirm = None
+    if policy.alertmanager is not None:
+        am = policy.alertmanager
+        password = (_private_secret(Path(am.password_file), "Alertmanager password file", 12).decode()
+                    if am.password_file else "")
+        confirm = AlertmanagerAlerts(am.url, am.timeout_s, am.user, password)
+    return Remediator(policy, drainer, replacer, registry, confirm=confirm), registry
 
 
 def serve(remediator: Remediator, registry: CollectorRegistry, listen: str, token: bytes) -> ThreadingHTTPServer:

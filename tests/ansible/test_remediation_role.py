@@ -67,6 +67,9 @@ def test_the_rendered_policy_passes_the_services_own_check(tmp_path):
                      "remediation_environment_files": ["/etc/ray/ray.env"]},
      "must not be in remediation_environment_files"),
     ("remediation", {"remediation_source_dir": "/x", "remediation_webhook_token": "t" * 32,
+                     "remediation_alertmanager_url": "http://10.0.1.11:9093"},
+     "remediation_alertmanager_password must be"),
+    ("remediation", {"remediation_source_dir": "/x", "remediation_webhook_token": "t" * 32,
                      "remediation_listen_address": "0:9105"}, "not every interface (0.0.0.0, 0, ::) (got 0:9105)"),
     ("alertmanager", {"alertmanager_web_password": "w" * 16, "alertmanager_remediation_url": "http://10.0.0.1:9105/alerts"},
      "alertmanager_remediation_token is empty or shorter than 32"),
@@ -127,3 +130,17 @@ def test_without_ray_tokens_tls_or_a_key_no_credential_is_asked_for_but_the_webh
     unit = _unit(tmp_path, remediation_ray_token_file="")
     assert unit["LoadCredential"] == ["webhook-token:/etc/remediation/webhook-token"]
     assert not [e for e in unit["Environment"] if e.startswith(("RAY_", "ANSIBLE_"))]
+
+
+def test_with_an_alertmanager_url_the_policy_confirms_alerts_with_its_handed_over_password(tmp_path):
+    url = "http://10.0.1.11:9093"
+    text = render_template("remediation", "policy.yml.j2", tmp_path, remediation_alertmanager_url=url,
+                           remediation_alertmanager_password="p" * 16)
+    assert yaml.safe_load(text)["alertmanager"] == {"url": url, "user": "alertmanager",
+                                                    "password_file": f"{CREDENTIALS}/alertmanager-password"}
+    done = subprocess.run([str(SERVICE_PYTHON), "-m", "ops.remediation", "--check", "--policy",
+                           str(tmp_path / "policy.yml")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    unit = _unit(tmp_path, remediation_alertmanager_url=url)
+    assert "alertmanager-password:/etc/remediation/alertmanager-password" in unit["LoadCredential"]
+    assert yaml.safe_load(render_template("remediation", "policy.yml.j2", tmp_path))["alertmanager"] is None

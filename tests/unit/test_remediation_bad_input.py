@@ -68,6 +68,9 @@ def test_the_good_policy_of_these_cases_passes(tmp_path: Path) -> None:
     ({"rules": [{"alert": "NodeDown", "instance_port": 70000, "actions": ["drain"]}]}, "rules.0.instance_port",
      "65535"),
     ({"dry_run": "yes"}, "dry_run", "valid boolean"),
+    ({"alertmanager": {"url": "file:///etc/passwd"}}, "alertmanager.url", "http:// or https://"),
+    ({"alertmanager": {"url": "http://10.0.0.11:9093", "user": "am"}}, "alertmanager", "go together"),
+    ({"alertmanager": {"url": "http://10.0.0.11:9093", "timeout_s": True}}, "alertmanager.timeout_s", "valid number"),
 ])
 def test_a_bad_policy_value_is_refused_naming_its_field(tmp_path: Path, change: dict[str, Any], field: str,
                                                          says: str) -> None:

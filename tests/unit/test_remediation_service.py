@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -319,3 +320,80 @@ def test_check_validates_the_policy_without_the_token_file(tmp_path: Path):
     done = subprocess.run([sys.executable, "-m", "ops.remediation", "--policy", str(policy), "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and ": ok (" in done.stdout, done.stdout + done.stderr
+
+
+#### Confirmation by Alertmanager's API ##########################################
+
+AM_BIN = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus-alertmanager"
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path) -> Iterator[str]:
+    """A real Alertmanager on loopback that routes nowhere: what the service asks about alerts."""
+    if not AM_BIN.exists():
+        pytest.skip("prometheus-alertmanager: run `make alertmanager-tools`")
+    port = free_port()
+    (tmp_path / "am.yml").write_text(yaml.safe_dump({"route": {"receiver": "none"}, "receivers": [{"name": "none"}]}))
+    with (tmp_path / "am.log").open("wb") as out:
+        proc = subprocess.Popen([str(AM_BIN), f"--config.file={tmp_path / 'am.yml'}",
+                                 f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{port}",
+                                 "--cluster.listen-address="],
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, (tmp_path / "am.log").read_text()[-2000:]
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=5) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(ready, "Alertmanager to be ready", 60)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+def _raise_in(alertmanager: str, alert: dict[str, Any]) -> dict[str, Any]:
+    """Post `alert` to Alertmanager as Prometheus does; return it as Alertmanager holds it."""
+    body = json.dumps([{"labels": alert["labels"], "startsAt": alert["startsAt"]}]).encode()
+    req = urllib.request.Request(f"{alertmanager}/api/v2/alerts", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10).close()
+    with urllib.request.urlopen(f"{alertmanager}/api/v2/alerts", timeout=10) as reply:
+        [held] = [a for a in json.loads(reply.read()) if a["labels"] == alert["labels"]]
+    return {**alert, "startsAt": held["startsAt"]}
+
+
+def test_with_confirmation_only_alerts_alertmanager_holds_are_acted_on(tmp_path: Path, alertmanager: str):
+    """A holder of the webhook token (or a replay of an old post) cannot invent an alert."""
+    port = free_port()
+    svc = Service(tmp_path, _policy(tmp_path, port, alertmanager={"url": alertmanager}), port)
+    svc.start()
+    try:
+        real = _raise_in(alertmanager, _firing(1, "real"))
+        forged = _firing(2, "forged")
+        status, body = svc.post([forged, real])
+        assert status == 200 and [(d["node"], d["result"]) for d in body["decisions"]] == [
+            ("gpu-2", "unconfirmed"), ("gpu-1", "started")], body
+        _wait_replaced(svc, 1)
+        assert svc.replaced() == ["gpu-1"]
+    finally:
+        assert svc.proc is not None
+        stop_process(svc.proc)
+
+
+def test_with_confirmation_an_unreachable_alertmanager_confirms_nothing(tmp_path: Path):
+    port = free_port()
+    svc = Service(tmp_path, _policy(tmp_path, port, alertmanager={"url": f"http://127.0.0.1:{free_port()}"}), port)
+    svc.start()
+    try:
+        status, body = svc.post([_firing(1)])
+        [decision] = body["decisions"]
+        assert decision["result"] == "unconfirmed" and "did not answer" in decision["reason"], body
+        assert svc.replaced() == []
+    finally:
+        assert svc.proc is not None
+        stop_process(svc.proc)
