@@ -125,11 +125,16 @@ module "pool" {
 ################################################################################
 
 # The groups wait for capacity, so their instances exist when these are read.
+# depends_on defers each read to apply time whenever its group changes (a pool
+# grown or shrunk): read at plan time, it would list the old instances and the
+# inventory would not match the new node names.
 data "aws_instances" "head" {
   instance_tags = {
     "aws:autoscaling:groupName" = module.head.autoscaling_group_name
   }
   instance_state_names = ["running"]
+
+  depends_on = [module.head]
 }
 
 data "aws_instances" "pool" {
@@ -139,16 +144,28 @@ data "aws_instances" "pool" {
     "aws:autoscaling:groupName" = each.value.autoscaling_group_name
   }
   instance_state_names = ["running"]
+
+  depends_on = [module.pool]
 }
 
 locals {
+  # Each pool's addresses in numeric order: sort() compares strings, where
+  # 10.42.128.10 comes before 10.42.128.5, so the key pads every octet to three
+  # digits (010.042.128.005) and the address is read back from it.
+  pool_addresses = {
+    for name, found in data.aws_instances.pool : name => [
+      for key in sort([for ip in found.private_ips : join(".", [for octet in split(".", ip) : format("%03d", tonumber(octet))])]) :
+      join(".", [for octet in split(".", key) : tostring(tonumber(octet))])
+    ]
+  }
+
   # Node names are assigned in address order within each pool; a missing or
   # extra instance makes cluster_spec's inventory precondition fail by name.
   node_addresses = merge(
     { for ip in slice(data.aws_instances.head.private_ips, 0, min(1, length(data.aws_instances.head.private_ips))) : module.spec.head_node_name => ip },
     [
       for name, pool in module.spec.pools : {
-        for i, ip in sort(data.aws_instances.pool[name].private_ips) : pool.node_names[i] => ip
+        for i, ip in local.pool_addresses[name] : pool.node_names[i] => ip
         if i < length(pool.node_names)
       }
     ]...

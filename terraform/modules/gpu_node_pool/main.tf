@@ -6,13 +6,15 @@ locals {
   tags = merge({ Name = var.name, "gpu-cluster:name" = var.cluster_name, "gpu-cluster:pool" = var.pool_name }, var.tags)
 
   # EFA on multi-card types: one interface per network card; only the first is
-  # device 0 (AWS: other cards attach at device index 1).
+  # device 0 (AWS: other cards attach at device index 1). EC2 refuses
+  # AssociatePublicIpAddress (even false) on a launch with several interfaces
+  # (InvalidParameterCombination), so it is left unset there.
   network_interfaces = var.efa_interface_count > 0 ? [
     for i in range(var.efa_interface_count) : {
       device_index       = i == 0 ? 0 : 1
       network_card_index = i
       interface_type     = "efa"
-      public_ip          = i == 0 ? var.associate_public_ip_address : false
+      public_ip          = var.efa_interface_count > 1 ? null : var.associate_public_ip_address
     }
     ] : [{
       device_index       = 0
@@ -195,6 +197,11 @@ resource "aws_launch_template" "this" {
 
   lifecycle {
     create_before_destroy = true
+
+    precondition {
+      condition     = !(var.associate_public_ip_address && var.efa_interface_count > 1)
+      error_message = "associate_public_ip_address needs a single network interface: EC2 gives no public IPv4 address to a node launched with ${var.efa_interface_count} EFA interfaces."
+    }
   }
 }
 
