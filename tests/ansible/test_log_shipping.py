@@ -207,7 +207,7 @@ def test_a_head_killed_while_1000_lines_are_written_gets_every_line_back(rendere
     raylet = rendered.ray_logs / "raylet.log"
     received = rendered.cluster / HOST / "raylet.log"
     _append(raylet, ["before the kill"])
-    _wait_for("the first line", lambda: _messages(received, "raylet") == ["before the kill"], daemons)
+    _wait_for("the first line", lambda: "before the kill" in _messages(received, "raylet"), daemons)
     receiver.stop(signal.SIGKILL)
     lines = [f"line {i:04d}" for i in range(1000)]
     _append(raylet, lines)
@@ -220,6 +220,35 @@ def test_a_head_killed_while_1000_lines_are_written_gets_every_line_back(rendere
     print(f"head killed during 1000 lines: lost {lost}, duplicated {duplicated}")
     assert lost == 0
 
+
+
+def test_a_sender_restarted_while_the_head_is_away_loses_at_most_its_line_in_flight(
+        rendered: Rendered, daemons: dict[str, Rsyslogd]) -> None:
+    """The queue is saved on shutdown; only the line the sender's worker holds while retrying is lost
+    (rsyslog cancels that worker): 23 to 74 of these 2000 lines with rsyslog's default batch."""
+    receiver, sender = daemons["receiver"], daemons["sender"]
+    receiver.start()
+    sender.start()
+    raylet = rendered.ray_logs / "raylet.log"
+    received = rendered.cluster / HOST / "raylet.log"
+    _append(raylet, ["before the head went"])
+    _wait_for("the first line", lambda: "before the head went" in _messages(received, "raylet"), daemons)
+    receiver.stop()
+    complaints = sender.log.read_text().count("omrelp")
+    lines = [f"queued {i:04d}" for i in range(2000)]
+    _append(raylet, lines)
+    _wait_for("the sender finding the head gone", lambda: sender.log.read_text().count("omrelp") > complaints,
+              daemons)
+    sender.stop()
+    queue = rendered.work("sender")
+    assert (queue / "log_shipping_queue.qi").exists(), sorted(p.name for p in queue.iterdir())
+    sender.start()
+    receiver.start()
+    last = lines[-1]
+    _wait_for("the last line after both restarts", lambda: last in _messages(received, "raylet"), daemons)
+    lost = sorted(set(lines) - set(_messages(received, "raylet")))
+    print(f"sender restarted while the head was away, 2000 lines: lost {lost}")
+    assert len(lost) <= 1, lost
 
 def test_a_forged_host_or_program_name_stays_inside_the_cluster_folder(rendered: Rendered,
                                                                        daemons: dict[str, Rsyslogd],
