@@ -211,8 +211,8 @@ cluster-status: setup ## Show what is running and where.
 ##@ Training
 
 .PHONY: train
-train: setup cluster-ready ## Train a job: make train JOB=resnet50 [SET="optimizer.lr=0.05 train.max_steps=100"] [RUN=name].
-	$(PY) -m runtime train $(call q,$(JOB)) --sets "$$SET" $(if $(RUN),--run-name $(call q,$(RUN)))
+train: setup cluster-ready ## Train a job: make train JOB=resnet50 [SET="optimizer.lr=0.05 train.max_steps=100"] [RUN=name] [TAKE_OVER=1: a lock left by another host].
+	$(PY) -m runtime train $(call q,$(JOB)) --sets "$$SET" $(if $(RUN),--run-name $(call q,$(RUN))) $(if $(TAKE_OVER),--take-over)
 
 .PHONY: tune
 tune: setup cluster-ready ## Hyperparameter search: make tune JOB=digits_tune [RESUME=1].
