@@ -143,7 +143,7 @@ QUICK_E2E := $(foreach t,test_two_worker_ddp_keeps_ranks_identical_and_loss_fall
                test_a_run_without_ray_datasets_starts_no_ray_data_actor,tests/integration/test_training.py::$(t))
 
 .PHONY: test-quick
-test-quick: setup $(TF_STAMP) ## The inner loop, <= 5 min from a warm venv: ruff, generate --check, unit tests, one Ray Train run.
+test-quick: setup $(TF_STAMP) ## The inner loop (goal 5 min on 2 idle cores; docs/performance.md): ruff, generate --check, unit tests, one Ray Train run.
 	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes generate.py dashboards alerts ops flows
 	$(PY) -m generate --check
 	$(PY) -m pytest tests/unit $(QUICK_E2E) --ray-only-cluster -q --durations=10 $(PYTEST_ARGS)
