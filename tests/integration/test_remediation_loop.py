@@ -3,8 +3,10 @@ routes them to the service's webhook, the service drains through Ray's GCS and r
 command, which joins a new raylet to the session's cluster (what replace_node.yml does to a host).
 
 The only change to the shipped rules is their `for:` window (1 s instead of minutes). Alertmanager
-authenticates to the service with a bearer token from a file, as the alertmanager role configures it;
-a post without it is refused (tests/unit/test_remediation_service.py attacks that on its own).
+authenticates to the service with a bearer token from a file, as the alertmanager role configures it,
+and the service confirms each alert with Alertmanager's API before acting, as site.yml configures it;
+a post without the token, or of an alert Alertmanager does not hold, is refused
+(tests/unit/test_remediation_service.py attacks both on their own).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
         record = tmp / "replaced.txt"
         script = tmp / "replace.py"
         script.write_text(REPLACE_SCRIPT)
-        service_port = free_port()
+        service_port, am_port = free_port(), free_port()
         # The bearer token Alertmanager sends and the service requires (each reads it from its own file).
         token = tmp / "webhook-token"
         token.write_text(secrets.token_hex(24))
@@ -133,6 +135,8 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
         policy = {
             "listen": f"127.0.0.1:{service_port}",
             "webhook": {"token_file": str(token)},
+            # The service asks this Alertmanager whether it holds each posted alert before acting.
+            "alertmanager": {"url": f"http://127.0.0.1:{am_port}"},
             "state_dir": str(tmp / "state"),
             "nodes": workers,
             "protected": [f"{ip}:{head_port}"],
@@ -154,7 +158,6 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
         service = f"http://127.0.0.1:{service_port}"
         _wait(f"{service}/-/healthy", procs[-1], service_log)
 
-        am_port = free_port()
         (tmp / "alertmanager.yml").write_text(yaml.safe_dump({
             "route": {"receiver": "remediation", "group_by": ["alertname", "instance", "node"],
                       "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
