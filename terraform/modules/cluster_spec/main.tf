@@ -75,6 +75,7 @@ locals {
     dcgm_exporter       = 9400
     mlflow              = 5000
     grafana             = 3000
+    log_shipping        = 2514
     runtime_metrics_min = 8000
     runtime_metrics_max = 8100
     # Ray picks these at random unless pinned; the inventory pins them so the
@@ -106,6 +107,7 @@ locals {
     dcgm_exporter    = { from = local.ports.dcgm_exporter, to = local.ports.dcgm_exporter }
     mlflow           = { from = local.ports.mlflow, to = local.ports.mlflow }
     grafana          = { from = local.ports.grafana, to = local.ports.grafana }
+    log_shipping     = { from = local.ports.log_shipping, to = local.ports.log_shipping }
   }
 }
 

@@ -146,10 +146,10 @@ variable "admin_ports" {
   validation {
     condition = alltrue([
       for p in values(var.admin_ports) : p >= 1 && p <= 65535 && !contains(
-        [3000, 5000, 6379, 8076, 8077, 8080, 8100, 8265, 9090, 9093, 9094, 9100, 9105, 9400, 52365, 52366, 52367], p
+        [2514, 3000, 5000, 6379, 8076, 8077, 8080, 8100, 8265, 9090, 9093, 9094, 9100, 9105, 9400, 52365, 52366, 52367], p
       ) && !(p >= 10001 && p <= 19999)
     ])
-    error_message = "admin_ports values must be TCP ports 1-65535 other than the cluster's service ports: Ray GCS 6379, dashboard 8265, client 10001, worker ports 10002-19999, raylet 8076-8077, agents 52365-52367, metrics 8080, training targets 8100, MLflow 5000, Prometheus 9090, Alertmanager 9093-9094, Grafana 3000, node exporter 9100, remediation 9105, DCGM exporter 9400. Reach those by SSH tunnel (docs/security.md); 22 (SSH) and ports outside these are valid."
+    error_message = "admin_ports values must be TCP ports 1-65535 other than the cluster's service ports: Ray GCS 6379, dashboard 8265, client 10001, worker ports 10002-19999, raylet 8076-8077, agents 52365-52367, metrics 8080, training targets 8100, MLflow 5000, Prometheus 9090, Alertmanager 9093-9094, Grafana 3000, node exporter 9100, remediation 9105, log shipping 2514, DCGM exporter 9400. Reach those by SSH tunnel (docs/security.md); 22 (SSH) and ports outside these are valid."
   }
 }
 
