@@ -15,6 +15,8 @@ import sys
 from runtime.checkpoint.format import NAME_RE, CheckpointRef
 from runtime.checkpoint.manager import CheckpointManager
 from runtime.checkpoint.storage import CheckpointError, LocalStorage
+from runtime.config.base import short
+from runtime.config.values import parse_storage
 
 
 def _human(n: int) -> str:
@@ -67,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
         return int(exc.code or 0)
+    if not args.storage.startswith("file://"):
+        try:  # s3:/bucket is a malformed URL, not a local folder named "s3:"
+            parse_storage(args.storage)
+        except ValueError as exc:
+            print(f"error: storage {short(args.storage)} {exc}", file=sys.stderr)
+            return 2
     if args.command == "verify":
         root, _, name = args.storage.rstrip("/").rpartition("/")
         if root and NAME_RE.match(name):

@@ -59,7 +59,8 @@ def _job_path(job: str, jobs_dir: Path) -> Path:
             hint = ""
             if p.stem in available_jobs(jobs_dir):
                 hint = f"; did you mean the job name {p.stem!r} (jobs/{p.stem}.yaml), e.g. `validate {p.stem}`?"
-            what = "is a folder, not a file" if p.is_dir() else "does not exist"
+            what = ("is a folder, not a file" if p.is_dir() else
+                    "is not a regular file" if p.exists() else "does not exist")
             raise ConfigError(f"job file {short(job)} {what}{hint}")
         return p
     candidate = jobs_dir / f"{job}.yaml"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,10 @@ def test_cli_without_cluster_names_make_cluster_up(tmp_path: Path) -> None:
                        env={"PATH": "/usr/bin:/bin", "RT_CLUSTER_DIR": str(tmp_path / "none")})
     assert r.returncode == 3
     assert "make cluster-up" in r.stderr
+
+
+def test_a_job_file_that_is_a_fifo_is_named_as_not_a_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "job.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="job.yaml' is not a regular file"):
+        load_job(str(fifo))

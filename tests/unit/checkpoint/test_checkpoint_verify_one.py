@@ -90,3 +90,13 @@ def test_a_fifo_planted_as_a_checkpoint_file_is_refused_without_blocking(store: 
                                    "not read"), done
     done = verify(store)  # the whole storage: the same refusals, one row each, no hang
     assert done.returncode == 1 and "0 valid, 2 invalid" in done.stdout, done
+
+
+@pytest.mark.parametrize("storage, named", [("s3:/bucket/run", "s3://bucket/run"), ("gs://bucket/run", "gs://")])
+def test_a_malformed_or_unknown_storage_url_is_refused_not_taken_for_a_local_folder(
+        storage: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.chdir(tmp_path)  # a relative "s3:" folder would be looked for (and reported missing) here
+    assert main(["list", storage]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: storage '{storage}'") and named in err[0], err
+    assert not list(tmp_path.iterdir())
