@@ -106,9 +106,9 @@ run "inventory_variables_follow_the_role_prefix_convention" {
         keys(yamldecode(output.inventory).all.children.monitoring.vars),
         flatten([for h in values(yamldecode(output.inventory).all.children.gpu_workers.hosts) : keys(h)]),
         keys(yamldecode(output.inventory).all.children.head.hosts["train-a-head"]),
-      ) : can(regex("^(ansible|ray|nvidia_driver|nccl|prometheus|mlflow|node_exporter|dcgm_exporter|grafana|common)_", k))
+      ) : can(regex("^(ansible|ray|nvidia_driver|nccl|prometheus|mlflow|node_exporter|dcgm_exporter|grafana|common|log_shipping)_", k))
     ])
-    error_message = "every inventory variable must start with ansible_ or a role prefix (ray_, nvidia_driver_, nccl_, prometheus_, mlflow_, node_exporter_, dcgm_exporter_, grafana_, common_)"
+    error_message = "every inventory variable must start with ansible_ or a role prefix (ray_, nvidia_driver_, nccl_, prometheus_, mlflow_, node_exporter_, dcgm_exporter_, grafana_, common_, log_shipping_)"
   }
 }
 
