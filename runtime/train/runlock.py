@@ -64,9 +64,14 @@ class RunLock:
         self.run_name, self.take_over = run_name, take_over
         self.me = Holder(socket.gethostname(), os.getpid(), time.time())
         self._fd: int | None = None
+        self._made: list[Path] = []  # folders this lock created, innermost first
         self.replaced: Holder | None = None  # the stale holder this lock took over, if any
 
     def acquire(self) -> None:
+        folder = self.path.parent
+        while not folder.exists() and folder != folder.parent:
+            self._made.append(folder)
+            folder = folder.parent
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Never unlinked: a driver that opened the file before an unlink would lock a file nobody sees.
         try:
@@ -102,11 +107,18 @@ class RunLock:
                             "cannot tell whether that driver still runs: if it is gone, start again with --take-over")
 
     def release(self) -> None:
-        """Empty the file (free) and drop the flock; the file stays (see acquire)."""
+        """Empty the file (free) and drop the flock; the file stays (see acquire), unless the run
+        wrote nothing beside it into a folder this lock made: a start refused before training (say
+        MLflow down with tracking.required) must leave no run folder behind."""
         if self._fd is None:
             return
         with contextlib.suppress(OSError):  # a full or gone disk: the flock still goes with the fd
             os.ftruncate(self._fd, 0)
+            if self._made and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
+                # Unlinked while the flock is still held: a driver that opened it meanwhile is refused.
+                self.path.unlink()
+                for folder in self._made:
+                    folder.rmdir()
         os.close(self._fd)
         self._fd = None
 

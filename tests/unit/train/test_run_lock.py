@@ -104,3 +104,14 @@ def test_train_cli_refuses_a_held_run_with_one_line_and_exit_6(tmp_path: Path,
     assert done.returncode == 6, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: run r1 is already running (pid {holder.pid} on host"), done
+
+
+def test_a_start_that_writes_nothing_leaves_no_run_folder_but_a_used_one_keeps_its_lock_file(tmp_path: Path) -> None:
+    fresh = tmp_path / "runs" / "new"
+    with RunLock(fresh, "new"):
+        assert (fresh / LOCK_FILE).exists()
+    assert not (tmp_path / "runs").exists()  # refused before training: nothing half-made left behind
+    used = tmp_path / "used"
+    with RunLock(used, "used"):
+        (used / "history.jsonl").write_text("{}\n")
+    assert (used / LOCK_FILE).read_text() == "" and (used / "history.jsonl").exists()
