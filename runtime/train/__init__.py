@@ -18,6 +18,7 @@ small parts (torchtitan-style).
 - ``tokens``: token sequences for the language model, made on the device.
 - ``run``: what the driver hands each worker and what a run hands back.
 - ``runlock``: the run folder's lock (host, pid, start): one driver per run.
+- ``signals``: the driver's SIGTERM and Ctrl+C handling (commit at the next step, or stop now).
 - ``hold``: the step barrier tests inject faults at (``RT_TEST_HOLD``).
 
 This package file imports nothing heavy: Tune and tracking import ``run`` without the driver.

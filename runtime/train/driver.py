@@ -18,9 +18,6 @@ import contextlib
 import logging
 import os
 import queue
-import signal
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,6 +38,7 @@ from runtime.run import PREEMPT_FILE, Resized, RunInfo, TrainOutcome, WorkerGrou
 from runtime.train.elastic import record_resize, resize_line
 from runtime.train.hold import HOLD_ENV
 from runtime.train.runlock import RunLock
+from runtime.train.signals import StopSignals
 from runtime.train.spares import wanted as spares_wanted
 from runtime.train.spares import worker_runtime_env
 from runtime.train.stop_policy import watches_drains
@@ -462,48 +460,6 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
         outcome.mlflow_run_id, outcome.mlflow_uri = tracker.run_id or None, tracker.uri
         outcome.tracking_gap = tracker.not_uploaded()
     return outcome
-
-
-class StopSignals:
-    """SIGTERM (a spot notice) and a first Ctrl+C -> the preemption marker: the workers commit a
-    checkpoint at the next boundary and stop. A second Ctrl+C ends the driver at once (exit 130):
-    the run's actors die with their driver's job, and it resumes from its newest commit.
-
-    A terminal sends SIGINT to its whole process group; the cluster's services run in sessions of
-    their own (runtime.cluster.processes), so only this driver sees it. Python delivers signals
-    to the main thread only: elsewhere (Tune, tests) nothing is installed.
-    """
-
-    def __init__(self, run_dir: Path, run_name: str) -> None:
-        self.run_dir, self.run_name = run_dir, run_name
-        self.interrupts = 0  # Ctrl+C presses seen
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _on_signal(self, sig: int, _frame: Any) -> None:
-        if sig == signal.SIGINT:
-            self.interrupts += 1
-            if self.interrupts > 1:
-                sys.stdout.flush()
-                print(f"second Ctrl+C: stopped at once; run again with --run-name {self.run_name} to resume "
-                      "from its newest committed checkpoint", file=sys.stderr, flush=True)
-                os._exit(128 + signal.SIGINT)  # what a shell reports for a process ended by SIGINT: 130
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / PREEMPT_FILE).write_text(f"{socket.gethostname()} {time.time()}\n")
-        if sig == signal.SIGINT:
-            log.warning("Ctrl+C: committing a checkpoint at the next step, then stopping (Ctrl+C again: stop now)")
-        else:
-            log.warning("SIGTERM: asked workers for an emergency checkpoint; waiting for them to stop")
 
 
 def outcome_summary(outcome: TrainOutcome) -> str:
