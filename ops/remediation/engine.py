@@ -24,8 +24,8 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -110,7 +110,8 @@ class Decision:
     actions: list[str]
     result: str
     reason: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The firing's startsAt (UTC, seconds): which firing of the alert this was, in the journal.
+    began: str = ""
 
 
 class Remediator:
@@ -176,7 +177,8 @@ class Remediator:
         value = labels.get(rule.node_label, "")
         node = self.policy.node_named(value, rule.instance_port)
         decision = Decision(alert=labels.get("alertname", ""), node_label=value, node=node,
-                            actions=[a.value for a in rule.actions], result="")
+                            actions=[a.value for a in rule.actions], result="",
+                            began=datetime.fromtimestamp(alert.starts_at, timezone.utc).isoformat(timespec="seconds"))
         with self._lock:
             decision.result, decision.reason = self._guard(alert, node)
             if decision.result == "started" and held is not None and alert.replay_key() not in held:

@@ -497,7 +497,9 @@ def test_a_worker_failing_again_within_the_hour_is_left_alone_and_the_service_ha
                       400, 5)
     assert halted[0]["node"] == WORKER_B, halted
     replacements = [e for e in remediation.entries() if e.get("event") == "action" and e.get("action") == "replace"]
-    assert [e["node"] for e in replacements] == [WORKER_A, WORKER_B, WORKER_B], replacements
+    started = [(d["alert"], d["node"], d.get("began"), d["result"]) for d in remediation.entries()
+               if d.get("event") == "decision"]
+    assert [e["node"] for e in replacements] == [WORKER_A, WORKER_B, WORKER_B], (replacements, started)
     # RemediationHalted's series (alerts/remediation.rules.yml; the rule is tested with promtool).
     url = f"http://{lab.controller_address}:{labmod.REMEDIATION_PORT}/metrics"
     with urllib.request.urlopen(url, timeout=5) as reply:
