@@ -134,6 +134,10 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "logs":  # a run's lines from every node and rank, time-ordered; its own --help
+        from runtime.observe.logs import main as logs_main
+
+        return logs_main(argv[1:])
     if argv and argv[0] in ("checkpoints", "data", "models"):  # they parse their own arguments, --help included
         if argv[0] == "models":
             from runtime.models.cli import main as models_main
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.verbose:  # tune() connects too; connecting first is what makes it verbose
                 from runtime.cluster import ClusterError
-                from runtime.train.driver import connect
+                from runtime.launch.driver import connect
 
                 parse_tune(cfg)  # bad input is still refused before Ray is touched
 
@@ -263,8 +267,8 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
 
     use_cluster_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
     from runtime.observe.cost import BUDGET_REASON
-    from runtime.train.driver import outcome_summary, train
-    from runtime.train.runlock import RunLocked
+    from runtime.launch.driver import outcome_summary, train
+    from runtime.launch.runlock import RunLocked
 
     try:
         outcome = train(cfg, args.run_name, show_progress=not args.no_progress, verbose=args.verbose,
