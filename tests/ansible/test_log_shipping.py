@@ -397,15 +397,16 @@ def _prom_samples(text: str) -> dict[str, float]:
 
 
 def test_the_heads_textfile_says_when_each_host_was_last_heard(tmp_path: Path) -> None:
-    """The rendered script, run by sh: one series per host folder, its newest file's mtime; a folder
-    whose name is not a plain host name (a sender's choice) is no label; promtool reads the file."""
+    """The rendered script, run by sh: one series per host folder, its newest file's mtime (rotated
+    ones included); a folder whose name is not a plain host name (a sender's choice) is no label;
+    promtool reads the file."""
     cluster, textfile = tmp_path / "cluster", tmp_path / "textfile"
     textfile.mkdir()
     render_template("log_shipping", "log-shipping-textfile.sh.j2", tmp_path, log_shipping_cluster_log_dir=str(cluster),
                     log_shipping_textfile_dir=str(textfile))
     for host, files in {"worker-1": {"raylet.log": 1_800_000_000, "rsyslogd-pstats.log": 1_800_000_100},
                         "head": {"gcs_server.log": 1_800_000_050}, 'x"} 1\nevil': {"raylet.log": 1_800_000_200},
-                        "empty": {}}.items():
+                        "rotated": {"raylet.log.1": 1_800_000_020}, "empty": {}}.items():
         (cluster / host).mkdir(parents=True)
         for name, mtime in files.items():
             (cluster / host / name).write_text("a line\n")
@@ -415,7 +416,9 @@ def test_the_heads_textfile_says_when_each_host_was_last_heard(tmp_path: Path) -
     prom = textfile / "log_shipping.prom"
     assert _prom_samples(prom.read_text()) == {
         'log_shipping_last_line_timestamp_seconds{host="worker-1"}': 1_800_000_100,
-        'log_shipping_last_line_timestamp_seconds{host="head"}': 1_800_000_050}
+        'log_shipping_last_line_timestamp_seconds{host="head"}': 1_800_000_050,
+        # A host gone quiet since its file was rotated is still heard of, from its rotated file.
+        'log_shipping_last_line_timestamp_seconds{host="rotated"}': 1_800_000_020}
     assert [p.name for p in textfile.iterdir()] == ["log_shipping.prom"]  # no temporary file left behind
     check = subprocess.run([str(_promtool()), "check", "metrics"], input=prom.read_text(), capture_output=True,
                            text=True)

@@ -73,6 +73,7 @@ def test_the_expected_alerts_exist_once():
         "CheckpointFilesystemAlmostFull",
         "RemediationHalted",
         "RemediationFailed",
+        "LogShippingStopped",
     }
     assert sorted(ALERT_NAMES) == sorted(expected)
 
