@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 READ_ATTEMPTS = 3  # per shard piece: a dropped connection is retried, a truncated shard fails each time
+# One member is one sample's image or label: a header may declare any size, and everything read is
+# held in memory (times the shuffle buffer), so a larger member is refused before it is read.
+MAX_MEMBER_BYTES = 1 << 30
 
 
 def _split_name(member: str) -> tuple[str, str]:
@@ -54,11 +57,26 @@ def _split_name(member: str) -> tuple[str, str]:
     return (f"{head}/{stem}" if head else stem), ext.lower()
 
 
+def _sample_member(m: tarfile.TarInfo) -> bool:
+    """True for a member holding a sample's bytes, False for a folder entry. Anything that reads
+    other than its own bytes in the file (a link, device or FIFO; a sparse member, which reads as
+    its declared size from a few bytes) or a member over MAX_MEMBER_BYTES refuses the shard."""
+    if m.isdir():
+        return False
+    if not m.isfile() or m.issparse():
+        kind = "sparse file" if m.isfile() else "link" if m.issym() or m.islnk() else "device or FIFO"
+        raise tarfile.ReadError(f"member {m.name!r} is a {kind}, not a regular file")
+    if m.size > MAX_MEMBER_BYTES:
+        raise tarfile.ReadError(f"member {m.name!r} declares {m.size} bytes, over the {MAX_MEMBER_BYTES} "
+                                "a sample's member may hold")
+    return True
+
+
 def read_shard(store: Store, name: str, want: Callable[[int], bool], stop: int | None = None
                ) -> Iterator[tuple[int, str, dict[str, bytes]]]:
     """Samples ``(ordinal, key, {ext: bytes})`` of one shard, for ordinals ``want`` accepts,
     up to ``stop``. Unwanted members are seeked over (local) or streamed past (S3), never kept.
-    Raises one of READ_ERRORS for a truncated or garbled shard."""
+    Raises one of READ_ERRORS for a truncated or garbled shard or a refused member (_sample_member)."""
     fobj, seekable = store.open(name)
     try:
         with tarfile.open(fileobj=fobj, mode="r:" if seekable else "r|") as tf:
@@ -66,7 +84,7 @@ def read_shard(store: Store, name: str, want: Callable[[int], bool], stop: int |
             ordinal, wanted = -1, False
             parts: dict[str, bytes] = {}
             for m in tf:
-                if not m.isfile():
+                if not _sample_member(m):
                     continue
                 k, ext = _split_name(m.name)
                 if k != key:
@@ -155,7 +173,7 @@ def _count(store: Store, name: str) -> int:
     fobj, seekable = store.open(name)
     try:
         with tarfile.open(fileobj=fobj, mode="r:" if seekable else "r|") as tf:
-            keys = [_split_name(m.name)[0] for m in tf if m.isfile()]
+            keys = [_split_name(m.name)[0] for m in tf if _sample_member(m)]
         return sum(1 for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k)
     except READ_ERRORS as e:
         raise ConfigError(f"data.path: shard {store.where}/{name} cannot be read ({e})") from e
