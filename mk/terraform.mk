@@ -87,13 +87,29 @@ tf-e2e: $(TF_STAMP) ## Apply, grow and destroy the AWS example against a local A
 
 TEST_TARGETS += tf-e2e
 
+# The plan is shown, then applied only once confirmed: it creates resources that cost money.
+# AUTO_APPROVE=1 applies it without asking (automation); with no terminal to ask on, nothing is applied.
+AUTO_APPROVE  ?=
+TF_AWS_PLAN   ?= $(ROOT)/.cluster/aws-cluster-up.tfplan
+
 .PHONY: cluster-up-aws
-cluster-up-aws: ## Create the AWS cluster with your terraform (>= 1.9), write its inventory, run Ansible's site.yml.
+cluster-up-aws: ## Create the AWS cluster with your terraform (>= 1.9): plan, confirm (AUTO_APPROVE=1 skips), apply, write the inventory, run site.yml.
 	@command -v $(TERRAFORM) >/dev/null || { echo "cluster-up-aws needs the terraform binary (>= 1.9) on PATH, or TERRAFORM=/path/to/terraform" >&2; exit 1; }
 	@test -x $(ANSIBLE_PLAYBOOK) || { echo "$(ANSIBLE_PLAYBOOK) not found: run 'make ops-setup' first" >&2; exit 1; }
 	@test -f $(TF_AWS_DIR)/terraform.tfvars || { echo "write $(TF_AWS_DIR)/terraform.tfvars first (copy terraform.tfvars.example; see docs/cloud.md)" >&2; exit 1; }
 	$(TERRAFORM) -chdir=$(TF_AWS_DIR) init -input=false
-	$(TERRAFORM) -chdir=$(TF_AWS_DIR) apply -input=false
+	@mkdir -p $(dir $(TF_AWS_PLAN))
+	$(TERRAFORM) -chdir=$(TF_AWS_DIR) plan -input=false -out=$(call q,$(TF_AWS_PLAN))
+	@if [ "$(AUTO_APPROVE)" != 1 ]; then \
+	  if [ ! -t 0 ]; then \
+	    rm -f $(call q,$(TF_AWS_PLAN)); \
+	    echo "Not applied: no terminal to confirm the plan above on. Run from a terminal, or set AUTO_APPROVE=1." >&2; exit 1; \
+	  fi; \
+	  read -r -p "Apply the plan above? It creates AWS resources that cost money. Type yes to apply: " answer; \
+	  if [ "$$answer" != yes ]; then rm -f $(call q,$(TF_AWS_PLAN)); echo "Not applied." >&2; exit 1; fi; \
+	fi
+	$(TERRAFORM) -chdir=$(TF_AWS_DIR) apply -input=false $(call q,$(TF_AWS_PLAN))
+	@rm -f $(call q,$(TF_AWS_PLAN))
 	@mkdir -p $(dir $(AWS_INVENTORY))
 	$(TERRAFORM) -chdir=$(TF_AWS_DIR) output -raw inventory > $(AWS_INVENTORY).tmp
 	@mv $(AWS_INVENTORY).tmp $(AWS_INVENTORY)

