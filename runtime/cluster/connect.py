@@ -2,7 +2,8 @@
 authenticates), the MLflow and Prometheus discovery it offers.
 
 ``RAY_ADDRESS`` (and ``MLFLOW_TRACKING_URI``, ``RT_PROMETHEUS_SD_DIR``) win; else the state
-that ``make cluster-up`` left in ``.cluster/``.
+that ``make cluster-up`` left in ``.cluster/``. ``init_options`` is what a run's ``ray.init`` adds:
+JSON logs, and Ray's tracing hook for a cluster ``ray.init`` starts itself.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from runtime.cluster.processes import port_open
 from runtime.cluster.state import ClusterError, default_cluster_dir, load_state
@@ -90,3 +92,34 @@ def job_env() -> dict[str, str]:
     if sys.prefix != sys.base_prefix:  # a venv: tools that look for one (pip, uv) find it too
         env["VIRTUAL_ENV"] = sys.prefix
     return env
+
+
+def init_options(address: str) -> dict[str, Any]:
+    """What a run's ``ray.init(address=...)`` adds to its own arguments.
+
+    Every worker's log records (not the driver's) in Ray's JSON (job, worker, node, actor and task ids, and whatever a
+    record carries: Ray Train's run name and rank, the current span's ids), so ``python -m runtime
+    logs`` can tell a run's lines apart. With traces on (runtime.observe.traces) and a cluster this
+    call starts (``local``), Ray's tracing hook; a running cluster has it from ``ray start
+    --tracing-startup-hook`` (``tracing_start_flags``): Ray reads it from the head, never a client.
+    """
+    import ray
+
+    from runtime.observe import traces
+
+    # Through the job config, not ray.init's logging_config: that one also rewrites the driver's own
+    # console handler to JSON, and the driver's console lines are for people.
+    job_config = ray.job_config.JobConfig()
+    job_config.set_py_logging_config(ray.LoggingConfig(encoding="JSON", log_level="INFO"))
+    options: dict[str, Any] = {"job_config": job_config}
+    if address == "local" and traces.enabled():
+        options["_tracing_startup_hook"] = traces.HOOK
+    return options
+
+
+def tracing_start_flags() -> list[str]:
+    """``ray start --head`` flags that make every process of the cluster run the runtime's tracing hook
+    (a no-op in a process without the traces endpoint in its environment)."""
+    from runtime.observe.traces import HOOK
+
+    return [f"--tracing-startup-hook={HOOK}"]

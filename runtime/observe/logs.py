@@ -106,7 +106,11 @@ def _run_folder_lines(run_dir: Path, unreadable: list[str]) -> tuple[list[Line],
     lines: list[Line] = []
     starts: list[float] = []
     host = os.uname().nodename  # the run folder is read where the driver wrote it
-    history = load_history(run_dir) if (run_dir / HISTORY_FILE).exists() else None
+    try:
+        history = load_history(run_dir) if (run_dir / HISTORY_FILE).exists() else None
+    except OSError as e:
+        unreadable.append(f"{run_dir / HISTORY_FILE}: {e.strerror or e} (skipped; the other sources are shown)")
+        history = None
     if history is not None:
         for item in history.reports:
             t = item.get("_time")

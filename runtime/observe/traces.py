@@ -1,0 +1,197 @@
+"""Traces of a run: OpenTelemetry spans exported over OTLP/HTTP to the MLflow server (``/v1/traces``).
+
+Off unless ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set (OpenTelemetry's own variable; with MLflow
+also ``OTEL_EXPORTER_OTLP_TRACES_HEADERS=x-mlflow-experiment-id=<id>``: :func:`mlflow_otlp_env`
+makes both). Off, nothing here is imported by a worker and no span is made.
+
+- :func:`setup_tracing` is Ray's tracing startup hook (``ray start --head
+  --tracing-startup-hook=runtime.observe.traces:setup_tracing``, or ``ray.init(_tracing_startup_hook=
+  ...)`` for a cluster ``ray.init`` starts): Ray runs it in every worker process and driver that
+  connects, then gives every task and actor call a span (Ray Train's controller and workers too).
+- :func:`run_span` is a run's root span (its run name and attempt as attributes); its trace id goes
+  into the run folder (``trace.json``) so ``logs`` and the MLflow run find the trace.
+- While a span is current, every log record carries ``trace_id`` and ``span_id``: Ray's JSON log
+  format writes them, so a log line and its span join.
+
+An endpoint that is down costs one warning line per process; spans are dropped, training goes on
+(the batch processor exports off the training thread, each request bounded by EXPORT_TIMEOUT_S).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+HEADERS_ENV = "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
+HOOK = "runtime.observe.traces:setup_tracing"  # the value for --tracing-startup-hook
+TRACE_FILE = "trace.json"  # in the run folder: the trace id of each attempt's root span
+SERVICE = "rt-training"
+EXPORT_TIMEOUT_S = 5.0  # one export request's bound, retries included; exports run off the training thread
+TRACER = "runtime"
+
+log = logging.getLogger("runtime.observe.traces")
+_lock = threading.Lock()
+_provider: Any = None  # this process's TracerProvider once set up
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENDPOINT_ENV))
+
+
+def mlflow_otlp_env(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> dict[str, str]:
+    """The environment that sends a process's spans to an MLflow server's trace endpoint, filed under
+    ``experiment_id`` (and linked to ``run_id`` when given)."""
+    headers = f"x-mlflow-experiment-id={experiment_id}" + (f",x-mlflow-run-id={run_id}" if run_id else "")
+    return {ENDPOINT_ENV: f"{tracking_uri.rstrip('/')}/v1/traces", HEADERS_ENV: headers}
+
+
+class _OneLineExporter:
+    """Wraps the OTLP exporter: the first failed export prints one line naming the endpoint, later
+    ones drop their spans quietly (the exporter's own per-retry log lines are silenced)."""
+
+    def __init__(self, inner: Any, endpoint: str) -> None:
+        self.inner, self.endpoint, self.warned = inner, endpoint, False
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        try:
+            result = self.inner.export(spans)
+        except Exception as e:  # noqa: BLE001 - a tracing failure must never reach training
+            result, why = SpanExportResult.FAILURE, str(e)
+        else:
+            why = "the endpoint did not accept the spans"
+        if result != SpanExportResult.SUCCESS and not self.warned:
+            self.warned = True
+            log.warning("traces: cannot export to %s (%s); spans of this process are dropped, training goes on",
+                        self.endpoint, why.splitlines()[0][:200] if why else why)
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return bool(self.inner.force_flush(timeout_millis))
+
+
+def tracer_provider(endpoint: str, headers: dict[str, str] | None = None) -> Any:
+    """A TracerProvider exporting in batches to ``endpoint`` (not made global: :func:`setup_tracing` does)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    logging.getLogger("opentelemetry.exporter").setLevel(logging.CRITICAL)  # _OneLineExporter says it once
+    exporter = OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=EXPORT_TIMEOUT_S)
+    provider = TracerProvider(resource=Resource.create(
+        {"service.name": SERVICE, "host.name": socket.gethostname(), "process.pid": os.getpid()}))
+    provider.add_span_processor(BatchSpanProcessor(_OneLineExporter(exporter, endpoint)))  # type: ignore[arg-type]
+    return provider
+
+
+def _headers_from_env() -> dict[str, str]:
+    raw = os.environ.get(HEADERS_ENV, "")
+    pairs = (item.split("=", 1) for item in raw.split(",") if "=" in item)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def setup_tracing() -> None:
+    """Ray's tracing startup hook, and the driver's set-up: this process's spans go to the endpoint
+    in the environment; its log records carry the current span's ids. Nothing without the endpoint."""
+    global _provider
+    endpoint = os.environ.get(ENDPOINT_ENV)
+    if not endpoint:
+        return
+    with _lock:
+        if _provider is not None:
+            return
+        from opentelemetry import trace
+
+        _provider = tracer_provider(endpoint, _headers_from_env())
+        trace.set_tracer_provider(_provider)
+        _tag_log_records()
+
+
+def _tag_log_records() -> None:
+    """Every log record made while a span is current carries ``trace_id`` and ``span_id`` (hex), so
+    Ray's JSON log lines name the span they were written in."""
+    from opentelemetry import trace
+
+    make = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            record.trace_id = f"{ctx.trace_id:032x}"
+            record.span_id = f"{ctx.span_id:016x}"
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+def flush() -> None:
+    """Export what this process holds (bounded by EXPORT_TIMEOUT_S per request): before a driver exits."""
+    if _provider is not None:
+        _provider.force_flush(int(EXPORT_TIMEOUT_S * 1000))
+
+
+@contextmanager
+def run_span(run_name: str, attempt: int, run_dir: Path | str | None = None) -> Iterator[str | None]:
+    """The root span of one attempt of a run; yields its trace id (hex), None with tracing off.
+    With ``run_dir``, the id is appended to the run folder's ``trace.json`` as the span starts."""
+    if not enabled():
+        yield None
+        return
+    setup_tracing()
+    from opentelemetry import trace
+
+    with trace.get_tracer(TRACER).start_as_current_span(
+            f"run {run_name}", attributes={"rt.run": run_name, "rt.attempt": attempt}) as span:
+        trace_id = f"{span.get_span_context().trace_id:032x}"
+        if run_dir is not None:
+            _record(Path(run_dir), attempt, trace_id)
+        yield trace_id
+    flush()
+
+
+def _record(run_dir: Path, attempt: int, trace_id: str) -> None:
+    """Append this attempt's trace id to ``trace.json``; a failing disk costs the file, one warning."""
+    path = run_dir / TRACE_FILE
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault("attempts", []).append({"attempt": attempt, "trace_id": trace_id})
+    try:
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    except OSError as e:
+        log.warning("%s: trace id not recorded: %s", path, e.strerror or e)
+
+
+def trace_ids(run_dir: Path | str) -> list[str]:
+    """The trace ids a run folder recorded, first attempt first ([] without tracing)."""
+    try:
+        data = json.loads((Path(run_dir) / TRACE_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    attempts = data.get("attempts", []) if isinstance(data, dict) else []
+    return [a["trace_id"] for a in attempts if isinstance(a, dict) and isinstance(a.get("trace_id"), str)]
+
+
+def carry(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` to run on another thread inside the current span (threads start with an empty context):
+    ``threading.Thread(target=carry(self._fit))`` keeps Ray Train's actors in the run's trace."""
+    ctx = contextvars.copy_context()
+    return lambda: ctx.run(fn)

@@ -1,0 +1,46 @@
+"""Traces off by default; an endpoint that is down costs one warning line, never the caller.
+
+The spans reaching a real MLflow server: tests/integration/test_run_logs_and_traces.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+
+from runtime.observe import traces
+
+
+def test_without_the_endpoint_a_run_span_is_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(traces.ENDPOINT_ENV, raising=False)
+    with traces.run_span("r", attempt=1, run_dir=tmp_path) as trace_id:
+        pass
+    assert trace_id is None and not (tmp_path / traces.TRACE_FILE).exists()
+    assert traces.trace_ids(tmp_path) == []
+
+
+def test_an_endpoint_that_is_down_is_one_warning_and_the_spans_are_dropped(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}/v1/traces"
+        provider = traces.tracer_provider(endpoint, {"x-mlflow-experiment-id": "0"})
+        tracer = provider.get_tracer("test")
+        with caplog.at_level(logging.WARNING):
+            for batch in range(2):  # two exports, both refused
+                with tracer.start_as_current_span(f"step window {batch}"):
+                    pass
+                assert provider.force_flush(30_000)
+        provider.shutdown()
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, warned
+    assert endpoint in warned[0] and "training goes on" in warned[0]
+
+
+def test_the_mlflow_environment_names_the_trace_endpoint_experiment_and_run() -> None:
+    env = traces.mlflow_otlp_env("http://10.0.1.11:5000/", "7", run_id="abc")
+    assert env == {traces.ENDPOINT_ENV: "http://10.0.1.11:5000/v1/traces",
+                   traces.HEADERS_ENV: "x-mlflow-experiment-id=7,x-mlflow-run-id=abc"}
