@@ -94,6 +94,12 @@ def job_env() -> dict[str, str]:
     return env
 
 
+# Ray's tracing startup hook (runtime.observe.traces, named as a string: the cluster layer imports no
+# observer), and OpenTelemetry's variable that turns traces on.
+TRACING_HOOK = "runtime.observe.traces:setup_tracing"
+TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+
+
 def init_options(address: str) -> dict[str, Any]:
     """What a run's ``ray.init(address=...)`` adds to its own arguments.
 
@@ -105,21 +111,17 @@ def init_options(address: str) -> dict[str, Any]:
     """
     import ray
 
-    from runtime.observe import traces
-
     # Through the job config, not ray.init's logging_config: that one also rewrites the driver's own
     # console handler to JSON, and the driver's console lines are for people.
     job_config = ray.job_config.JobConfig()
     job_config.set_py_logging_config(ray.LoggingConfig(encoding="JSON", log_level="INFO"))
     options: dict[str, Any] = {"job_config": job_config}
-    if address == "local" and traces.enabled():
-        options["_tracing_startup_hook"] = traces.HOOK
+    if address == "local" and os.environ.get(TRACES_ENDPOINT_ENV):
+        options["_tracing_startup_hook"] = TRACING_HOOK
     return options
 
 
 def tracing_start_flags() -> list[str]:
     """``ray start --head`` flags that make every process of the cluster run the runtime's tracing hook
     (a no-op in a process without the traces endpoint in its environment)."""
-    from runtime.observe.traces import HOOK
-
-    return [f"--tracing-startup-hook={HOOK}"]
+    return [f"--tracing-startup-hook={TRACING_HOOK}"]

@@ -75,8 +75,7 @@ class Line:
 
 
 @dataclass
-class Sources:
-    """Where a run's lines are looked for; a folder that does not exist is simply not there."""
+class Sources:  # where a run's lines are looked for; a folder that does not exist holds none
 
     run_dir: Path
     ray_logs: list[Path]
@@ -116,7 +115,7 @@ def _run_folder_lines(run_dir: Path, unreadable: list[str]) -> tuple[list[Line],
             t = item.get("_time")
             if not isinstance(t, (int, float)):
                 continue
-            shown = " ".join(f"{k}={_short(v)}" for k, v in item.items()
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={str(v)[:80]}" for k, v in item.items()
                              if not k.startswith("_") and k != "step" and isinstance(v, (int, float, str, bool)))
             lines.append(Line(float(t), HISTORY_FILE, f"report step {item.get('step', '?')} {shown}".rstrip(),
                               host, rank=0, level="INFO"))
@@ -129,10 +128,6 @@ def _run_folder_lines(run_dir: Path, unreadable: list[str]) -> tuple[list[Line],
             if event == "group_start":
                 starts.append(float(t))
     return lines, sorted(starts)
-
-
-def _short(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)[:80]
 
 
 def _json_lines(path: Path, unreadable: list[str]) -> Iterator[dict[str, Any]]:
@@ -153,10 +148,8 @@ def _read_lines(path: Path, unreadable: list[str]) -> list[str]:
 
 
 def _as_json(raw: str) -> dict[str, Any] | None:
-    if not raw.startswith("{"):
-        return None
     try:
-        item = json.loads(raw)
+        item = json.loads(raw) if raw.startswith("{") else None
     except ValueError:
         return None
     return item if isinstance(item, dict) else None
@@ -265,8 +258,7 @@ def _json_line(item: dict[str, Any], when: float, source: str, host: str, rank: 
 
 
 def _plain_level(raw: str) -> str:
-    head = raw[:40]
-    return next((lvl for lvl in ("ERROR", "WARNING", "INFO", "DEBUG") if lvl in head), "")
+    return next((lvl for lvl in ("ERROR", "WARNING", "INFO", "DEBUG") if lvl in raw[:40]), "")
 
 
 def collect(run: str, sources: Sources) -> tuple[list[Line], list[str]]:
@@ -347,9 +339,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--until", help="up to this time (same forms)")
     p.add_argument("--grep", help="only lines matching this regular expression")
     p.add_argument("--tail", help="only the last N lines (after the other filters)")
-    p.add_argument("--ray-logs", action="append", default=None, metavar="DIR",
-                   help="a Ray temp dir holding session_*/logs (repeatable; default: the local cluster's "
-                        "and /tmp/ray)")
+    p.add_argument("--ray-logs", action="append", metavar="DIR",
+                   help="a Ray temp dir with session_*/logs (repeatable; default: the local cluster's, /tmp/ray)")
     p.add_argument("--shipped", default=str(SHIPPED_DIR), metavar="DIR",
                    help=f"the head's per-host files (log_shipping_cluster_log_dir; default {SHIPPED_DIR})")
     return p

@@ -30,9 +30,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+from runtime.cluster.connect import TRACES_ENDPOINT_ENV, TRACING_HOOK
+
+ENDPOINT_ENV = TRACES_ENDPOINT_ENV
+HOOK = TRACING_HOOK  # this module's setup_tracing, as --tracing-startup-hook names it
+
 HEADERS_ENV = "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
-HOOK = "runtime.observe.traces:setup_tracing"  # the value for --tracing-startup-hook
 TRACE_FILE = "trace.json"  # in the run folder: the trace id of each attempt's root span
 SERVICE = "rt-training"
 EXPORT_TIMEOUT_S = 5.0  # one export request's bound, retries included; exports run off the training thread
