@@ -218,6 +218,10 @@ train: setup cluster-ready ## Train a job: make train JOB=resnet50 [SET="optimiz
 tune: setup cluster-ready ## Hyperparameter search: make tune JOB=digits_tune [RESUME=1].
 	$(PY) -m runtime tune $(call q,$(JOB)) --sets "$$SET" $(if $(RESUME),--resume) $(if $(RUN),--run-name $(call q,$(RUN)))
 
+.PHONY: logs
+logs: setup ## A run's lines from every node and rank, in time order: make logs RUN=name [RANK=1] [ATTEMPT=2] [SINCE=10m] [GREP=regex] [TAIL=100].
+	$(PY) -m runtime logs $(call q,$(RUN)) $(if $(RANK),--rank $(call q,$(RANK))) $(if $(ATTEMPT),--attempt $(call q,$(ATTEMPT))) $(if $(SINCE),--since $(call q,$(SINCE))) $(if $(GREP),--grep $(call q,$(GREP))) $(if $(TAIL),--tail $(call q,$(TAIL)))
+
 .PHONY: validate
 validate: setup ## Validate a job file without running it: make validate JOB=resnet50 [SET="..."] [SHOW=1].
 	$(PY) -m runtime validate $(call q,$(JOB)) --sets "$$SET" $(if $(SHOW),--show)
