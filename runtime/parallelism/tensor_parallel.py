@@ -158,7 +158,7 @@ def parallelize(model: nn.Module, mesh: Any, plan: TPPlan, mp_policy: Any = None
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp_shard"]
-    vocab, dim = model.get_submodule("tok").weight.shape
+    vocab, dim = model.get_submodule("tok").get_parameter("weight").shape
     use_loss_parallel = loss_parallel_pays(vocab, dim) if plan.loss_parallel is None else plan.loss_parallel
     apply_tp(model, tp_mesh, use_loss_parallel)
     model.loss_parallel = use_loss_parallel  # type: ignore[assignment]  # read by loss_context
