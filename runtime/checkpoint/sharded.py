@@ -21,6 +21,7 @@ allows only dcp's own classes, and byte entries (non-tensor values) through
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import math
@@ -80,9 +81,16 @@ _DCP_SAFE: dict[str, set[str]] = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
     """Python's "restricting globals" unpickler: torch's weights_only one cannot read
-    dcp's protocol-4 pickle, so allow exactly the classes dcp metadata is made of."""
+    dcp's protocol-4 pickle, so allow exactly the classes dcp metadata is made of.
+
+    Pure Python (pickle._Unpickler) because BUILD must be checked too: it sets attributes on
+    whatever is on the stack, so a planted file could BUILD onto an allowed *class* and rewrite it
+    for the whole process. BUILD is allowed only on instances of the allowed dataclasses, with
+    their own fields (a few KB of metadata: the pure-Python speed does not matter)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_SAFE.get(module, ()):
@@ -90,6 +98,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in dcp metadata")
+
+    def _load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]  # type: ignore[attr-defined]  # not in typeshed's stub
+        cls = type(inst)
+        what = f"BUILD on {getattr(inst, '__qualname__', cls.__qualname__)}"
+        if (isinstance(inst, type) or not dataclasses.is_dataclass(inst)
+                or cls.__name__ not in _DCP_SAFE.get(cls.__module__, ())):
+            raise pickle.UnpicklingError(f"{what} is not allowed in dcp metadata (only on dcp's dataclasses)")
+        fields = {f.name for f in dataclasses.fields(inst)}
+        if "__setstate__" in vars(cls):  # TensorProperties: its own __setstate__ unpacks a fixed tuple
+            if not isinstance(state, tuple) or len(state) > len(fields):
+                raise pickle.UnpicklingError(f"{what}: state {type(state).__name__} is not its field tuple")
+        else:
+            parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+            if not all(isinstance(part, dict | None) for part in parts):
+                raise pickle.UnpicklingError(f"{what}: state {type(state).__name__} is not a dict of its fields")
+            names = [k for part in parts if part for k in part]
+            if not all(isinstance(k, str) and k in fields for k in names):
+                raise pickle.UnpicklingError(f"{what}: state names {names[:8]!r}, not only its fields "
+                                             f"{sorted(fields)}")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]  # not in typeshed's stub
+
+    dispatch[pickle.BUILD[0]] = _load_build  # type: ignore[assignment]  # the table calls it with self
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -115,7 +146,8 @@ def _check_bounds(folder: str, metadata: dcp_metadata.Metadata) -> None:
     dcp joins each entry's ``relative_path`` to the folder unchecked and a whole-state read
     allocates ``torch.empty(size)`` from the declared sizes before reading anything, so a
     re-signed ``.metadata`` could read any file or ask for terabytes. Every byte range must lie in
-    a file of this folder, and a tensor may not declare more bytes than the ranges stored for it
+    a file of this folder, no two ranges may overlap, and a tensor may not declare more bytes than
+    the ranges stored for it
     (this runtime writes no compressing transforms, so a tensor's stored bytes are >= its size).
     """
     meta_file = os.path.join(folder, ".metadata")
@@ -124,6 +156,7 @@ def _check_bounds(folder: str, metadata: dcp_metadata.Metadata) -> None:
         raise CheckpointError(f"{meta_file}: no storage entries (not saved by this runtime)")
     stored: dict[str, int] = {}  # fqn -> bytes its ranges hold
     sizes: dict[str, int] = {}
+    ranges: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, end, fqn)
     for index, info in storage.items():
         try:
             rel = check_name(getattr(info, "relative_path", None))
@@ -146,6 +179,16 @@ def _check_bounds(folder: str, metadata: dcp_metadata.Metadata) -> None:
             raise CheckpointError(f"{meta_file}: entry {index.fqn!r} is stored through transforms "
                                   f"{info.transform_descriptors!r}; this runtime writes none")
         stored[index.fqn] = stored.get(index.fqn, 0) + length
+        if length:
+            ranges.setdefault(rel, []).append((offset, offset + length, index.fqn))
+    # dcp writes every entry once, into bytes of its own: ranges that overlap would let one stored
+    # range count many times toward the sizes checked below (64 GiB declared from 7 MB of files).
+    for rel, spans in ranges.items():
+        spans.sort()
+        for (_, end, fqn), (start, _, other) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise CheckpointError(f"{meta_file}: entries {fqn!r} and {other!r} overlap in {rel!r} "
+                                      f"(bytes from {start} read twice); dcp writes each entry once")
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, dcp_metadata.TensorStorageMetadata):
             dims = list(item.size)
