@@ -170,7 +170,7 @@ def runtime_run(job: str, sets: list[str], storage: str, use_gpu: bool, batch: i
                 rate: str = "train/throughput") -> dict[str, float]:
     """One run through runtime.train.driver.train, 1 worker; figures from its own reports."""
     from runtime.config import load_job
-    from runtime.train.driver import train
+    from runtime.launch.driver import train
 
     steps = WARMUP + STEPS
     cfg = load_job(job, [
@@ -364,7 +364,7 @@ def run(results_dir: Path) -> dict[str, Any]:
         msg = "skipped: no CUDA device here; run `make gpu-check` on a GPU node"
         print(msg)
         return {"skipped": msg}
-    from runtime.train.driver import connect
+    from runtime.launch.driver import connect
 
     parts = [p for p in os.environ.get("BENCH_GPU_PARTS", ",".join(PARTS)).split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))

@@ -56,7 +56,7 @@ def _measure(storage: Path) -> dict[str, Any]:
     import ray
 
     from runtime.config import load_job
-    from runtime.train.driver import connect, train
+    from runtime.launch.driver import connect, train
     from runtime.train.timeline import phases, read_timeline, summarise
 
     run = "bench-recovery"

@@ -58,7 +58,7 @@ def runtime_loop(storage: str) -> float:
     metrics, the Ray hop) is inside that window.
     """
     from runtime.config import load_job
-    from runtime.train.driver import train
+    from runtime.launch.driver import train
 
     cfg = load_job("resnet50", [
         f"checkpoint.storage={storage}", "distributed.num_workers=1", f"data.batch_size={BATCH}",
@@ -73,7 +73,7 @@ def runtime_loop(storage: str) -> float:
 
 
 def run(results_dir: Path) -> dict[str, Any]:
-    from runtime.train.driver import connect
+    from runtime.launch.driver import connect
 
     connect()
     bare: list[float] = []

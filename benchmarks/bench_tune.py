@@ -100,7 +100,7 @@ def _overhead(trials: list[Any]) -> dict[str, Any]:
 
 
 def run(results_dir: Path) -> dict[str, Any]:
-    from runtime.train.driver import connect
+    from runtime.launch.driver import connect
     from runtime.tune.report import plot_trials
 
     connect()

@@ -98,7 +98,7 @@ class TrainFlow(FlowSpec):
         """The best configuration, longer; resumes from its checkpoints when this step is re-run."""
         from metaflow.cards import Image, Markdown
 
-        from runtime.train.driver import train
+        from runtime.launch.driver import train
 
         cfg = self._train_config()
         outcome = train(cfg, self.train_name, show_progress=False)

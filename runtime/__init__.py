@@ -3,7 +3,7 @@
 Entry points: ``python -m runtime train jobs/resnet50.yaml`` (CLI), or from Python (docs/python-api.md)::
 
     from runtime.config import load_job
-    from runtime.train.driver import train
+    from runtime.launch.driver import train
 
     outcome = train(load_job("digits_smoke", ["train.max_steps=20"]))
 

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.verbose:  # tune() connects too; connecting first is what makes it verbose
                 from runtime.cluster import ClusterError
-                from runtime.train.driver import connect
+                from runtime.launch.driver import connect
 
                 parse_tune(cfg)  # bad input is still refused before Ray is touched
 
@@ -266,9 +266,9 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     from runtime.cluster import ClusterError, use_cluster_auth
 
     use_cluster_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
+    from runtime.launch.driver import outcome_summary, train
+    from runtime.launch.runlock import RunLocked
     from runtime.observe.cost import BUDGET_REASON
-    from runtime.train.driver import outcome_summary, train
-    from runtime.train.runlock import RunLocked
 
     try:
         outcome = train(cfg, args.run_name, show_progress=not args.no_progress, verbose=args.verbose,

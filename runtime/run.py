@@ -68,7 +68,7 @@ class TrainOutcome:
 
 @dataclass(frozen=True)
 class WorkerGroupFailed:
-    """Ray Train's controller saw the worker group fail (runtime.train.driver.FailureNotices)."""
+    """Ray Train's controller saw the worker group fail (runtime.launch.driver.FailureNotices)."""
 
     message: str  # one line naming the dead rank or the error (runtime.observe.progress.failure_line)
     failures: int  # failures so far in this run
@@ -78,7 +78,7 @@ class WorkerGroupFailed:
 
 @dataclass(frozen=True)
 class Resized:
-    """The controller changed the worker count (runtime.train.elastic.ElasticWatch)."""
+    """The controller changed the worker count (runtime.launch.elastic.ElasticWatch)."""
 
     before: int
     after: int

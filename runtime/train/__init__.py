@@ -1,25 +1,30 @@
-"""Training: the driver that submits a run to Ray Train, and the per-worker trainer, composed of
-small parts (torchtitan-style).
+"""The per-worker side of training: what every Ray Train worker (or a one-worker trial's thread)
+runs, composed of small parts (torchtitan-style). The driver that starts it is ``runtime.launch``;
+nothing here imports it (the layer test in tests/unit/test_import_graph.py fails on such an import).
 
-- ``driver``: the driver side: connect, build the TorchTrainer, stream reports, print the
-  summary (``train()``); ``elastic``: the controller callback that reports resizes.
-- ``models``: the model zoo (torchvision ResNets/ViT, an MLP, the GPT-style decoder).
-- ``trainer``: the core: build the parts, then ``while not done: step; maybe_checkpoint;
-  maybe_report`` (and the Ray Train entry point ``train_loop_per_worker``, in ``worker``).
+- ``worker``: Ray Train's entry point (``train_loop_per_worker``) and one rank's whole life
+  (``run_rank``: build, restore, fit, close).
+- ``trainer``: the core: build the parts, then ``while not done: step; ask each component; at a
+  boundary: evaluate, exchange, checkpoint, report``.
+- Components that own a cadence: ``checkpointer`` (when to save), ``evaluator`` (when and how to
+  evaluate), ``stop_policy`` (when to end: length, non-finite steps, preemption, cost),
+  ``metrics_assembler`` (what a boundary reports).
+- ``state``: the loop's resumable state (``TrainState``, ``Stateful``, where a resized run resumes
+  in the epoch); ``resume``: the checkpoint payload and restoring the newest one that verifies.
 - ``setup``: builders (placement, precision, optimizer, schedule, seeding, DDP comm hooks,
-  compile) and the device-side skip of a non-finite step.
-- ``parallel``: FSDP2 applied block by block.
-- ``device_input``: host batches with their epoch position, copied to the device one
-  batch ahead on a side CUDA stream; synthetic data generated once on the device.
-- ``stats``: step statistics kept on the device and read once per boundary, where the
-  ranks also agree on control flags (preempt, stop, new commit).
-- ``resume``: the checkpoint manager, the checkpoint payload and restoring it.
-- ``reporter``: where a report goes (driver stream, Ray Train, Prometheus, cost).
-- ``tokens``: token sequences for the language model, made on the device.
-- ``run``: what the driver hands each worker and what a run hands back.
-- ``runlock``: the run folder's lock (host, pid, start): one driver per run.
-- ``signals``: the driver's SIGTERM and Ctrl+C handling (commit at the next step, or stop now).
+  compile) and the device-side skip of a non-finite step; ``parallel``: DDP, or FSDP2 block by block.
+- ``models``: the model zoo (torchvision ResNets/ViT, an MLP, the GPT-style decoder); ``export``:
+  a run's final checkpoint as an MLflow model.
+- ``device_input``: host batches with their epoch position, copied to the device one batch ahead;
+  ``microbatch``: the micro-batch size (probe, split, out-of-memory redo).
+- ``stats``: step statistics kept on the device and read once per boundary, where the ranks also
+  agree on control flags (preempt, stop, new commit).
+- ``reporter``: where a report goes (the driver's stream, Ray Train, Prometheus, cost gauges).
+- ``drain``: giving a drained node back to Ray once the run has committed on it.
+- ``spares``: spare worker processes for the next group; ``capacity``: refreshing Ray's view of
+  the cluster (the spares' watch and the driver's elastic callback both ask it).
+- ``timeline``: where a restart's seconds go (the controller's stamps and the workers').
 - ``hold``: the step barrier tests inject faults at (``RT_TEST_HOLD``).
 
-This package file imports nothing heavy: Tune and tracking import ``run`` without the driver.
+This package file imports nothing heavy.
 """

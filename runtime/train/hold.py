@@ -2,7 +2,7 @@
 
 Faults are injected at a known step, not raced against wall time (a signal "a few steps after
 checkpoint 25" lands anywhere on a loaded machine). With ``RT_TEST_HOLD="<step>:<folder>"`` in
-the workers' environment (the driver forwards it, runtime.train.driver.WORKER_ENV), each rank,
+the workers' environment (the driver forwards it, runtime.launch.driver.WORKER_ENV), each rank,
 at the boundary of ``<step>``, writes ``<folder>/held_<step>_rank<r>`` and waits until
 ``<folder>/release`` exists; then the boundary goes on (the preemption check, saves, the report).
 Unset, nothing is read at any step. Never set outside tests.

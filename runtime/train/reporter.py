@@ -32,7 +32,7 @@ class Reporter:
                  checkpoints: Any, report_fn: Callable[..., None], report_all: bool = False) -> None:
         self.rank, self.world, self.run = rank, world, run
         # Where rank 0 streams every report: the driver's ray.util.queue.Queue, or a queue.Queue when
-        # the loop runs in its caller's process (a one-worker trial, runtime.train.driver.InProcessFit).
+        # the loop runs in its caller's process (a one-worker trial, runtime.launch.driver.InProcessFit).
         self.progress = progress
         self.lockstep = lockstep  # a Tune trial under a scheduler: wait until the trial takes each report
         self.gauges = gauges  # runtime.observe.metrics.WorkerMetrics or None

@@ -82,20 +82,6 @@ def for_world(cfg: JobConfig, world: int) -> JobConfig:
     return cfg.model_copy(update={"distributed": fixed, "optimizer": cfg.optimizer.model_copy(update={"lr": lr})})
 
 
-def reshard_position(batch_in_epoch: int, batch_size: int, old_world: int, world: int) -> tuple[int, int]:
-    """A rank's resume index after the world size changed, and how many samples will be seen twice.
-
-    Every sampler here deals an epoch's permutation round-robin (rank r takes positions r,
-    r + world, ...), so after k batches per rank at W ranks exactly the first k x b x W
-    positions of the epoch are consumed, whatever W was. At W' ranks the run resumes at the
-    largest index whose prefix does not pass that point: nothing is skipped, and fewer than
-    b x W' samples are repeated (none with keep=global_batch, where steps hold whole global batches).
-    """
-    consumed = batch_in_epoch * batch_size * old_world
-    index = consumed // (batch_size * world)
-    return index, consumed - index * batch_size * world
-
-
 def _fused_supported(params: list[nn.Parameter]) -> bool:
     """torch's fused SGD/Adam/AdamW kernels take a ``found_inf`` tensor and skip the update on
     the device: the non-finite policy then needs no host sync. They need float params on a

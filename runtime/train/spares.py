@@ -107,7 +107,7 @@ def watch_joining_nodes(per_worker: dict[str, float], room: int, stop: threading
     (each asked by its local rank 0)."""
     import ray
 
-    from runtime.train.elastic import refresh_capacity
+    from runtime.train.capacity import refresh_capacity
 
     def watch() -> None:
         try:

@@ -15,7 +15,20 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.train.device_input import Position
-from runtime.train.setup import reshard_position
+
+
+def reshard_position(batch_in_epoch: int, batch_size: int, old_world: int, world: int) -> tuple[int, int]:
+    """A rank's resume index after the world size changed, and how many samples will be seen twice.
+
+    Every sampler here deals an epoch's permutation round-robin (rank r takes positions r,
+    r + world, ...), so after k batches per rank at W ranks exactly the first k x b x W
+    positions of the epoch are consumed, whatever W was. At W' ranks the run resumes at the
+    largest index whose prefix does not pass that point: nothing is skipped, and fewer than
+    b x W' samples are repeated (none with keep=global_batch, where steps hold whole global batches).
+    """
+    consumed = batch_in_epoch * batch_size * old_world
+    index = consumed // (batch_size * world)
+    return index, consumed - index * batch_size * world
 
 
 class Stateful(Protocol):

@@ -106,6 +106,8 @@ class Trainer:
         self.amp_dtype = resolve_precision(cfg.precision.dtype, self.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
         self.memory_format = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
+        # train.sync_debug: steady-state steps raise on any host sync (CUDA only).
+        self.sync_debug = tc.sync_debug and self.device.type == "cuda"
 
         # Data: each rank reads its own shard; batches reach the device one step ahead.
         self.loaders, train_stage, val_stage = build_loaders(cfg, self.world, self.rank, self.device)
@@ -230,15 +232,11 @@ class Trainer:
         batches = self._start()
         first_step = self.state.global_step + 1
         while not self.stop.done(self.state):
-            with sync_checked(self.cfg.train.sync_debug and self.device.type == "cuda"
-                              and self.state.global_step >= first_step):
+            with sync_checked(self.sync_debug and self.state.global_step >= first_step):
                 self.train_step(batches)
             step = self.state.global_step
             if step == first_step:
-                self.stats.first_step_done()
-                self.metrics.once.setdefault("timeline", {})["first_step_end"] = time.time()
-                if self.on_first_step is not None:
-                    self.on_first_step()
+                self._first_step_done()
             evaluate, log_step = self.evaluator.due(step), self.metrics.should_log(step)
             commit, save = self.checkpointer.commit_due(step), self.checkpointer.interval_due(step)
             if not (evaluate or log_step or save or commit):
@@ -260,6 +258,13 @@ class Trainer:
             if self.stop.stopping:
                 break
         self._finish()
+
+    def _first_step_done(self) -> None:
+        """The group is up: stamp the restart's timeline, start steady-state statistics, tell the caller."""
+        self.stats.first_step_done()
+        self.metrics.once.setdefault("timeline", {})["first_step_end"] = time.time()
+        if self.on_first_step is not None:
+            self.on_first_step()
 
     def _start(self) -> DevicePrefetcher:
         """Batches from where the state left off, on the device one step ahead (a producer thread,

@@ -117,8 +117,8 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     from ray import tune as rt
 
     from runtime.cluster import tracking_uri
+    from runtime.launch.driver import connect, resolve_use_gpu
     from runtime.observe.tracking import Tracker
-    from runtime.train.driver import connect, resolve_use_gpu
 
     spec = parse_tune(cfg)
     tc = spec.tune

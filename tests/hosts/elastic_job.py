@@ -140,11 +140,11 @@ def main() -> int:
     # The runtime's own elastic controller callback (what `make train` adds to an elastic run): it
     # waits for Ray to mark a lost node dead and refreshes Ray's 20-s capacity view, so that a
     # restart is sized on the cluster as it is (runtime/train/elastic.py).
-    from runtime.train.elastic import ElasticWatch
-    from runtime.train.timeline import PhaseClock
+    from runtime.launch.elastic import ElasticWatch
 
     # The runtime's trainer too: no Ray Data actor at each of the run's group starts.
-    from runtime.train.torch_trainer import LeanTorchTrainer
+    from runtime.launch.torch_trainer import LeanTorchTrainer
+    from runtime.train.timeline import PhaseClock
 
     gcs_address, shared = sys.argv[1], Path(sys.argv[2])
     pythonpath = os.environ.get("PYTHONPATH", "")

@@ -441,7 +441,7 @@ def test_s3_run_rides_out_refused_connections_from_a_commit_on_then_resumes_with
     import ray
     from ray.util.state import list_jobs
 
-    from runtime.train.driver import connect, train
+    from runtime.launch.driver import connect, train
     from tests.support import job
 
     monkeypatch.chdir(tmp_path)  # an S3 run's local folder (preemption marker, history) is ./runs/<name>

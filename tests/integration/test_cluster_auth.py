@@ -31,7 +31,7 @@ from runtime.cluster import ray_address, use_cluster_auth
 
 assert use_cluster_auth()  # the token variables set after Ray read them, as the flow's train step did
 if sys.argv[1] == "connect":
-    from runtime.train.driver import connect
+    from runtime.launch.driver import connect
 
     connect()
 else:  # the bare ray.init that the cached settings break: the control that the cache was primed

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from runtime.launch.driver import train
 from runtime.observe.cost import LEDGER_FILE, PRICE_PAUSE_REASON, CostLedger
 from runtime.observe.history import HISTORY_FILE
 from runtime.observe.report import summary_table
-from runtime.train.driver import train
 from tests.support import job, wait_for
 
 pytestmark = pytest.mark.slow

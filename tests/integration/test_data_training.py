@@ -9,7 +9,7 @@ import pytest
 
 from runtime.data import write_digits_imagefolder
 from runtime.data.shards.tools import pack
-from runtime.train.driver import train
+from runtime.launch.driver import train
 from tests.support import job
 from tests.support.trainer import train_ranks
 

@@ -24,9 +24,9 @@ import torch
 
 from runtime import cluster as rc
 from runtime.checkpoint import CheckpointManager
+from runtime.launch.driver import StreamingFit, connect
 from runtime.run import Resized
-from runtime.train.driver import StreamingFit, connect
-from runtime.train.elastic import refresh_capacity
+from runtime.train.capacity import refresh_capacity
 from tests.support import job, wait_for
 from tests.support.cluster import oldest_allowed_resume
 from tests.support.trainer import train_in_process
@@ -173,7 +173,7 @@ def test_a_drains_restart_removes_this_jobs_placement_group_and_drain_watcher_on
     from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
     from ray.util.state import list_actors
 
-    from runtime.train.elastic import clear_drained_nodes
+    from runtime.launch.elastic import clear_drained_nodes
 
     drained, kept = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT)][:2]
 
@@ -210,7 +210,7 @@ print(pg.id.hex())
     try:
         ray.get([ours_drained.ready(), ours_kept.ready()], timeout=120)
         # timeout_s=0: the mechanism only; how soon a drained node leaves depends on the machine's load.
-        with caplog.at_level(logging.WARNING, logger="runtime.train.elastic"):
+        with caplog.at_level(logging.WARNING, logger="runtime.launch.elastic"):
             assert clear_drained_nodes(PreemptionInfo(None, {drained: [0]}), timeout_s=0) == [drained]
         assert f"{drained[:12]} still in the cluster" in caplog.text and "_Holder (job" in caplog.text, caplog.text
         assert f"MiB of objects on {drained[:12]}" in caplog.text, caplog.text

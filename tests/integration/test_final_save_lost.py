@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.train.driver import train
+from runtime.launch.driver import train
 from runtime.train.hold import RELEASE_FILE
 from tests.support import job, wait_for
 from tests.support.cluster import committed_steps

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointManager
-from runtime.train.driver import train
+from runtime.launch.driver import train
 from tests.support import job
 from tests.support.cluster import WorkerGroupKiller, oldest_allowed_resume
 from tests.support.trainer import train_ranks

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # one training run, shared by the module's tests
 
 @pytest.fixture(scope="module")
 def registered(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from runtime.train.driver import train
+    from runtime.launch.driver import train
 
     storage = tmp_path_factory.mktemp("registry")
     cfg = job("digits_smoke", str(storage / "runs"), "train.max_steps=20", "train.log_every_steps=10",

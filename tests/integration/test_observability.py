@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dashboards.queries import is_gpu_only, load_dashboards, panel_queries
-from runtime.train.driver import train
+from runtime.launch.driver import train
 from tests.support import job
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointManager, step_name
-from runtime.train.driver import TrainOutcome, train
+from runtime.launch.driver import TrainOutcome, train
 from tests.support import ROOT, job, wait_for
 from tests.support.cluster import WorkerGroupKiller, committed_steps, oldest_allowed_resume
 from tests.support.trainer import train_in_process, train_ranks

@@ -105,7 +105,7 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
     """Two extra raylets, a fake DCGM exporter naming the second, and Prometheus -> Alertmanager -> service."""
     import ray
 
-    from runtime.train.driver import connect
+    from runtime.launch.driver import connect
 
     subprocess.run(["make", "-C", str(ROOT), "alertmanager-tools"], check=True, capture_output=True)
     ensure_prometheus_tools()

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from runtime.launch.driver import train
+from runtime.launch.runlock import LOCK_FILE
 from runtime.run import PREEMPT_FILE
-from runtime.train.driver import train
 from runtime.train.hold import RELEASE_FILE
-from runtime.train.runlock import LOCK_FILE
 from tests.support import job, wait_for
 from tests.support.cluster import committed_steps
 from tests.support.held_run import BASE, finish, start, wait_held
@@ -68,7 +68,7 @@ def test_ctrl_c_commits_at_the_step_it_came_exits_130_and_the_run_resumes_there(
     left = json.loads((run_dir / LOCK_FILE).read_text())
     assert left["pid"] == proc.pid, left  # an abrupt end leaves the lock file naming it
 
-    with caplog.at_level(logging.WARNING, logger="runtime.train.runlock"):
+    with caplog.at_level(logging.WARNING, logger="runtime.launch.runlock"):
         out = train(job("digits_smoke", str(storage), *BASE, *sets), run, show_progress=False)
     assert f"took over the lock of pid {proc.pid} on host" in caplog.text, caplog.text
     assert out.history[0]["resumed_from_step"] == 20, out.history[0]

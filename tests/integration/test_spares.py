@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from runtime import cluster as rc
-from runtime.train.driver import train
+from runtime.launch.driver import train
 from tests.support import job, wait_for
 from tests.support.cluster import WorkerGroupKiller, oldest_allowed_resume
 
@@ -35,7 +35,7 @@ def test_restarted_group_rank0_runs_on_a_process_started_before_the_kill(
 
     monkeypatch.setenv("RT_TRAIN_SPARES", "1")  # off elsewhere in the suite (conftest.py)
 
-    from runtime.train.driver import connect
+    from runtime.launch.driver import connect
 
     run = "spares"
     cfg = job("digits_smoke", storage, "model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false",
@@ -69,7 +69,7 @@ def test_a_node_that_joins_is_given_spares_before_work_is_placed_on_it(cluster: 
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from runtime.train.driver import connect
+    from runtime.launch.driver import connect
 
     connect()
     slot = f"join_{uuid.uuid4().hex[:8]}"  # only the node added here has it

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from runtime.launch.driver import train
 from runtime.run import TrainOutcome
-from runtime.train.driver import train
 from tests.support import ROOT, job
 
 pytestmark = pytest.mark.slow
@@ -81,8 +81,8 @@ def test_rank0_reports_reach_the_driver_in_step_order(cluster: dict, tmp_path: P
     (a CI run's resumed history had step 109 before 107)."""
     from ray.util.queue import Queue
 
+    from runtime.launch.driver import connect
     from runtime.run import RunInfo
-    from runtime.train.driver import connect
     from runtime.train.reporter import Reporter
 
     connect()

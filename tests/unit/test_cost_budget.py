@@ -11,6 +11,7 @@ import pytest
 
 from runtime.config import load_job
 from runtime.config.schema import CostConfig
+from runtime.launch.spend import paused_for_price
 from runtime.observe.cost import (
     BUDGET_REASON,
     PRICE_PAUSE_REASON,
@@ -20,7 +21,6 @@ from runtime.observe.cost import (
 )
 from runtime.observe.prices import Quote
 from runtime.run import RunInfo
-from runtime.train.spend import paused_for_price
 from runtime.train.stop_policy import CostWatch, StopPolicy, billed_nodes, build_cost_watch
 from tests.support import FakeClock
 

@@ -12,12 +12,12 @@ import pytest
 
 from runtime.config import load_job
 from runtime.errors import ConfigError
+from runtime.launch.spend import DriverCosts
 from runtime.observe.cost import BUDGET_REASON, LEDGER_FILE, CostLedger
 from runtime.observe.prices import Quote
 from runtime.observe.progress import Progress
 from runtime.observe.report import summary_table
 from runtime.run import TrainOutcome
-from runtime.train.spend import DriverCosts
 from tests.support import FakeClock
 
 
@@ -163,7 +163,7 @@ def test_report_shows_the_spend_and_each_pause(tmp_path: Path) -> None:
 def test_the_cli_exits_4_when_the_budget_stopped_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """The mapping only: the run itself is the integration test's (tests/integration/test_cost_pause_run.py)."""
-    import runtime.train.driver as driver
+    import runtime.launch.driver as driver
     from runtime.cli import EXIT_BUDGET, main
 
     reason = f"{BUDGET_REASON} spent 1.0000 USD of cost.budget_usd=1 (...); stopped"
@@ -182,7 +182,7 @@ def test_the_cli_exits_4_when_the_budget_stopped_the_run(tmp_path: Path, monkeyp
 
 def test_each_attempt_tells_rank0_what_the_earlier_ones_spent(tmp_path: Path) -> None:
     """Through RunInfo, not the run folder: rank 0 may run on a node without it."""
-    from runtime.train.driver import new_run
+    from runtime.launch.driver import new_run
 
     cfg = load_job("digits_smoke", [f"checkpoint.storage={tmp_path}"], environ={})
     assert new_run(cfg, "r").spent_before_usd == 0.0

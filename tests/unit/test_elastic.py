@@ -15,9 +15,10 @@ from runtime.config import config_from_dict
 from runtime.data.loaders import ResumableSampler
 from runtime.data.synthetic import SyntheticLoader
 from runtime.errors import ConfigError
+from runtime.launch.elastic import ElasticWatch, MinWorkersTimeout, clear_drained_nodes, failure_reason, resize_line
 from runtime.run import Resized
-from runtime.train.elastic import ElasticWatch, MinWorkersTimeout, clear_drained_nodes, failure_reason, resize_line
-from runtime.train.setup import for_world, reshard_position
+from runtime.train.setup import for_world
+from runtime.train.state import reshard_position
 from tests.support import FakeClock
 
 
@@ -205,7 +206,7 @@ def test_a_restart_for_a_drain_names_the_drained_node_as_its_reason(caplog: pyte
 def test_a_raylet_port_that_accepts_is_reachable_and_one_that_refuses_is_not() -> None:
     import socket
 
-    from runtime.train.elastic import _unreachable
+    from runtime.launch.elastic import _unreachable
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))

@@ -1,6 +1,8 @@
 """The runtime package's structure: imports only run down the layers docs/architecture.md
-declares, no import cycles, one module that builds storage paths, and no module that imports
-another's private names.
+declares (the driver side, ``runtime.launch``, above the per-worker loop, ``runtime.train``), no
+import cycles, one module that builds storage paths, no module that imports another's private
+names, no module over 400 lines without its docstring saying why, and ``Trainer.fit`` short
+enough to read at a glance.
 
 The checks read the source with ast (nothing is imported, so no import side effects).
 Imports inside functions count too: a lazy import that closes a cycle hides it, it does not
@@ -111,6 +113,99 @@ def test_layer_check_flags_upward_and_peer_imports(tmp_path: Path) -> None:
         "pkg.mid.c -> pkg.peer.d (mid is not above peer)",
         "pkg.stray: stray has no layer in docs/architecture.md",
     ]
+
+
+def test_the_loop_never_imports_the_driver_side(tmp_path: Path) -> None:
+    """The declared layers put the driver package above the loop's, so a worker-side module that
+    reaches into the driver (once: the spares' watch importing the elastic callback's helper) fails."""
+    layers = declared_layers(ARCHITECTURE.read_text())
+    assert layers["launch"] > layers["train"]
+    pkg = tmp_path / "runtime"
+    for sub in ("train", "launch"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch" / "elastic.py").write_text("from runtime.train.capacity import refresh_capacity\n")
+    (pkg / "train" / "capacity.py").write_text("")
+    (pkg / "train" / "spares.py").write_text("def watch():\n    from runtime.launch.elastic import refresh_capacity\n")
+    assert layer_violations(import_graph(pkg), layers) == [
+        "runtime.train.spares -> runtime.launch.elastic (train is not above launch)"]
+
+
+def unnamed_modules(package: Path) -> list[str]:
+    """Modules of ``package`` (one level) that its docstring does not name as ````module````."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    return [p.stem for p in sorted(package.glob("*.py")) if p.stem != "__init__" and f"``{p.stem}``" not in doc]
+
+
+def test_the_training_packages_docstrings_name_each_of_their_modules() -> None:
+    """A package's docstring is its map: a module added without a line there fails here."""
+    found = {pkg: unnamed_modules(ROOT / "runtime" / pkg) for pkg in ("train", "launch")}
+    assert found == {"train": [], "launch": []}, f"modules missing from their package's docstring: {found}"
+
+
+MAX_LINES = 400
+LONG_REASON = re.compile(r"over 400 lines", re.I)
+
+
+def long_without_reason(package: Path) -> list[str]:
+    """Modules over MAX_LINES lines whose docstring does not say why (``Over 400 lines because ...``)."""
+    found = []
+    for name, path in modules(package).items():
+        source = path.read_text()
+        lines = len(source.splitlines())
+        if lines > MAX_LINES and not LONG_REASON.search(ast.get_docstring(ast.parse(source)) or ""):
+            found.append(f"{name}: {lines} lines, and its docstring gives no reason (\"Over 400 lines because ...\")")
+    return found
+
+
+# A long module whose owner is still to split it or say why (its docstring is being rewritten).
+NOT_YET_REASONED = {"runtime.observe.logs"}
+
+
+def test_runtime_modules_over_400_lines_say_why() -> None:
+    found = [line for line in long_without_reason(ROOT / "runtime") if line.split(":")[0] not in NOT_YET_REASONED]
+    assert not found, "split these modules or say in their docstring why they are long:\n" + "\n".join(found)
+
+
+def test_size_check_flags_a_long_module_only_without_its_reason(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    body = "x = 1\n" * MAX_LINES
+    (pkg / "short.py").write_text('"""Short."""\n' + "x = 1\n" * (MAX_LINES - 1))
+    (pkg / "long.py").write_text('"""Long."""\n' + body)
+    (pkg / "said.py").write_text('"""Long.\n\nOver 400 lines because it is one table."""\n' + body)
+    assert long_without_reason(pkg) == [
+        'pkg.long: 401 lines, and its docstring gives no reason ("Over 400 lines because ...")']
+
+
+FIT_MAX_LINES = 30
+
+
+def body_lines(source: str, cls: str, method: str) -> int:
+    """Lines of ``cls.method`` after its docstring (blank and comment lines inside count too)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and f.name == method:
+                    has_doc = ast.get_docstring(f) is not None
+                    first = f.body[1] if has_doc else f.body[0]
+                    assert f.end_lineno is not None
+                    return f.end_lineno - first.lineno + 1
+    raise AssertionError(f"no {cls}.{method}")
+
+
+def test_trainer_fit_reads_at_a_glance() -> None:
+    """``Trainer.fit`` is the loop a newcomer reads first: the components own the detail."""
+    source = (ROOT / "runtime" / "train" / "trainer.py").read_text()
+    lines = body_lines(source, "Trainer", "fit")
+    assert lines <= FIT_MAX_LINES, f"Trainer.fit is {lines} lines (at most {FIT_MAX_LINES}): move detail out"
+
+
+def test_fit_length_counts_the_body_after_the_docstring() -> None:
+    source = 'class Trainer:\n    def fit(self):\n        """Doc."""\n        a = 1\n\n        return a\n'
+    assert body_lines(source, "Trainer", "fit") == 3
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -249,5 +344,5 @@ def test_no_runtime_module_imports_another_modules_private_names() -> None:
 
 
 def test_private_import_check_sees_absolute_and_relative_imports() -> None:
-    source = "from runtime.train.driver import _storage, connect\nfrom .x import _y\nfrom os import _exit\n"
-    assert private_imports(source) == [(1, "runtime.train.driver._storage"), (2, "x._y")]
+    source = "from runtime.launch.driver import _storage, connect\nfrom .x import _y\nfrom os import _exit\n"
+    assert private_imports(source) == [(1, "runtime.launch.driver._storage"), (2, "x._y")]

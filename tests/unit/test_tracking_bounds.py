@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from runtime.launch.driver import _worker_env
 from runtime.observe.history import HistoryLog, read_history
 from runtime.observe.mlflow_http import MLFLOW_HTTP_DEFAULTS, bound_mlflow_http
-from runtime.train.driver import _worker_env
 
 
 def _refused_url() -> str:

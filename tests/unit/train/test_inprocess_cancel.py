@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runtime.train.driver import InProcessFit
+from runtime.launch.driver import InProcessFit
 from runtime.train.stop_policy import CANCELLED
 from tests.support import job
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.train.runlock import LOCK_FILE, RunLock, RunLocked
+from runtime.launch.runlock import LOCK_FILE, RunLock, RunLocked
 from tests.support import ROOT
 
 HOLDER = """
 import sys, time
 from pathlib import Path
-from runtime.train.runlock import RunLock
+from runtime.launch.runlock import RunLock
 with RunLock(Path(sys.argv[1]), "r1"):
     print("held", flush=True)
     sys.stdin.readline()
@@ -66,7 +66,7 @@ def test_a_dead_drivers_lock_is_taken_over_with_a_line_naming_it(
     holder.send_signal(signal.SIGKILL)  # no release: the file still names it
     holder.wait()
     assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == holder.pid
-    with caplog.at_level(logging.WARNING, logger="runtime.train.runlock"):
+    with caplog.at_level(logging.WARNING, logger="runtime.launch.runlock"):
         with RunLock(run_dir, "r1") as lock:
             assert lock.replaced is not None and lock.replaced.pid == holder.pid
             assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
@@ -87,7 +87,7 @@ def test_a_lock_from_another_host_needs_take_over(tmp_path: Path, caplog: pytest
         RunLock(run_dir, "r1").acquire()
     assert "locked by pid" in str(refused.value) and "on host gpu-node-7" in str(refused.value)
     assert str(refused.value).endswith("if it is gone, start again with --take-over")
-    with caplog.at_level(logging.WARNING, logger="runtime.train.runlock"):
+    with caplog.at_level(logging.WARNING, logger="runtime.launch.runlock"):
         with RunLock(run_dir, "r1", take_over=True) as lock:
             assert lock.replaced is not None and lock.replaced.host == "gpu-node-7"
     assert "forced by --take-over" in caplog.text

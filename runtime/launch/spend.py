@@ -22,7 +22,7 @@ from runtime.observe.cost import PRICE_PAUSE_REASON, CostLedger, SpendMeter, eta
 from runtime.observe.prices import Quote, price_source
 from runtime.train.stop_policy import billed_nodes
 
-log = logging.getLogger("runtime.train.driver")
+log = logging.getLogger("runtime.launch.driver")
 
 
 class DriverCosts:

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-log = logging.getLogger("runtime.train.runlock")
+log = logging.getLogger("runtime.launch.runlock")
 
 LOCK_FILE = "RUNLOCK"
 

@@ -6,7 +6,7 @@ builds ``TorchTrainer(train_loop_per_worker, ScalingConfig, RunConfig(storage,
 FailureConfig))``, streams progress from the workers' reports
 and prints where the results are. On SIGTERM (spot preemption) or a first Ctrl+C it asks the
 workers to write an emergency checkpoint and stop; a second Ctrl+C ends the driver at once. A run
-folder holds one driver at a time (runtime.train.runlock).
+folder holds one driver at a time (runtime.launch.runlock).
 
 Over 400 lines: the run's whole driver-side life (connect, build, stream, preempt, summarise)
 reads in one place; the elastic controller and the tracker already live apart.
@@ -30,15 +30,15 @@ import ray.train
 from runtime.cluster import ClusterError, authenticate, prometheus_sd_dir, ray_address, tracking_uri
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
+from runtime.launch.elastic import record_resize, resize_line
+from runtime.launch.runlock import RunLock
+from runtime.launch.signals import StopSignals
 from runtime.layout import storage_filesystem, storage_paths
 from runtime.observe.cost import BUDGET_REASON, CostLedger
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import Progress, failure_line
 from runtime.run import PREEMPT_FILE, Resized, RunInfo, TrainOutcome, WorkerGroupFailed
-from runtime.train.elastic import record_resize, resize_line
 from runtime.train.hold import HOLD_ENV
-from runtime.train.runlock import RunLock
-from runtime.train.signals import StopSignals
 from runtime.train.spares import wanted as spares_wanted
 from runtime.train.spares import worker_runtime_env
 from runtime.train.stop_policy import watches_drains
@@ -46,9 +46,9 @@ from runtime.train.timeline import PhaseClock
 from runtime.train.worker import run_rank, train_loop_per_worker
 
 if TYPE_CHECKING:
-    from runtime.train.spend import DriverCosts
+    from runtime.launch.spend import DriverCosts
 
-log = logging.getLogger("runtime.train.driver")
+log = logging.getLogger("runtime.launch.driver")
 
 
 def connect(address: str | None = None, *, verbose: bool = False) -> None:
@@ -134,7 +134,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     # What ray.train's configs are under Train V2 (the typed ones LeanTorchTrainer takes).
     from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
-    from runtime.train.torch_trainer import LeanTorchTrainer
+    from runtime.launch.torch_trainer import LeanTorchTrainer
 
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
@@ -163,7 +163,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     callbacks: list[Any] = [PhaseClock(run.run_dir)]
     num_workers: int | tuple[int, int] = d.max_workers
     if d.is_elastic:
-        from runtime.train.elastic import ElasticWatch
+        from runtime.launch.elastic import ElasticWatch
 
         # Ray starts once min workers fit and restarts the group at another size (from the newest
         # checkpoint) when a node is lost or room comes back; the watch reports it (docs/elastic.md).
@@ -264,7 +264,7 @@ class ReportStream:
                 item = self._queue.get(timeout=0.5)
             except queue.Empty:  # nothing reported this half second (Ray's Empty is a queue.Empty too)
                 continue
-            if isinstance(item, Resized):  # from the controller (runtime.train.elastic), not a report
+            if isinstance(item, Resized):  # from the controller (runtime.launch.elastic), not a report
                 self.resizes += 1
                 if self.on_resize is not None:
                     self.on_resize(item, self.last_step, self.resizes)
@@ -355,12 +355,12 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
 
     With ``cost.pause_above_usd_per_hour``, a run that rank 0 paused for the spot price waits here
     (no workers) until the price is back at or below it, then continues from its checkpoint as
-    the same run: one outcome, one history, one MLflow run (runtime.train.spend, docs/cost.md).
+    the same run: one outcome, one history, one MLflow run (runtime.launch.spend, docs/cost.md).
     ``verbose``: Ray's worker and controller output on the console too (see :func:`connect`).
     The run folder's lock is held throughout: a second driver of the same run is refused with
-    RunLocked naming this one; ``take_over`` takes a lock another host left (runtime.train.runlock).
+    RunLocked naming this one; ``take_over`` takes a lock another host left (runtime.launch.runlock).
     """
-    from runtime.train.spend import DriverCosts
+    from runtime.launch.spend import DriverCosts
 
     if run_name is not None:
         validate_run_name(run_name)  # before the cluster, MLflow or storage are touched
@@ -374,10 +374,10 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
 def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address: str | None, show_progress: bool,
                   verbose: bool) -> TrainOutcome:
     """``train`` once the run is this driver's."""
+    from runtime.launch.spend import paused_for_price
     from runtime.observe.curves import plot_curves
     from runtime.observe.tracking import Tracker
     from runtime.train.export import save_final_model
-    from runtime.train.spend import paused_for_price
 
     _storage, checkpoint_uri, run_folder = storage_paths(cfg, run_name)
     run_dir = Path(run_folder)

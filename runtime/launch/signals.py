@@ -18,7 +18,7 @@ from typing import Any
 
 from runtime.run import PREEMPT_FILE
 
-log = logging.getLogger("runtime.train.driver")  # its lines are the driver's on the console, as before
+log = logging.getLogger("runtime.launch.driver")  # its lines are the driver's on the console, as before
 
 
 class StopSignals:

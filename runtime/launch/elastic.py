@@ -27,9 +27,10 @@ from typing import Any
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from runtime.run import Resized
+from runtime.train.capacity import refresh_capacity
 from runtime.train.drain import jobs_by_node, live_actors
 
-log = logging.getLogger("runtime.train.elastic")
+log = logging.getLogger("runtime.launch.elastic")
 
 _NODE_RE = re.compile(r"node (?:has )?died.*?(?:Node ID|node_id|NodeID|Node Id)[:= ]+([0-9a-f]{8,})", re.I | re.S)
 
@@ -158,7 +159,7 @@ class ElasticWatch(ControllerCallback):
 
 
 def _start_timeout_s() -> float:
-    """Ray Train's worker-group start timeout (runtime.train.driver sets 20 s for elastic runs)."""
+    """Ray Train's worker-group start timeout (runtime.launch.driver sets 20 s for elastic runs)."""
     return float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20"))
 
 
@@ -288,29 +289,6 @@ def _holders(node_ids: set[str]) -> str:
         if stored > 0:
             held.append(f"{stored / 2**20:.1f} MiB of objects on {node[:12]}")
     return ", ".join(held) or "no live actor and no stored object (a task or a lease)"
-
-
-def refresh_capacity() -> None:
-    """Make Ray's autoscaling coordinator re-read the cluster's nodes now.
-
-    Ray Train's elastic policy sizes a restart from the coordinator's view, which it refreshes
-    every 20 s: right after a node loss it still counts the lost node, and the restart waits
-    for a worker that cannot be placed until the worker-group start times out. A recompute
-    (the coordinator's own option for callers that must not pin to dead nodes) avoids that.
-    """
-    import ray
-
-    if not ray.is_initialized():  # outside a Ray process (unit tests): nothing to refresh
-        return
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-
-        coordinator = get_or_create_autoscaling_coordinator()
-        ray.get(coordinator.get_reserved_resources.remote("runtime-elastic", recompute=True), timeout=10)
-    except Exception as e:  # a stale view only costs time: Ray retries a start that cannot be placed
-        log.warning("could not refresh the cluster's capacity: %s", e)
 
 
 class MinWorkersTimeout(RuntimeError):

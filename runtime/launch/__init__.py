@@ -1,0 +1,17 @@
+"""The driver side of training: what runs in the process that asks Ray Train for a run, and in
+Ray Train's controller on the driver's node. The per-worker loop it starts is ``runtime.train``
+(imported here, never the other way round).
+
+- ``driver``: ``train(cfg)``: connect, build the ``TorchTrainer``, stream rank 0's reports, the
+  attempts of a run the spot price paused, the summary; ``StreamingFit`` and ``InProcessFit``
+  (a run's report stream, shared with Tune's trials).
+- ``torch_trainer``: Ray Train's ``TorchTrainer`` less the Ray Data actor a run never uses.
+- ``elastic``: the controller callback that reports resizes and enforces the min-workers wait.
+- ``spend``: the driver's side of the cost rules (the spend each report shows, the ledger, the
+  wait while the spot price is high).
+- ``runlock``: the run folder's lock: one driver per run; ``signals``: SIGTERM and Ctrl+C.
+
+What crosses to the workers and back is typed in ``runtime.run`` (the bottom layer).
+
+This package file imports nothing heavy: Tune and tracking import ``runtime.run`` without the driver.
+"""
