@@ -68,6 +68,17 @@ class MemoryBudget:
                 "gathered": self.gathered, "activations": self.activations}
 
 
+def check_divisible(shape: GPTShape, tp: int) -> str | None:
+    """Why ``shape`` cannot be split ``tp`` ways (None when it can): attention is split by heads,
+    embeddings and logits by the vocabulary, the residual stream by the sequence. Torch-free, so
+    the job schema can ask it."""
+    for name, n in (("model.transformer.heads", shape.heads), ("model.transformer.vocab_size", shape.vocab_size),
+                    ("model.transformer.seq_len", shape.seq_len)):
+        if n % tp:
+            return f"{name}={n} is not a multiple of distributed.tp_size={tp}"
+    return None
+
+
 def memory_budget(shape: GPTShape, dp: int, tp: int, micro_batch: int, checkpointed: bool,
                   loss_parallel: bool = False) -> MemoryBudget:
     """Per-GPU bytes of training ``shape`` on ``dp x tp`` GPUs, ``micro_batch`` sequences per

@@ -54,17 +54,6 @@ def make_mesh(device_type: str, dp: int, tp: int) -> Any:
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
 
 
-def check_divisible(heads: int, dim: int, vocab_size: int, seq_len: int, tp: int) -> str | None:
-    """Why a GPT of this shape cannot be split ``tp`` ways (None when it can): attention is split by
-    heads, the MLP by its hidden width (4 x dim), embeddings and logits by the vocabulary, and the
-    residual stream by the sequence."""
-    for name, n in (("transformer.heads", heads), ("transformer.vocab_size", vocab_size),
-                    ("transformer.seq_len", seq_len), ("transformer.dim", dim)):
-        if n % tp:
-            return f"{name}={n} is not a multiple of distributed.tp_size={tp}"
-    return None
-
-
 def _fused_qkv_style() -> Any:
     """``ColwiseParallel`` for the fused ``[q | k | v]`` projection: each rank keeps its heads of
     all three (``_StridedShard(0, split_factor=3)``) and returns a DTensor the model's own reshape

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.parallelism.memory import GB, GPTShape, check_fits, memory_budget
-from runtime.parallelism.tensor_parallel import check_divisible, loss_parallel_pays
+from runtime.parallelism.memory import GB, GPTShape, check_divisible, check_fits, memory_budget
+from runtime.parallelism.tensor_parallel import loss_parallel_pays
 from runtime.train.models import GPT
 
 GPT_10B = GPTShape(layers=32, dim=5120, heads=40, seq_len=4096, vocab_size=256)
@@ -63,9 +63,9 @@ def test_loss_parallel_splits_the_logits_and_pays_only_past_the_width() -> None:
 
 @pytest.mark.parametrize(("shape", "tp", "message"), [
     (GPT_10B, 8, None),
-    (GPT_10B, 16, "transformer.heads=40 is not a multiple of distributed.tp_size=16"),
+    (GPT_10B, 16, "model.transformer.heads=40 is not a multiple of distributed.tp_size=16"),
     (GPTShape(layers=2, dim=64, heads=8, seq_len=30, vocab_size=256), 4,
-     "transformer.seq_len=30 is not a multiple of distributed.tp_size=4"),
+     "model.transformer.seq_len=30 is not a multiple of distributed.tp_size=4"),
 ])
 def test_a_shape_that_cannot_be_split_tp_ways_is_named(shape: GPTShape, tp: int, message: str | None) -> None:
-    assert check_divisible(shape.heads, shape.dim, shape.vocab_size, shape.seq_len, tp) == message
+    assert check_divisible(shape, tp) == message
