@@ -166,6 +166,11 @@ def _templates(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+# The namespace label the API server sets itself: pod labels, and labels of namespaces users may
+# edit, are chosen by whoever creates them.
+NAMESPACE_NAME = "kubernetes.io/metadata.name"
+
+
 def _admits_anyone(rule: dict[str, Any]) -> bool:
     """An ingress rule with no peers, or a peer that is a whole namespace set with no pod selector."""
     peers = rule.get("from")
@@ -186,6 +191,11 @@ def isolation_problems(objs: list[dict[str, Any]]) -> list[str]:
             elif any(peer.get("namespaceSelector") is not None for peer in rule["from"]) and not rule.get("ports"):
                 out.append(f"NetworkPolicy {p['metadata']['name']} ingress[{i}]: pods of other namespaces "
                            "are admitted to every port; list the ports")
+            for peer in rule.get("from") or []:
+                names = (peer.get("namespaceSelector") or {}).get("matchLabels", {})
+                if "namespaceSelector" in peer and NAMESPACE_NAME not in names:
+                    out.append(f"NetworkPolicy {p['metadata']['name']} ingress[{i}]: a peer from other namespaces "
+                               f"is chosen by pod labels any pod can carry; pin its namespace ({NAMESPACE_NAME})")
     for obj in objs:
         kind, name = obj["kind"], obj["metadata"]["name"]
         for (where, pod), template in zip(pod_specs(obj), _submitter_first(obj), strict=True):
@@ -196,10 +206,20 @@ def isolation_problems(objs: list[dict[str, Any]]) -> list[str]:
             if where != "headGroupSpec" and pod.get("automountServiceAccountToken") is not False:
                 out.append(f"{kind} {name} {where}: set automountServiceAccountToken: false (only the Ray head's "
                            "autoscaler talks to the Kubernetes API)")
+    admin = _mlflow_admin_secrets(objs)
+    for obj in objs:
+        if obj["kind"] in ("RayJob", "RayCluster"):
+            for where, pod in pod_specs(obj):
+                for c in containers(pod):
+                    held = {e["name"] for e in c.get("env", []) if e.get("valueFrom", {}).get(
+                        "secretKeyRef", {}).get("name") in admin}
+                    if held:
+                        out.append(f"{obj['kind']} {obj['metadata']['name']} {where}: {sorted(held)} come from the "
+                                   f"MLflow admin Secret {sorted(admin)}; Ray pods log in as the training user")
     for d in find(objs, "Deployment"):
         if d["metadata"]["name"] != "rt-mlflow":
             continue
-        for c in containers(d["spec"]["template"]["spec"]):
+        for c in (c for c in containers(d["spec"]["template"]["spec"]) if c["name"] == "mlflow"):
             cmd = c.get("command", []) + c.get("args", [])
             if "--app-name" not in cmd or cmd[cmd.index("--app-name") + 1:][:1] != ["basic-auth"]:
                 out.append("Deployment rt-mlflow: the server must run MLflow's basic-auth app (--app-name basic-auth)")
@@ -209,6 +229,14 @@ def isolation_problems(objs: list[dict[str, Any]]) -> list[str]:
             if not c.get("securityContext", {}).get("readOnlyRootFilesystem"):
                 out.append("Deployment rt-mlflow: set readOnlyRootFilesystem: true (its data lives on volumes)")
     return out
+
+
+def _mlflow_admin_secrets(objs: list[dict[str, Any]]) -> set[str]:
+    """The Secrets the in-cluster MLflow reads its admin password from."""
+    return {e["valueFrom"]["secretKeyRef"]["name"]
+            for d in find(objs, "Deployment") if d["metadata"]["name"] == "rt-mlflow"
+            for c in containers(d["spec"]["template"]["spec"]) for e in c.get("env", [])
+            if e["name"] == "MLFLOW_AUTH_ADMIN_PASSWORD" and "secretKeyRef" in e.get("valueFrom", {})}
 
 
 def _submitter_first(obj: dict[str, Any]) -> list[dict[str, Any]]:

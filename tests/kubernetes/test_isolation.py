@@ -68,7 +68,7 @@ def test_in_cluster_mlflow_requires_a_login_from_a_secret_and_ray_pods_log_in(re
     _v, objs = rendered[overlay]
     (server,) = [d for d in k8s_objects.find(objs, "Deployment") if d["metadata"]["name"] == "rt-mlflow"]
     pod = server["spec"]["template"]["spec"]
-    (c,) = pod["containers"]
+    c, users = pod["containers"]
     assert c["command"][:4] == ["mlflow", "server", "--app-name", "basic-auth"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["automountServiceAccountToken"] is False
     env = {e["name"]: e for e in c["env"]}
@@ -79,12 +79,48 @@ def test_in_cluster_mlflow_requires_a_login_from_a_secret_and_ray_pods_log_in(re
         if where == "submitterPodTemplate":
             continue
         env = {e["name"]: e for e in spec["containers"][0]["env"]}
-        assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rt-mlflow-auth", where
+        assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rt-mlflow-train", where
         assert "value" not in env["MLFLOW_TRACKING_PASSWORD"]
     server_c = copy.deepcopy(objs)
     dep = next(d for d in server_c if d["kind"] == "Deployment" and d["metadata"]["name"] == "rt-mlflow")
     dep["spec"]["template"]["spec"]["containers"][0]["command"].remove("--app-name")
     assert any("basic-auth" in p for p in k8s_checks.isolation_problems(server_c))
+
+
+@pytest.mark.parametrize("overlay", ["cpu-demo", "local-gpu"])
+def test_only_the_mlflow_pod_holds_the_admin_password_and_ray_pods_log_in_as_the_training_user(
+        rendered: dict, overlay: str) -> None:
+    _v, objs = rendered[overlay]
+    holders = {(o["kind"], o["metadata"]["name"], c["name"]) for o in objs for _w, pod in k8s_objects.pod_specs(o)
+               for c in pod["containers"] for e in c.get("env", [])
+               if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "rt-mlflow-auth"}
+    assert holders == {("Deployment", "rt-mlflow", "mlflow"), ("Deployment", "rt-mlflow", "users")}
+    (server,) = [d for d in k8s_objects.find(objs, "Deployment") if d["metadata"]["name"] == "rt-mlflow"]
+    users = server["spec"]["template"]["spec"]["containers"][1]
+    script = users["command"][-1]
+    assert "create_user(user, password)" in script and "http://localhost:5000" in script
+    compile(script, "users", "exec")  # the script the container runs is Python that parses
+    planted = copy.deepcopy(objs)
+    head = next(o for o in planted if o["kind"] == "RayJob")["spec"]["rayClusterSpec"]["headGroupSpec"]
+    admin = {"secretKeyRef": {"name": "rt-mlflow-auth", "key": "password"}}
+    head["template"]["spec"]["containers"][0]["env"].append({"name": "MLFLOW_TRACKING_PASSWORD", "valueFrom": admin})
+    assert any("come from the MLflow admin Secret ['rt-mlflow-auth']" in p
+               for p in k8s_checks.isolation_problems(planted))
+
+
+def test_peers_from_other_namespaces_are_pinned_by_the_namespace_name_not_by_pod_labels(
+        rendered: dict, kustomized: dict) -> None:
+    _v, objs = rendered["cpu-demo"]
+    peers = [peer for p in k8s_objects.find(objs, "NetworkPolicy") for r in p["spec"]["ingress"]
+             for peer in r["from"] if "namespaceSelector" in peer]
+    assert sorted(peer["namespaceSelector"]["matchLabels"][k8s_checks.NAMESPACE_NAME] for peer in peers) == [
+        "monitoring", "ray-system"]
+    # A pod anywhere that labels itself app.kubernetes.io/name=prometheus was a peer before.
+    loose = copy.deepcopy(kustomized["cpu-demo"])
+    policy = next(o for o in loose if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rt-train")
+    policy["spec"]["ingress"][1]["from"][0]["namespaceSelector"] = {}
+    assert any("ingress[1]: a peer from other namespaces is chosen by pod labels" in p
+               for p in k8s_checks.isolation_problems(loose))
 
 
 def test_only_the_ray_head_mounts_a_service_account_token(kustomized: dict, rendered: dict) -> None:
