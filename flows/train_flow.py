@@ -26,6 +26,7 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 from metaflow import FlowSpec, Parameter, card, current, step
@@ -174,10 +175,41 @@ def _cell(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def datastore_root(environ: os._Environ[str] | dict[str, str]) -> str:
+    """Where Metaflow keeps this flow's artifacts, as Metaflow's own settings say."""
+    if environ.get("METAFLOW_DEFAULT_DATASTORE", "local") == "s3":
+        return environ.get("METAFLOW_DATASTORE_SYSROOT_S3", "")
+    return environ.get("METAFLOW_DATASTORE_SYSROOT_LOCAL") or os.path.join(os.getcwd(), ".metaflow")
+
+
+def check_datastore(storage: str, root: str) -> None:
+    """Refuse a Metaflow datastore inside the job's checkpoint storage. Every worker writes that
+    storage, and ``resume`` unpickles the datastore's artifacts on the operator's machine: a job
+    could plant one there and run code as the operator."""
+    from runtime.config.values import parse_storage
+    from runtime.errors import ConfigError
+
+    if not root:
+        return
+    ds, st = parse_storage(root), parse_storage(storage)
+    if ds.remote != st.remote:
+        return
+    if ds.remote:
+        inside = f"{ds.uri.rstrip('/')}/".startswith(f"{st.uri.rstrip('/')}/")
+    else:
+        inside = Path(ds.uri).resolve().is_relative_to(Path(st.uri).resolve())
+    if inside:
+        raise ConfigError(f"the Metaflow datastore {root} is inside checkpoint.storage {storage}, which every "
+                          "worker writes (resume would unpickle what a job planted there): put "
+                          "METAFLOW_DATASTORE_SYSROOT_S3/_LOCAL outside it")
+
+
 def preflight(argv: list[str]) -> int | None:
-    """``run``'s job, overrides and search space checked before Metaflow starts: a bad one is one line
-    and exit 2, as from the CLI, not a failed start step under Metaflow's traceback. None: go on."""
-    if "run" not in argv:
+    """``run``'s job, overrides and search space checked before Metaflow starts, and for ``run`` and
+    ``resume`` the datastore's place: a bad one is one line and exit 2, as from the CLI, not a failed
+    start step under Metaflow's traceback. None: go on."""
+    command = next((c for c in ("run", "resume") if c in argv), None)
+    if command is None:
         return None
     from runtime.config import load_job
     from runtime.errors import ConfigError
@@ -186,9 +218,12 @@ def preflight(argv: list[str]) -> int | None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--job", default=DEFAULT_JOB)
     p.add_argument("--set", default="")
-    args, _ = p.parse_known_args(argv[argv.index("run") + 1:])
+    args, _ = p.parse_known_args(argv[argv.index(command) + 1:])
     try:
-        parse_tune(load_job(args.job, shlex.split(args.set), environ=os.environ))
+        cfg = load_job(args.job, shlex.split(args.set), environ=os.environ)
+        check_datastore(cfg.checkpoint.storage, datastore_root(os.environ))
+        if command == "run":
+            parse_tune(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
