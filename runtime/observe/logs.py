@@ -20,6 +20,9 @@ Why one command: a run's lines are scattered over its run folder, Ray's session 
 A run's attempt is the number of worker-group starts in ``timeline.jsonl`` up to a line's time; its
 step is the last step the driver had received a report for then (``~step``).
 
+Over 400 lines because the three sources' formats (JSON lines, Ray's plain and JSON worker output,
+rsyslog's file format) are only useful joined (job, worker and rank, attempt, step): one module.
+
 Exit codes: 0 the lines were printed (none matching is said on stderr), 2 bad input (no such run,
 a bad time, rank or pattern: one line saying what was expected), 7 a source could not be read (each
 named in one line on stderr; the lines of the others are still printed).
@@ -51,6 +54,9 @@ TIMELINE_FILE = "timeline.jsonl"  # runtime.train.timeline's file, named here so
 _WORKER_FILE = re.compile(r"worker-([0-9a-f]{56})-([0-9a-f]{8})-\d+")
 # rsyslog's RSYSLOG_FileFormat: "<RFC 3339 time> <host> <tag>: <message>".
 _SHIPPED_LINE = re.compile(r"(\S+) (\S+) ([^:\s]+): ?(.*)")
+_PLAIN_TIME = re.compile(r"\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d{3})")
+# Ray's own marker lines at the top of a worker's files (its log monitor reads them), not output.
+_RAY_MARKERS = (":job_id:", ":actor_name:", ":task_name:")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _TEXT_MAX = 2000  # characters of one shown line: a megabyte-long line is cut, never floods the terminal
@@ -172,11 +178,12 @@ def _record_time(item: dict[str, Any]) -> float | None:
 
 @dataclass
 class _RawFile:
-    """A file of Ray's logs, local or shipped: its lines as (time or None, text)."""
+    """A file of Ray's logs, local or shipped: its lines as (time or None, text), and its own time."""
 
     host: str
     program: str
     lines: list[tuple[float | None, str]]
+    mtime: float = 0.0
 
 
 def _ray_files(ray_logs: Iterable[Path], shipped: Path | None, unreadable: list[str]) -> Iterator[_RawFile]:
@@ -185,7 +192,8 @@ def _ray_files(ray_logs: Iterable[Path], shipped: Path | None, unreadable: list[
         for session in sorted(root.glob("session_2*/logs")):
             for path in sorted([*session.glob("train/*.log"), *session.glob("worker-*.out"),
                                 *session.glob("worker-*.err")]):
-                yield _RawFile(host, path.stem, [(None, raw) for raw in _read_lines(path, unreadable)])
+                lines: list[tuple[float | None, str]] = [(None, raw) for raw in _read_lines(path, unreadable)]
+                yield _RawFile(host, path.stem, lines, path.stat().st_mtime if lines else 0.0)
     if shipped is None or not shipped.is_dir():
         return
     try:
@@ -214,6 +222,7 @@ def _ray_lines(run: str, files: list[_RawFile]) -> list[Line]:
     """The run's lines in Ray's files: Ray Train's JSON lines naming the run, then every line of the
     worker files of the run's Ray jobs, each with the rank its worker process had."""
     ranks: dict[str, int] = {}  # Ray worker id -> world rank
+    said: dict[str, set[str]] = {}  # Ray worker id -> its JSON records' messages (its console repeats them)
     jobs: set[str] = set()
     out: list[Line] = []
     for f in files:
@@ -223,9 +232,11 @@ def _ray_lines(run: str, files: list[_RawFile]) -> list[Line]:
             item = _as_json(raw)
             if item is None or item.get("run_name") != run:
                 continue
-            rank = item.get("world_rank")
-            if isinstance(rank, int) and isinstance(item.get("worker_id"), str):
-                ranks[item["worker_id"]] = rank
+            rank, worker = item.get("world_rank"), item.get("worker_id")
+            if isinstance(worker, str):
+                said.setdefault(worker, set()).add(str(item.get("message", "")))
+                if isinstance(rank, int):
+                    ranks[worker] = rank
             if isinstance(item.get("job_id"), str):
                 jobs.add(item["job_id"])
             when = _record_time(item) or t
@@ -235,16 +246,21 @@ def _ray_lines(run: str, files: list[_RawFile]) -> list[Line]:
         m = _WORKER_FILE.fullmatch(f.program)
         if m is None or m.group(2) not in jobs:
             continue
-        rank = ranks.get(m.group(1))
-        last = 0.0  # a plain line (a traceback's) takes the time of the timed line before it
+        rank, repeated = ranks.get(m.group(1)), said.get(m.group(1), set())
+        kept: list[tuple[float | None, str, dict[str, Any] | None]] = []
         for t, raw in f.lines:
             item = _as_json(raw)
-            when = (_record_time(item) if item else None) or t or last
-            last = when
-            if item is not None:
-                out.append(_json_line(item, when, f"{f.host}/{f.program}", f.host, rank))
-            elif raw.strip():
-                out.append(Line(when, f"{f.host}/{f.program}", raw, f.host, rank, _plain_level(raw)))
+            if item is None and (not raw.strip() or raw.startswith(_RAY_MARKERS) or raw in repeated):
+                continue
+            kept.append(((_record_time(item) if item else _plain_time(raw)) or t, raw, item))
+        # A line without a time (a traceback's) takes the time of the timed line before it (after it
+        # at the top of the file; the file's own time when none has one).
+        last = next((t for t, _, _ in kept if t is not None), f.mtime)
+        for t, raw, item in kept:
+            last = t if t is not None else last
+            source = f"{f.host}/{f.program}"
+            out.append(_json_line(item, last, source, f.host, rank) if item is not None
+                       else Line(last, source, raw, f.host, rank, _plain_level(raw)))
     return out
 
 
@@ -259,6 +275,13 @@ def _json_line(item: dict[str, Any], when: float, source: str, host: str, rank: 
 
 def _plain_level(raw: str) -> str:
     return next((lvl for lvl in ("ERROR", "WARNING", "INFO", "DEBUG") if lvl in raw[:40]), "")
+
+
+def _plain_time(raw: str) -> float | None:
+    """The time at the start of a plain line: Python logging's asctime or Ray's C++ ``[<time> I ...]``
+    (both this machine's local time)."""
+    m = _PLAIN_TIME.match(raw)
+    return dt.datetime.strptime(m.group(1).replace(".", ","), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
 
 
 def collect(run: str, sources: Sources) -> tuple[list[Line], list[str]]:

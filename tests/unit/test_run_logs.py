@@ -120,3 +120,26 @@ def test_an_unreadable_source_is_named_and_the_others_still_shown(gone: dict[str
     warned = err.splitlines()
     assert len(warned) == 2 and all(w.startswith("warning: ") and "(skipped" in w for w in warned)
     assert any("-77.log" in w for w in warned) and any("timeline.jsonl" in w for w in warned)
+
+
+def test_a_local_workers_plain_lines_get_their_time_and_rank_and_rays_markers_and_repeats_stay_out(
+        gone: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """On a node itself: Ray Train's JSON file and the worker's stderr, where its console repeats the
+    JSON records' messages and Python's logging writes its local asctime."""
+    import datetime as dt
+
+    logs_dir = gone["ray"] / "session_2027-01-15_08-00-00_000000_1" / "logs"
+    (logs_dir / "train").mkdir(parents=True)
+    record = {"levelname": "INFO", "message": "restored step 20", "run_name": RUN, "world_rank": 0,
+              "worker_id": "cd" * 28, "job_id": JOB, "timestamp_ns": int((T0 + 45) * 1e9)}
+    (logs_dir / "train" / f"ray-train-app-worker-{'cd' * 28}.log").write_text(json.dumps(record) + "\n")
+    asctime = dt.datetime.fromtimestamp(T0 + 46).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    (logs_dir / f"worker-{'cd' * 28}-{JOB}-99.err").write_text(
+        f":job_id:{JOB}\n:actor_name:RayTrainWorker\nrestored step 20\n"
+        f"{asctime} WARNING runtime.checkpoint: slow storage\n")
+    code, lines, err = run(gone, capsys, "--rank", "0", "--attempt", "2")
+    assert code == 0, err
+    shown = [(ln.split(" ")[0], ln.split(" ", 7)[7]) for ln in lines]
+    assert [text for _, text in shown] == ["INFO restored step 20", f"WARNING {asctime} WARNING runtime.checkpoint: "
+                                           "slow storage", "INFO report step 20 resumed_from_step=20"]
+    assert shown[1][0] == _stamp(T0 + 46).replace("+00:00", ".000Z")
