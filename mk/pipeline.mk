@@ -10,5 +10,5 @@ flow: setup cluster-ready ## Tune -> train -> evaluate -> register (Metaflow): m
 	$(if $(RESUME),$(PY) flows/train_flow.py resume,$(PY) flows/train_flow.py run --job $(call q,$(JOB)) --budget $(call q,$(BUDGET)) --set "$$SET" $(if $(MODEL),--model_name $(call q,$(MODEL))))
 
 .PHONY: models
-models: setup ## The MLflow Model Registry: make models ARGS="list" | ARGS="promote digits 3 --metric eval/accuracy".
-	$(PY) -m runtime models $(ARGS)
+models: setup ## The MLflow Model Registry: make models ARGS="list" | ARGS="promote digits 3 --metric eval/accuracy" (each word one argument).
+	$(PY) -m runtime models $(foreach a,$(ARGS),$(call q,$(a)))

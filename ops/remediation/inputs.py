@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import math
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,25 @@ def ip_and_port(value: str) -> str:
         ipaddress.ip_address(host)
     except ValueError:
         raise InputError(f"must be an IP address or IP:port, got {value!r}") from None
+    if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise InputError(f"port must be in 1-65535, got {value!r}")
+    return value
+
+
+# A DNS host name: dot-separated labels of letters, digits and inner hyphens.
+LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST_NAME = re.compile(rf"(?=.{{1,253}}$){LABEL}(\.{LABEL})*")
+
+
+def node_address(value: str) -> str:
+    """`value` if it is an IP address or a host name, optionally :port (1-65535): an alert's
+    instance label names a node so. Digits and dots alone must be an IP (10.0.1.300 is not one)."""
+    host, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if re.fullmatch(r"[0-9.]+", host) or not HOST_NAME.fullmatch(host):
+            raise InputError(f"must be an IP address or host name, optionally :port, got {value!r}") from None
     if port and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise InputError(f"port must be in 1-65535, got {value!r}")
     return value

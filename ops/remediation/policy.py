@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .inputs import InputError, host_port, http_url, read_text_file
+from .inputs import InputError, host_port, http_url, node_address, read_text_file
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KB; a bigger file is not one
 HOUR_S = 3600.0
@@ -174,7 +174,19 @@ class Policy(_Strict):
     def _absolute(cls, path: str) -> str:
         if not os.path.isabs(path):
             raise ValueError(f"must be an absolute path, got {path!r}")
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ValueError(f"{path} exists and is not a folder (the service keeps state.json in it)")
         return path
+
+    @field_validator("nodes")
+    @classmethod
+    def _addresses(cls, nodes: dict[str, str]) -> dict[str, str]:
+        for name, address in nodes.items():  # a typo here would make the node unreachable by any alert
+            try:
+                node_address(address)
+            except InputError as err:
+                raise ValueError(f"{name}: {err}") from None
+        return nodes
 
     @model_validator(mode="after")
     def _replace_configured(self) -> Policy:

@@ -497,6 +497,15 @@ class CostConfig(Strict):
     price_poll_s: float = Field(
         60.0, ge=0.1, le=3600, description="While paused: how often the driver asks the price source.")
 
+    @field_validator("price_table")
+    @classmethod
+    def _a_regular_file(cls, path: str | None) -> str | None:
+        # A folder fails the read, a FIFO blocks it for ever; a missing file is the reader's to name.
+        if path is not None and os.path.exists(path) and not os.path.isfile(path):
+            raise ValueError("not a regular file (expected a price table in prices/instances.yaml's "
+                             "format)")
+        return path
+
     @model_validator(mode="after")
     def _pause_needs_a_live_price(self) -> CostConfig:
         if self.pause_above_usd_per_hour is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from runtime.cluster import ClusterError
 from runtime.errors import ConfigError
@@ -90,10 +89,13 @@ def _run(args: argparse.Namespace, uri: str) -> int:
         print(f"{args.name}@{args.alias} -> version {p.version.version}{before}: {p.reason}")
         return 0
     from runtime.observe.mlflow_sync import register_run
-    from runtime.observe.report import find_run
+    from runtime.observe.mlflow_upload import STATE_FILE
+    from runtime.observe.report import HISTORY_FILE, find_run, refuse_special_files
     from runtime.train.export import save_final_model
 
-    done = register_run(Path(find_run(args.run)), uri, args.name, save_final_model)
+    run_dir = find_run(args.run)
+    refuse_special_files(run_dir, (HISTORY_FILE, STATE_FILE))
+    done = register_run(run_dir, uri, args.name, save_final_model)
     print(f"{args.name} version {done.version} (MLflow run {done.run_id} at {uri}); promote with "
           f"`python -m runtime models promote {args.name} {done.version} --metric val/accuracy`")
     return 0

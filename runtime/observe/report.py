@@ -9,6 +9,7 @@ missed of the run (runtime.observe.mlflow_sync.sync).
 
 from __future__ import annotations
 
+import stat
 import statistics
 import sys
 import warnings
@@ -90,10 +91,23 @@ class Report:
     warning: str | None = None  # lines of the history file skipped, named
 
 
+def refuse_special_files(run_dir: Path, names: tuple[str, ...]) -> None:
+    """A run folder is untrusted input: a FIFO or device where a file belongs would block the read
+    for ever (or read a device), a folder would fail it; each is refused naming the file."""
+    for name in names:
+        try:
+            mode = (run_dir / name).stat().st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise ReportError(f"{run_dir / name}: not a regular file (a run folder holds {name} as a file)")
+
+
 def report(run: str, runs_root: Path = LOCAL_RUNS) -> Report:
     """The summary of a run folder or name, its curves redrawn. Damaged history lines are skipped
     and named in one warning; a history with no readable report is refused."""
     run_dir = find_run(run, runs_root)
+    refuse_special_files(run_dir, (HISTORY_FILE, LEDGER_FILE))
     history = load_history(run_dir)
     if not history.reports:
         if history.skipped:
@@ -137,10 +151,13 @@ def main(run: str, sync: bool = False, export_model: ModelExporter | None = None
 
             from runtime.observe.mlflow_http import configured_uri
             from runtime.observe.mlflow_sync import sync as sync_run
+            from runtime.observe.mlflow_upload import STATE_FILE
 
             uri = configured_uri()
+            run_dir = find_run(run)
+            refuse_special_files(run_dir, (HISTORY_FILE, LEDGER_FILE, STATE_FILE))
             try:
-                print("\n".join(sync_run(find_run(run), uri, export_model)) + "\n")
+                print("\n".join(sync_run(run_dir, uri, export_model)) + "\n")
             except MlflowException as e:
                 raise ReportError(f"MLflow at {uri} refused the run: {first_line(e)}") from None
         got = report(run)
