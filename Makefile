@@ -192,7 +192,8 @@ ifeq ($(CLOUD),local)
 	@$(MAKE) --no-print-directory setup prometheus-tools
 	$(PY) -m runtime cluster up $(if $(NUM_CPUS),--num-cpus $(call q,$(NUM_CPUS))) $(if $(NODES),--nodes $(call q,$(NODES)))
 else
-	@$(MAKE) --no-print-directory cluster-up-$(CLOUD)
+	@$(if $(filter-out aws baremetal,$(CLOUD)),echo "CLOUD="$(call q,$(CLOUD))": expected local or aws or baremetal" >&2; exit 2)
+	@$(MAKE) --no-print-directory $(call q,cluster-up-$(CLOUD))
 endif
 
 .PHONY: cluster-down
@@ -201,7 +202,8 @@ ifeq ($(CLOUD),local)
 	@test -x $(PY) || { echo "nothing to stop (no .venv)"; exit 0; }
 	$(PY) -m runtime cluster down
 else
-	@$(MAKE) --no-print-directory cluster-down-$(CLOUD)
+	@$(if $(filter-out aws,$(CLOUD)),echo "CLOUD="$(call q,$(CLOUD))": expected local or aws" >&2; exit 2)
+	@$(MAKE) --no-print-directory $(call q,cluster-down-$(CLOUD))
 endif
 
 .PHONY: cluster-status
