@@ -220,7 +220,7 @@ def test_a_run_that_cannot_reach_min_workers_fails_after_min_wait_naming_the_set
         monkeypatch: pytest.MonkeyPatch) -> None:
     from ray.train.v2._internal.execution.controller.state import InitializingState, RunningState
 
-    from runtime.train import elastic
+    from runtime.launch import elastic
 
     clock = FakeClock(1000.0)  # the callback's clock moves only when the test says
     monkeypatch.setattr(elastic, "time", clock.as_time_module())
