@@ -268,7 +268,7 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     use_cluster_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
     from runtime.launch.driver import outcome_summary, train
     from runtime.launch.runlock import RunLocked
-    from runtime.observe.cost import BUDGET_REASON
+    from runtime.run import StopKind
 
     try:
         outcome = train(cfg, args.run_name, show_progress=not args.no_progress, verbose=args.verbose,
@@ -292,9 +292,9 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
               "(--verbose shows the traceback; the workers' logs are in Ray's session folder)", file=sys.stderr)
         return EXIT_RUN_FAILED
     print(outcome_summary(outcome))
-    reason = outcome.metrics.get("stop_reason")
-    budget = isinstance(reason, str) and reason.startswith(BUDGET_REASON)
-    if outcome.error or reason not in (None, "preempted") and not budget:
+    stop = outcome.stop
+    budget = stop is not None and stop.kind is StopKind.BUDGET
+    if outcome.error or stop is not None and stop.kind not in (StopKind.PREEMPTED, StopKind.BUDGET):
         return EXIT_RUN_FAILED
     if outcome.uncommitted_steps() is not None:
         return EXIT_UNCOMMITTED

@@ -1,4 +1,7 @@
-"""What the driver tells every worker (RunInfo) and what a finished run hands back (TrainOutcome).
+"""What crosses between the driver (runtime.launch) and the workers (runtime.train), typed: the
+hand-off to every worker (``WorkerHandoff``, with ``RunInfo``), rank 0's reports (``Report``), why
+a run stopped (``StopReason``), the controller's events (``WorkerGroupFailed``, ``Resized``), and
+what a finished run hands back (``TrainOutcome``).
 
 In the bottom layer (docs/architecture.md), apart from the driver and the trainer, so that
 tracking and Tune can name them without importing either.
@@ -6,6 +9,7 @@ tracking and Tune can name them without importing either.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +55,11 @@ class TrainOutcome:
     restarts: int = 0  # worker-group failures Ray Train recovered from during this call
     plots: list[str] = field(default_factory=list)  # files written into the run folder (training_curves.png)
 
+    @property
+    def stop(self) -> StopReason | None:
+        """Why the run ended before its length (None: it trained to its end)."""
+        return StopReason.of(self.metrics.get("stop_reason"))
+
     def uncommitted_steps(self) -> tuple[int, int] | None:
         """(first, last) of the steps the run trained past its newest commit (its final save failed);
         None when its last step is committed or it does not checkpoint."""
@@ -84,3 +93,113 @@ class Resized:
     after: int
     reason: str  # e.g. "node 5f2c... lost", "capacity changed"
     at: float  # unix time
+
+
+# ---------------------------------------------------------------- worker <-> driver contracts
+# What crosses the process boundary between the driver (runtime.launch) and the workers
+# (runtime.train): dataclasses, versioned by their fields, never dicts told apart by keys.
+
+
+class StopKind(enum.Enum):
+    """Why a run ended before its length: what the driver and the CLI act on."""
+
+    PREEMPTED = "preempted"  # the PREEMPT marker: SIGTERM or Ctrl+C to the driver, or an operator
+    CANCELLED = "cancelled"  # the process running the rank cancelled it (a Tune trial stopped)
+    BUDGET = "budget"  # cost.budget_usd reached: stopped (or paused) at a commit; exit 4
+    PRICE_PAUSE = "price_pause"  # spot price above cost.pause_above_usd_per_hour: the driver waits, resumes
+    NONFINITE = "nonfinite"  # train.nonfinite.policy=stop crossed its limit
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed with checkpoint.on_failure=stop
+    BY_RANK_0 = "by_rank_0"  # another rank's view: rank 0 stopped the run, and its report says why
+    OTHER = "other"  # a reason this version does not know (a history written by another one)
+
+
+# How each kind's message starts: what a plain string (an older history, a test's outcome) is read
+# by, in this one place; new reasons are built typed and never parsed.
+_LEADS: tuple[tuple[str, StopKind], ...] = (
+    ("preempted", StopKind.PREEMPTED), ("cancelled", StopKind.CANCELLED), ("budget:", StopKind.BUDGET),
+    ("paused: spot price", StopKind.PRICE_PAUSE), ("stopped by rank 0", StopKind.BY_RANK_0),
+)
+
+
+class StopReason(str):
+    """Why a rank stopped: a kind, the data that goes with it, and the line a user reads.
+
+    A ``str`` whose value is that line, so that history.jsonl, MLflow's ``stop_reason`` tag and
+    the summary show what they always showed; code asks ``kind`` (and the data), never the text.
+    """
+
+    kind: StopKind
+    usd_per_hour: float | None  # BUDGET, PRICE_PAUSE: the price read when the rule fired
+    spent_usd: float | None  # BUDGET: the spend that reached the budget
+    step: int | None  # NONFINITE: the step the limit was crossed at (None: on another rank)
+
+    def __new__(cls, kind: StopKind, message: str, *, usd_per_hour: float | None = None,
+                spent_usd: float | None = None, step: int | None = None) -> StopReason:
+        self = super().__new__(cls, message)
+        self.kind, self.usd_per_hour, self.spent_usd, self.step = kind, usd_per_hour, spent_usd, step
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole across Ray (str's own would drop the kind)
+        return (StopReason, (self.kind, str(self)), dict(self.__dict__))
+
+    @staticmethod
+    def of(value: Any) -> StopReason | None:
+        """``value`` as a StopReason: itself, a plain string read by how it starts, or None."""
+        if isinstance(value, StopReason) or value is None:
+            return value
+        text = str(value)
+        kind = next((k for lead, k in _LEADS if text.startswith(lead)), None)
+        if kind is None:
+            kind = (StopKind.NONFINITE if "non-finite" in text else StopKind.CHECKPOINT_FAILED
+                    if "checkpoint.on_failure=stop" in text else StopKind.OTHER)
+        return StopReason(kind, text)
+
+
+PREEMPTED = StopReason(StopKind.PREEMPTED, "preempted")
+CANCELLED = StopReason(StopKind.CANCELLED, "cancelled")
+
+
+@dataclass(frozen=True)
+class Report:
+    """One report from rank 0 to the driver's stream: the run's metrics apart from its control.
+
+    ``flat()`` is the one dict every consumer downstream of the driver reads (the progress line,
+    history.jsonl, MLflow, Tune's trial): the same keys a report always had.
+    """
+
+    metrics: dict[str, Any]  # measurements and counters: step, losses, rates, committed steps ...
+    at: float  # unix time rank 0 sent it
+    final: bool = False  # the run's last report
+    stop: StopReason | None = None  # why the run ended before its length (final reports only)
+    notices: tuple[str, ...] = ()  # console lines for the driver to print once (a micro-batch halved, a drain)
+
+    @property
+    def step(self) -> Any:
+        return self.metrics.get("step")
+
+    def flat(self, *, sent_at: bool = True) -> dict[str, Any]:
+        """The report as one dict; ``sent_at``: with ``_time`` (the driver's stream keeps it, Ray's report not)."""
+        out = {**self.metrics, "final": self.final}
+        if sent_at:
+            out["_time"] = self.at
+        if self.stop is not None:
+            out["stop_reason"] = self.stop
+        if self.notices:
+            out["notices"] = list(self.notices)
+        return out
+
+
+@dataclass(frozen=True)
+class WorkerHandoff:
+    """What the driver hands every worker of a Ray Train run (``train_loop_config["handoff"]``)."""
+
+    job: dict[str, Any]  # the JobConfig, dumped as JSON types (validated again on the worker)
+    run: RunInfo
+    mlflow_run_id: str | None = None  # the driver's MLflow run: rank 0 samples system metrics into it
+    mlflow_uri: str | None = None
+    progress: Any = None  # the driver's ray.util.queue.Queue of Reports (None: no stream)
+    progress_lockstep: bool = False  # a Tune trial under a scheduler: wait until each report is taken
+    spares: bool = False  # ask the raylets for spare worker processes once the group is up
+    # What one worker asks of a node: an elastic group below its maximum asks nodes that join
+    # for that many spares (runtime.train.spares); None when the run is not elastic.
+    worker_resources: dict[str, float] | None = None

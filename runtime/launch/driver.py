@@ -21,7 +21,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +33,20 @@ from runtime.launch.elastic import record_resize, resize_line
 from runtime.launch.runlock import RunLock
 from runtime.launch.signals import StopSignals
 from runtime.layout import storage_filesystem, storage_paths
-from runtime.observe.cost import BUDGET_REASON, CostLedger
+from runtime.observe.cost import CostLedger
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import Progress, failure_line
-from runtime.run import PREEMPT_FILE, Resized, RunInfo, TrainOutcome, WorkerGroupFailed
+from runtime.run import (
+    PREEMPT_FILE,
+    PREEMPTED,
+    Report,
+    Resized,
+    RunInfo,
+    StopKind,
+    TrainOutcome,
+    WorkerGroupFailed,
+    WorkerHandoff,
+)
 from runtime.train.hold import HOLD_ENV
 from runtime.train.spares import wanted as spares_wanted
 from runtime.train.spares import worker_runtime_env
@@ -145,13 +154,10 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     resources: dict[str, float] = {"CPU": d.cpus_per_worker, **d.resources_per_worker}
     if use_gpu:
         resources["GPU"] = d.gpus_per_worker
-    loop_config: dict[str, Any] = {"job": cfg.model_dump(mode="json"), "run": asdict(run),
-                                   "mlflow": {"run_id": mlflow_run_id, "uri": tracking_uri()}, "progress": progress,
-                                   "progress_lockstep": lockstep,
-                                   "spares": spares_wanted(cfg.checkpoint.max_failures, d.is_elastic),
-                                   # What one worker asks of a node: an elastic group below its maximum asks
-                                   # nodes that join for that many spares (runtime.train.spares).
-                                   "worker_resources": resources if d.is_elastic else None}
+    handoff = WorkerHandoff(job=cfg.model_dump(mode="json"), run=run, mlflow_run_id=mlflow_run_id,
+                            mlflow_uri=tracking_uri(), progress=progress, progress_lockstep=lockstep,
+                            spares=spares_wanted(cfg.checkpoint.max_failures, d.is_elastic),
+                            worker_resources=resources if d.is_elastic else None)
     # Read by TorchTrainer.fit() here and handed to its controller (Ray propagates RAY_TRAIN_* settings).
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(d.poll_interval_s)
     # Ray Train's preemption watcher (an actor per worker group) serves ray.train.get_preemption_info:
@@ -178,7 +184,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
         callbacks.append(FailureNotices(progress, cfg.checkpoint.max_failures))
     trainer = LeanTorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={"handoff": handoff},  # Ray's API takes a dict; the contract is the dataclass
         # NCCL on GPUs, gloo on CPUs; the timeout turns a dead peer into a failure, not a hang.
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=d.timeout_s),
         scaling_config=ScalingConfig(
@@ -252,6 +258,11 @@ class ReportStream:
             self.error = e
 
     def reports(self, on_event: Callable[[WorkerGroupFailed], None] | None = None) -> Iterator[dict[str, Any]]:
+        """``stream``, each report as the one dict its consumers read by key (Tune's trial)."""
+        for report in self.stream(on_event):
+            yield report.flat()
+
+    def stream(self, on_event: Callable[[WorkerGroupFailed], None] | None = None) -> Iterator[Report]:
         """Start the run and yield each report until it has ended and the queue is empty.
 
         Failure notices from the controller (FailureNotices) go to ``on_event``, never into the reports.
@@ -275,7 +286,7 @@ class ReportStream:
                 if on_event is not None:
                     on_event(item)
                 continue
-            self.last_step = item.get("step", self.last_step)
+            self.last_step = item.metrics.get("step", self.last_step)
             yield item
         thread.join()
 
@@ -327,13 +338,14 @@ class InProcessFit(ReportStream):
         preflight(cfg, use_gpu)
         super().__init__(new_run(cfg, run_name), queue.Queue(maxsize=1 if lockstep else 0))
         self.cfg, self.lockstep = cfg, lockstep
-        self.mlflow = {"run_id": mlflow_run_id, "uri": tracking_uri()}
+        self.mlflow_run_id, self.mlflow_uri = mlflow_run_id, tracking_uri()
         # Ray hands a trial that reserved a GPU exactly that one (CUDA_VISIBLE_DEVICES).
         self.placement = Placement(0, 1, torch.device("cuda", 0) if use_gpu else torch.device("cpu"))
         self._cancel = threading.Event()
 
     def _fit(self) -> None:
-        run_rank(self.cfg, self.run, progress=self._queue, lockstep=self.lockstep, mlflow=self.mlflow,
+        run_rank(self.cfg, self.run, progress=self._queue, lockstep=self.lockstep, mlflow_run_id=self.mlflow_run_id,
+                 mlflow_uri=self.mlflow_uri,
                  placement=self.placement, report_fn=_reported, cancel=self._cancel)
 
     def cancel(self) -> None:
@@ -409,7 +421,8 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
             fitting.on_resize = on_resize
             costs.attempt_started(fitting.run.started_at)
             outcome.metrics.pop("stop_reason", None)  # a pause's reason is not the resumed run's
-            for item in fitting.reports(on_event=progress.failure):
+            for report in fitting.stream(on_event=progress.failure):
+                item = report.flat()  # what the console, the history and MLflow read
                 costs.annotate(item)
                 outcome.history.append(item)
                 outcome.metrics.update(item)
@@ -417,13 +430,13 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
                 history.append(item)
                 if tracker:
                     tracker.log_step_metrics(item)
-            pause = outcome.metrics.get("stop_reason") if fitting.error is None else None
+            pause = outcome.stop if fitting.error is None else None
             if not paused_for_price(pause):
                 costs.attempt_ended(final=True)
                 break
             costs.attempt_ended(final=False)
         else:  # SIGTERM while paused: the run stays resumable from the checkpoint its pause committed
-            outcome.metrics["stop_reason"] = "preempted"
+            outcome.metrics["stop_reason"] = PREEMPTED
             outcome.preempted = True
     finally:
         history.close()
@@ -468,7 +481,7 @@ def outcome_summary(outcome: TrainOutcome) -> str:
         state = f"INTERRUPTED by Ctrl+C (resume with --run-name {outcome.run_name})"
     elif outcome.preempted:
         state = f"PREEMPTED (resume with --run-name {outcome.run_name})"
-    elif str(m.get("stop_reason", "")).startswith(BUDGET_REASON):
+    elif outcome.stop is not None and outcome.stop.kind is StopKind.BUDGET:
         state = f"STOPPED BY THE BUDGET (raise cost.budget_usd and resume with --run-name {outcome.run_name})"
     else:
         state = "finished"

@@ -20,6 +20,7 @@ from runtime.config import JobConfig
 from runtime.errors import ConfigError
 from runtime.observe.cost import PRICE_PAUSE_REASON, CostLedger, SpendMeter, eta_seconds
 from runtime.observe.prices import Quote, price_source
+from runtime.run import StopKind, StopReason
 from runtime.train.stop_policy import billed_nodes
 
 log = logging.getLogger("runtime.launch.driver")
@@ -162,4 +163,5 @@ class DriverCosts:
 
 def paused_for_price(stop_reason: Any) -> bool:
     """Rank 0 ended the attempt because the spot price rose above the limit (the driver waits, then resumes)."""
-    return isinstance(stop_reason, str) and stop_reason.startswith(PRICE_PAUSE_REASON)
+    stop = StopReason.of(stop_reason)
+    return stop is not None and stop.kind is StopKind.PRICE_PAUSE

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointRef
 from runtime.config import JobConfig
-from runtime.run import RunInfo
+from runtime.run import RunInfo, StopKind, StopReason
 
 if TYPE_CHECKING:
     from runtime.observe.metrics import WorkerMetrics
@@ -27,7 +27,7 @@ class Checkpointer:
     def __init__(self, manager: CheckpointManager | None, cfg: JobConfig, run: RunInfo, *, rank: int, world: int,
                  distributed: bool, sharded: bool, device: torch.device, classes: list[str] | None,
                  gauges: WorkerMetrics | None, payload: Callable[[], dict[str, Any]],
-                 on_failure: Callable[[str], None]) -> None:
+                 on_failure: Callable[[StopReason], None]) -> None:
         self.manager = manager
         self.interval = cfg.checkpoint.interval_steps if manager is not None else 0
         self.at_steps = set(cfg.checkpoint.at_steps) if manager is not None else set()
@@ -114,4 +114,4 @@ class Checkpointer:
     def _failed(self, e: CheckpointError) -> None:
         """Rank 0: a failed save with on_failure=stop ends training cleanly (no Ray retry loop)."""
         self.failed = True
-        self.on_failure(f"stopped: {e} (checkpoint.on_failure=stop)")
+        self.on_failure(StopReason(StopKind.CHECKPOINT_FAILED, f"stopped: {e} (checkpoint.on_failure=stop)"))

@@ -1,5 +1,6 @@
 """What a boundary reports: the window's statistics, the loop's counters and rates, and the facts
-that belong to the next report only (restore warnings, the step resumed from, a resize).
+that belong to the next report only (restore warnings, the step resumed from, a resize), and the
+console lines (notices) the driver prints once: each writer appends, none replaces another's.
 
 Where the report goes afterwards is ``reporter.Reporter``'s concern.
 """
@@ -48,13 +49,24 @@ class MetricsAssembler:
         self.comm_seconds = comm_seconds
         self.skipped_samples = skipped_samples
         self.once: dict[str, Any] = {}  # added to the next report, then cleared
+        self.notices: list[str] = []  # console lines for the next report, in the order they were noted
+
+    def notify(self, *lines: str) -> None:
+        """Lines for the driver to print once (rank 0's report carries them): a drain, a micro-batch halved."""
+        self.notices.extend(lines)
+
+    def take_notices(self) -> tuple[str, ...]:
+        """The lines noted since the last report; the next report starts with none."""
+        lines, self.notices = tuple(self.notices), []
+        return lines
 
     def should_log(self, step: int) -> bool:
         """A report step (``train.log_every_steps``)."""
         return step % self.log_every == 0
 
-    def assemble(self, b: Boundary, state: TrainState, extra: dict[str, Any] | None, final: bool) -> dict[str, Any]:
-        """The report for the boundary ``b`` at ``state``; ``extra`` (evaluation, stop reason) goes on top."""
+    def assemble(self, b: Boundary, state: TrainState, extra: dict[str, Any] | None) -> dict[str, Any]:
+        """The metrics for the boundary ``b`` at ``state``; ``extra`` (evaluation, committed step) goes on
+        top. Control (final, stop reason, notices) travels beside them (runtime.run.Report)."""
         metrics: dict[str, Any] = dict(b.metrics)
         metrics.update({
             "step": state.global_step,
@@ -65,7 +77,6 @@ class MetricsAssembler:
             "train/nonfinite_steps": b.nonfinite_total,
             "world_size": self.world,
             "comm_seconds": self.comm_seconds(),
-            "final": final,
         })
         if self.cfg.model.name == "gpt" and "train/throughput" in metrics:
             metrics.update(language_model_rates(self.cfg, metrics["train/throughput"], self.device, self.world))

@@ -21,7 +21,7 @@ from typing import Any
 
 from runtime.checkpoint import CheckpointRef
 from runtime.observe.catalog import reported_gauges
-from runtime.run import RunInfo
+from runtime.run import Report, RunInfo, StopReason
 
 log = logging.getLogger("runtime.train")
 PRICES = Path(__file__).resolve().parents[2] / "prices" / "instances.yaml"
@@ -41,7 +41,7 @@ class Reporter:
         self._comm_exported = 0.0
         self.report_fn = report_fn  # ray.train.report inside Ray Train
         self.report_all = report_all  # in-process trainers (tests): every report goes to report_fn
-        self._outbox: queue.Queue[dict[str, Any]] | None = None  # reports the sender thread delivers in order
+        self._outbox: queue.Queue[Report] | None = None  # reports the sender thread delivers in order
 
     def unregistered_commit(self) -> CheckpointRef | None:
         """Rank 0: the newest commit if no report has announced it yet (``checkpoint_step``), else None.
@@ -52,9 +52,11 @@ class Reporter:
         last = self.checkpoints.last_committed()
         return last if last is not None and last.step != self._reported_step else None
 
-    def publish(self, metrics: dict[str, Any], final: bool, announce: bool, comm_seconds: float) -> None:
+    def publish(self, metrics: dict[str, Any], final: bool, announce: bool, comm_seconds: float, *,
+                stop: StopReason | None = None, notices: tuple[str, ...] = ()) -> None:
         """All ranks call this at the same step (``announce`` and ``final`` were agreed on). ``announce``:
-        a commit is due to be announced (``checkpoint_step``)."""
+        a commit is due to be announced (``checkpoint_step``). The driver's stream gets a typed
+        ``Report``; Ray Train (and in-process callers) the same report as one dict."""
         if self.gauges is not None and "train/loss" in metrics:
             self._export(metrics, comm_seconds)
         if self.rank == 0 and self.checkpoints is not None:
@@ -63,10 +65,11 @@ class Reporter:
                 self._reported_step = last.step
                 metrics["checkpoint_step"] = last.step
             metrics["checkpoint_failures"] = self.checkpoints.metrics.failures
+        report = Report(metrics, time.time(), final=final, stop=stop, notices=notices)
         if self.rank == 0 and self.progress is not None:
-            self._stream(metrics, wait=final)
+            self._stream(report, wait=final)
         if final or self.report_all:
-            self.report_fn(metrics)  # no checkpoint: see the module's docstring
+            self.report_fn(report.flat(sent_at=False))  # no checkpoint: see the module's docstring
 
     def _export(self, metrics: dict[str, Any], comm_seconds: float) -> None:
         g = self.gauges
@@ -77,7 +80,7 @@ class Reporter:
         if self.rank == 0:
             self._export_cost()
 
-    def _stream(self, metrics: dict[str, Any], wait: bool) -> None:
+    def _stream(self, item: Report, wait: bool) -> None:
         """Hand a result to the driver's queue actor, in order; only the final one waits for delivery.
 
         Ray runs calls to an async actor (the queue actor is one) in no set order: reports put
@@ -90,7 +93,6 @@ class Reporter:
         stop or pause (ASHA, PBT, HyperBand) lands at the step it judged, instead of a fast
         loop training on past it. Searches without one (random, grid, Optuna) do not wait.
         """
-        item = {**metrics, "_time": time.time()}
         if isinstance(self.progress, queue.Queue):  # same process: a one-slot (lockstep) queue blocks, others never
             self.progress.put(item)
             return
@@ -104,7 +106,7 @@ class Reporter:
         if wait:
             self._outbox.join()
 
-    def _send(self, outbox: queue.Queue[dict[str, Any]]) -> None:
+    def _send(self, outbox: queue.Queue[Report]) -> None:
         while True:
             item = outbox.get()
             try:
@@ -112,11 +114,11 @@ class Reporter:
             finally:
                 outbox.task_done()
 
-    def _deliver(self, item: dict[str, Any], timeout: float | None) -> None:
+    def _deliver(self, item: Report, timeout: float | None) -> None:
         try:
             self.progress.put(item, timeout=timeout)
         except Exception as e:  # the driver's progress view must never stop training
-            log.warning("could not stream step %s to the driver: %s", item.get("step"), e)
+            log.warning("could not stream step %s to the driver: %s", item.step, e)
 
     def _export_cost(self) -> None:
         try:

@@ -20,11 +20,9 @@ from runtime.config.schema import CostConfig, JobConfig, NonFiniteConfig, TrainC
 from runtime.errors import ConfigError
 from runtime.observe.cost import BUDGET_REASON, PRICE_PAUSE_REASON, SpendMeter, budget_reached
 from runtime.observe.prices import PriceSource, Quote, price_source
-from runtime.run import PREEMPT_FILE, RunInfo
+from runtime.run import CANCELLED, PREEMPT_FILE, RunInfo, StopKind, StopReason
 from runtime.train.state import TrainState
 from runtime.train.stats import Boundary
-
-CANCELLED = "cancelled"  # the stop reason of a rank its process cancelled (StopPolicy.check_cancel)
 
 
 def watches_drains(cfg: JobConfig) -> bool:
@@ -82,7 +80,7 @@ class CostWatch:
         self.quote = self.source.quote()
         return self.quote.usd_per_hour
 
-    def check(self) -> str | None:
+    def check(self) -> StopReason | None:
         """The stop reason the cost rules give now, or None to go on."""
         c = self.cost
         before = self.meter.spent
@@ -90,14 +88,16 @@ class CostWatch:
         assert self.quote is not None  # tick read it
         price = self.quote.usd_per_hour
         if c.pause_above_usd_per_hour is not None and price > c.pause_above_usd_per_hour:
-            return (f"{PRICE_PAUSE_REASON} {price:.4g} USD/h ({self.quote.origin}) above "
-                    f"cost.pause_above_usd_per_hour={c.pause_above_usd_per_hour:g}")
+            return StopReason(StopKind.PRICE_PAUSE, f"{PRICE_PAUSE_REASON} {price:.4g} USD/h ({self.quote.origin}) "
+                              f"above cost.pause_above_usd_per_hour={c.pause_above_usd_per_hour:g}",
+                              usd_per_hour=price)
         if c.budget_usd is not None and budget_reached(spent, spent - before, c.budget_usd):
             then = ("stopped" if c.on_budget == "stop"
                     else "paused: raise cost.budget_usd and run again with the same --run-name")
-            return (f"{BUDGET_REASON} spent {spent:.4f} USD of cost.budget_usd={c.budget_usd:g} "
-                    f"(the next interval would cost {spent - before:.4f} at {self.meter.usd_per_hour:.4g} USD/h, "
-                    f"{self.quote.origin}); {then}")
+            return StopReason(
+                StopKind.BUDGET, f"{BUDGET_REASON} spent {spent:.4f} USD of cost.budget_usd={c.budget_usd:g} "
+                f"(the next interval would cost {spent - before:.4f} at {self.meter.usd_per_hour:.4g} USD/h, "
+                f"{self.quote.origin}); {then}", usd_per_hour=price, spent_usd=spent)
         return None
 
 
@@ -123,7 +123,7 @@ class StopPolicy:
         self.marker = os.path.join(run_dir, PREEMPT_FILE)
         self.cost = cost  # rank 0 only, and only with cost.budget_usd or cost.pause_above_usd_per_hour
         self.cancel = cancel  # set by the process running this rank: a Tune trial its scheduler stopped
-        self.reason: str | None = None  # why this rank wants to stop
+        self.reason: StopReason | None = None  # why this rank wants to stop
         self.stopping = False  # all ranks agreed to stop (set only by agree, so at the same step)
         self.drain_notice = drain_notice  # ray.train.get_preemption_info under Ray Train with drains watched
         self.drain: Any = None  # Ray's PreemptionInfo once a node of the run is being drained
@@ -153,10 +153,11 @@ class StopPolicy:
     def check_cancel(self) -> None:
         """Rank 0, beside ``check_cost``: the process that runs the rank asked it to end (Tune stopped
         the trial and reuses its process for the next one, so nothing may go on training in it)."""
-        if self.cancel is not None and self.cancel.is_set() and self.reason != CANCELLED:
+        if self.cancel is not None and self.cancel.is_set() and (
+                self.reason is None or self.reason.kind is not StopKind.CANCELLED):
             self.request(CANCELLED)
 
-    def request(self, reason: str) -> None:
+    def request(self, reason: StopReason) -> None:
         """Stop at the next boundary for ``reason`` (it replaces an earlier one: the newest cause is reported)."""
         self.reason = reason
 
@@ -167,10 +168,12 @@ class StopPolicy:
         nonfinite_stop = b.nonfinite_stop and nf.policy == "stop"
         if nonfinite_stop and self.reason is None:
             where = f"at step {b.nonfinite_crossed_at}" if b.nonfinite_crossed_at else "on another rank"
-            self.reason = (
+            self.reason = StopReason(
+                StopKind.NONFINITE,
                 f"stopped: {nf.max_consecutive} non-finite losses in a row {where}, seen at step "
-                f"{step} (train.nonfinite.max_consecutive={nf.max_consecutive})"
-            )
+                f"{step} (train.nonfinite.max_consecutive={nf.max_consecutive})",
+                step=b.nonfinite_crossed_at or None)
         if b.stop and self.reason is None:
-            self.reason = "stopped by rank 0"  # e.g. its checkpoint save failed; rank 0 reports why
+            # e.g. its checkpoint save failed; rank 0 reports why
+            self.reason = StopReason(StopKind.BY_RANK_0, "stopped by rank 0")
         self.stopping = self.stopping or b.stop or nonfinite_stop

@@ -38,7 +38,7 @@ from torch import nn
 from runtime.config import JobConfig
 from runtime.data import DEVICE_RESIDENT, build_loaders
 from runtime.errors import ConfigError
-from runtime.run import RunInfo
+from runtime.run import PREEMPTED, RunInfo, StopReason
 from runtime.train import drain
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import DevicePrefetcher, host_batches, make_stage
@@ -285,7 +285,7 @@ class Trainer:
             self.checkpointer.save(self.state.global_step, blocking=True)
         final = self.exchange(want_metrics=True)
         self.report(final, {**extra, **self._kept(), "preempted": True}, final=True)
-        self.stop.request("preempted")
+        self.stop.request(PREEMPTED)
 
     def _drained(self, extra: dict[str, Any], saved: bool) -> NoReturn:
         """A node of the run is being drained: commit this step (unless just done), report it, give
@@ -301,7 +301,7 @@ class Trainer:
             # Room for the report below to reach the driver and Ray Train before the teardown.
             released, why = drain.release(info.preempted_node_ids, 2 * self.cfg.distributed.poll_interval_s + 1)
             left = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else None
-            self.metrics.once["notices"] = [drain.notice(info.preempted_node_ids, step, bool(released), why, left)]
+            self.metrics.notify(drain.notice(info.preempted_node_ids, step, bool(released), why, left))
         self.report(self.exchange(want_metrics=True), {**extra, "drained_at_step": step}, announce=True)
         while True:
             time.sleep(1.0)
@@ -311,9 +311,8 @@ class Trainer:
         extra = self.evaluator.run()
         self.checkpointer.finish(self.state.global_step)
         extra.update(self._kept())
-        if self.stop.reason:
-            extra["stop_reason"] = self.stop.reason
-        self.report(self.exchange(want_metrics=True), extra, final=True)
+        stop = self.stop.reason  # read before the exchange: the report says why training ended
+        self.report(self.exchange(want_metrics=True), extra, final=True, stop=stop)
 
     def _kept(self) -> dict[str, Any]:
         """The final report's ``committed_step`` (rank 0's newest commit; -1: none), with checkpoints on."""
@@ -489,11 +488,11 @@ class Trainer:
         return b
 
     def report(self, b: Boundary, extra: dict[str, Any] | None = None, final: bool = False, *,
-               announce: bool = False) -> None:
-        """All ranks call this together, after an exchange."""
-        if self.micro.notices:  # console lines rank 0's report carries to the driver
-            self.metrics.once["notices"], self.micro.notices = self.micro.notices, []
-        metrics = self.metrics.assemble(b, self.state, extra, final)
+               announce: bool = False, stop: StopReason | None = None) -> None:
+        """All ranks call this together, after an exchange. ``stop``: why training ended early (final only)."""
+        self.metrics.notify(*self.micro.notices)  # console lines rank 0's report carries to the driver
+        self.micro.notices = []
+        metrics = self.metrics.assemble(b, self.state, extra)
         if final:
             digest = self.param_digest()
             metrics["param_digest"] = digest
@@ -503,7 +502,8 @@ class Trainer:
                 metrics["rank_param_digests"] = digests
             else:
                 metrics["rank_param_digests"] = [digest]
-        self.reporter.publish(metrics, final, announce, self.comm.seconds if self.comm else 0.0)
+        self.reporter.publish(metrics, final, announce, self.comm.seconds if self.comm else 0.0, stop=stop,
+                              notices=self.metrics.take_notices())
 
     def param_digest(self) -> str:
         """sha256 of this rank's parameters: equal on every rank when data parallelism is correct."""

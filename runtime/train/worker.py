@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.config import JobConfig
-from runtime.run import RunInfo
+from runtime.run import RunInfo, WorkerHandoff
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
 
 
 def run_rank(cfg: JobConfig, run: RunInfo, *, progress: Any = None, lockstep: bool = False,
-             mlflow: dict[str, Any] | None = None, placement: Placement | None = None,
+             mlflow_run_id: str | None = None, mlflow_uri: str | None = None, placement: Placement | None = None,
              report_fn: Callable[..., None] | None = None, on_first_step: Callable[[], None] | None = None,
              cancel: threading.Event | None = None) -> None:
     """One rank from start to end: build, restore, fit, close. Rank 0 also samples its node's
@@ -30,8 +30,7 @@ def run_rank(cfg: JobConfig, run: RunInfo, *, progress: Any = None, lockstep: bo
     if trainer.rank == 0:
         from runtime.observe.tracking import attach_system_metrics
 
-        ml = mlflow or {}
-        monitor = attach_system_metrics(ml.get("run_id"), ml.get("uri"))
+        monitor = attach_system_metrics(mlflow_run_id, mlflow_uri)
     try:
         trainer.restore()
         trainer.fit()
@@ -41,14 +40,16 @@ def run_rank(cfg: JobConfig, run: RunInfo, *, progress: Any = None, lockstep: bo
             monitor.finish()
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train worker entry point: ``config = {"job": JobConfig dump, "run": RunInfo fields}``."""
+def train_loop_per_worker(config: dict[str, WorkerHandoff]) -> None:
+    """Ray Train worker entry point: ``config = {"handoff": WorkerHandoff}`` (Ray's API takes a dict;
+    the contract is the dataclass, runtime.run)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Train logs every report at INFO
-    cfg = JobConfig.model_validate(config["job"])
+    handoff = config["handoff"]
+    cfg = JobConfig.model_validate(handoff.job)
     on_first_step = None
     stop_watching = threading.Event()
-    if config.get("spares"):
+    if handoff.spares:
         # Once the group has restored and trained a step, not as it starts: on few cores the spares'
         # imports would compete with the group's own start (build 2.9 s after vs 4.6 s at the start).
         import ray.train
@@ -56,11 +57,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         from runtime.train.spares import request_for_next_group
 
         def on_first_step() -> None:
-            request_for_next_group(ray.train.get_context(), stop_watching, config.get("worker_resources"),
+            request_for_next_group(ray.train.get_context(), stop_watching, handoff.worker_resources,
                                    cfg.distributed.max_workers)
     try:
-        run_rank(cfg, RunInfo(**config["run"]), progress=config.get("progress"),
-                 lockstep=bool(config.get("progress_lockstep")), mlflow=config.get("mlflow"),
-                 on_first_step=on_first_step)
+        run_rank(cfg, handoff.run, progress=handoff.progress, lockstep=handoff.progress_lockstep,
+                 mlflow_run_id=handoff.mlflow_run_id, mlflow_uri=handoff.mlflow_uri, on_first_step=on_first_step)
     finally:
         stop_watching.set()

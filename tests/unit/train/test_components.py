@@ -12,7 +12,7 @@ from torch import nn
 
 from runtime.checkpoint import CheckpointError, CheckpointManager
 from runtime.config import JobConfig
-from runtime.run import PREEMPT_FILE, RunInfo
+from runtime.run import CANCELLED, PREEMPT_FILE, RunInfo, StopKind, StopReason
 from runtime.train import drain
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import Position
@@ -21,7 +21,7 @@ from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import MicroBatcher
 from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats
-from runtime.train.stop_policy import CANCELLED, StopPolicy, total_steps, watches_drains
+from runtime.train.stop_policy import StopPolicy, total_steps, watches_drains
 from tests.support import job_config
 
 CPU = torch.device("cpu")
@@ -95,6 +95,7 @@ def test_nonfinite_stop_policy_names_where_the_limit_was_crossed(tmp_path: Path)
     assert not stop.stopping and stop.reason is None
     stop.agree(_boundary(nonfinite_stop=True, nonfinite_crossed_at=3), step=4)
     assert stop.stopping and stop.reason is not None
+    assert stop.reason.kind is StopKind.NONFINITE and stop.reason.step == 3
     assert "at step 3, seen at step 4" in stop.reason and "train.nonfinite.max_consecutive=3" in stop.reason
 
 
@@ -106,10 +107,10 @@ def test_skip_policy_trains_on_past_nonfinite_steps(tmp_path: Path) -> None:
 
 def test_rank_zeros_stop_request_stops_every_rank_and_its_own_reason_wins(tmp_path: Path) -> None:
     other, zero = StopPolicy(_cfg().train, 10, str(tmp_path)), StopPolicy(_cfg().train, 10, str(tmp_path))
-    zero.request("stopped: disk full (checkpoint.on_failure=stop)")
+    zero.request(StopReason(StopKind.CHECKPOINT_FAILED, "stopped: disk full (checkpoint.on_failure=stop)"))
     for stop in (other, zero):
         stop.agree(_boundary(stop=True), step=5)
-    assert other.stopping and other.reason == "stopped by rank 0"
+    assert other.stopping and other.reason == "stopped by rank 0" and other.reason.kind is StopKind.BY_RANK_0
     assert zero.stopping and zero.reason == "stopped: disk full (checkpoint.on_failure=stop)"
 
 
@@ -167,11 +168,11 @@ def test_metrics_assembler_logs_on_its_steps_and_adds_one_off_facts_once() -> No
     assert [s for s in range(1, 12) if m.should_log(s)] == [5, 10]
     m.once = {"resumed_from_step": 20}
     state = TrainState(global_step=21, epoch=1, samples_seen=168)
-    first = m.assemble(_boundary(metrics={"train/loss": 0.5}, nonfinite_total=1), state, {"val/loss": 0.7}, final=False)
+    first = m.assemble(_boundary(metrics={"train/loss": 0.5}, nonfinite_total=1), state, {"val/loss": 0.7})
     assert first == {"train/loss": 0.5, "step": 21, "epoch": 1, "samples_seen": 168, "total_steps": 30,
                      "train/learning_rate": 0.1, "train/nonfinite_steps": 1, "world_size": 2, "comm_seconds": 1.5,
-                     "final": False, "data/skipped_samples": 2, "val/loss": 0.7, "resumed_from_step": 20}
-    assert "resumed_from_step" not in m.assemble(_boundary(), state, None, final=True)
+                     "data/skipped_samples": 2, "val/loss": 0.7, "resumed_from_step": 20}
+    assert "resumed_from_step" not in m.assemble(_boundary(), state, None)
 
 
 # ------------------------------------------------------------------ Checkpointer

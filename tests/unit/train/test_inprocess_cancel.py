@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from runtime.launch.driver import InProcessFit
-from runtime.train.stop_policy import CANCELLED
+from runtime.run import CANCELLED
 from tests.support import job
 
 MAX_STEPS = 400

@@ -1,0 +1,67 @@
+"""What crosses between the driver and the workers is typed (runtime.run): a stop reason is a kind
+with data that survives pickling, a report keeps control apart from metrics, and a report carries
+every console notice noted since the last one (a drain's and a micro-batch's alike)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import cloudpickle
+
+from runtime.launch.spend import paused_for_price
+from runtime.observe.cost import BUDGET_REASON, PRICE_PAUSE_REASON
+from runtime.run import CANCELLED, PREEMPTED, Report, StopKind, StopReason, TrainOutcome
+from tests.support.trainer import train_in_process
+from tests.unit.train.test_trainer import _cfg
+
+
+def test_a_stop_reason_keeps_its_kind_and_data_across_the_process_boundary() -> None:
+    reason = StopReason(StopKind.BUDGET, f"{BUDGET_REASON} spent 1.0 USD", usd_per_hour=2.5, spent_usd=1.0)
+    for copy in (pickle.loads(pickle.dumps(reason)), cloudpickle.loads(cloudpickle.dumps(reason))):
+        assert isinstance(copy, StopReason) and copy == reason
+        assert (copy.kind, copy.usd_per_hour, copy.spent_usd, copy.step) == (StopKind.BUDGET, 2.5, 1.0, None)
+    # history.jsonl, MLflow's tag and the summary keep the line they always showed.
+    assert json.loads(json.dumps({"stop_reason": reason})) == {"stop_reason": f"{BUDGET_REASON} spent 1.0 USD"}
+
+
+def test_a_plain_string_is_read_by_one_table_and_unknown_text_is_other() -> None:
+    cases = {"preempted": StopKind.PREEMPTED, "cancelled": StopKind.CANCELLED,
+             f"{BUDGET_REASON} spent 2 USD": StopKind.BUDGET, f"{PRICE_PAUSE_REASON} 3 USD/h": StopKind.PRICE_PAUSE,
+             "stopped by rank 0": StopKind.BY_RANK_0, "stopped: 3 non-finite losses in a row": StopKind.NONFINITE,
+             "stopped: disk full (checkpoint.on_failure=stop)": StopKind.CHECKPOINT_FAILED,
+             "something new": StopKind.OTHER}
+    assert {text: getattr(StopReason.of(text), "kind", None) for text in cases} == cases
+    assert StopReason.of(None) is None and StopReason.of(PREEMPTED) is PREEMPTED
+    assert paused_for_price(StopReason(StopKind.PRICE_PAUSE, "price high", usd_per_hour=9.0))
+    assert not paused_for_price(CANCELLED) and not paused_for_price(None)
+
+
+def test_an_outcome_answers_why_it_stopped_from_its_final_metrics(tmp_path: Path) -> None:
+    outcome = TrainOutcome(run_name="r", run_dir=str(tmp_path), checkpoint_uri=str(tmp_path), metrics={"step": 3})
+    assert outcome.stop is None
+    outcome.metrics["stop_reason"] = StopReason(StopKind.BUDGET, "budget: spent", spent_usd=4.0)
+    assert outcome.stop is not None and outcome.stop.kind is StopKind.BUDGET and outcome.stop.spent_usd == 4.0
+
+
+def test_a_report_keeps_control_apart_and_flattens_to_the_keys_consumers_read() -> None:
+    report = Report({"step": 7, "train/loss": 0.5}, at=12.0, final=True, stop=CANCELLED, notices=("halved",))
+    assert report.step == 7 and "stop_reason" not in report.metrics and "final" not in report.metrics
+    assert report.flat() == {"step": 7, "train/loss": 0.5, "final": True, "_time": 12.0, "stop_reason": "cancelled",
+                             "notices": ["halved"]}
+    assert "_time" not in report.flat(sent_at=False)
+    assert Report({"step": 1}, at=1.0).flat() == {"step": 1, "final": False, "_time": 1.0}
+
+
+def test_a_report_carries_the_drain_notice_and_the_micro_batch_notices_together(tmp_path: Path) -> None:
+    """A drain notes its line (Trainer._drained) in the same report a micro-batch change may note one in:
+    both reach the driver, in the order they were noted; the next report starts with none."""
+    trainer, reports = train_in_process(_cfg(train={"max_steps": 4}), tmp_path)
+    trainer.metrics.notify("node 5f2c9a01 is being drained: checkpoint committed at step 4")
+    trainer.micro.notices = ["micro-batch 64 -> 32 after running out of memory"]
+    trainer.report(trainer.exchange(want_metrics=True), announce=True)
+    trainer.report(trainer.exchange(want_metrics=True))
+    assert reports[-2]["notices"] == ["node 5f2c9a01 is being drained: checkpoint committed at step 4",
+                                      "micro-batch 64 -> 32 after running out of memory"]
+    assert "notices" not in reports[-1]
