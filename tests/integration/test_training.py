@@ -92,5 +92,5 @@ def test_rank0_reports_reach_the_driver_in_step_order(cluster: dict, tmp_path: P
     n = 1000
     for step in range(1, n + 1):
         reporter.publish({"step": step}, final=step == n, announce=False, comm_seconds=0.0)
-    got = [reports.get(timeout=30)["step"] for _ in range(n)]
+    got = [reports.get(timeout=30).step for _ in range(n)]  # runtime.run.Report items
     assert got == list(range(1, n + 1))
