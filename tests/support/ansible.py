@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from tests.support import ROOT
+from tests.support.calibration import scaled
 
 ANSIBLE_DIR = ROOT / "ansible"
 
@@ -29,7 +30,7 @@ def render_template(role: str, template: str, out: Path, **overrides: object) ->
     env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
     proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
                            "-e", json.dumps({"ansible_python_interpreter": sys.executable}), str(out / "play.yml")],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:]
     return dest.read_text()
 
@@ -47,4 +48,4 @@ def run_preflight(role: str, role_vars: dict[str, object], out: Path) -> subproc
     env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{playbook.parent}:{os.environ['PATH']}")
     return subprocess.run([str(playbook), "-i", str(out / "inventory.json"), str(out / "play.yml")],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=scaled(300))

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from runtime.cluster.processes import alive
 from tests.support import ROOT, free_port, wait_for
+from tests.support.calibration import scaled
 
 # Every service runtime.cluster reads a port for (RT_<NAME>_PORT).
 SERVICES = ("ray", "dashboard", "mlflow", "prometheus", "ray_metrics", "node_exporter", "dashboard_agent", "redis")
@@ -131,12 +132,13 @@ class WorkerGroupKiller(threading.Thread):
 
     def _wait(self, pred: Callable[[], bool], what: str) -> bool:
         """True once ``pred`` holds, False when stopped first."""
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
         while not pred():
             if self._stopping.is_set():
                 return False
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gave up waiting for {what}")
+            elapsed = time.monotonic() - start
+            if elapsed > self.timeout and elapsed > scaled(self.timeout):  # a hang guard (tests.support.calibration)
+                raise TimeoutError(f"gave up waiting for {what} after {elapsed:.0f} s")
             time.sleep(0.05)
         return True
 
@@ -178,7 +180,7 @@ def cli_console_with_a_worker_killed(cmd: list[str], checkpoints: Path) -> tuple
                  "the first checkpoint of a 2-worker group")
         assert proc.poll() is None, "the run ended before a worker could be killed"
         os.kill(train_worker_pids()[-1], signal.SIGKILL)
-        console, _ = proc.communicate(timeout=600)
+        console, _ = proc.communicate(timeout=scaled(600))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from runtime.train.hold import HOLD_ENV, held_file
 from tests.support import ROOT, wait_for
+from tests.support.calibration import scaled
 
 WORKERS = 2
 BASE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=5",
@@ -38,7 +39,7 @@ def finish(proc: subprocess.Popen[str], release: Path) -> str:
     """Release the held ranks and return the console once the driver has ended (a hang guard only)."""
     release.touch()
     try:
-        return proc.communicate(timeout=600)[0]
+        return proc.communicate(timeout=scaled(600))[0]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from runtime.cluster.processes import alive, http_ok, spawn, venv_bin, wait_until
 from tests.support import free_port, wait_for
+from tests.support.calibration import scaled
 
 
 class MlflowServer:
@@ -31,7 +32,7 @@ class MlflowServer:
                           "--backend-store-uri", f"sqlite:///{self.store / 'mlflow.db'}",
                           "--artifacts-destination", str(self.store / "artifacts"), "--workers", "1"],
                          log, env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-        wait_until(lambda: http_ok(f"{self.url}/health"), "test MLflow server", 180, log)
+        wait_until(lambda: http_ok(f"{self.url}/health"), "test MLflow server", scaled(180), log)
         return self
 
     def pause(self, paused: bool = True) -> None:

@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from tests.support.calibration import scaled
+
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -43,7 +45,7 @@ def start_moto_server(
         stderr=subprocess.DEVNULL,
         env={**os.environ, **CREDENTIALS},
     )
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)  # a hang guard in this host's seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"moto_server exited with {proc.returncode} on port {port}")
@@ -53,7 +55,7 @@ def start_moto_server(
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"moto_server did not answer on {endpoint} within {timeout}s")
+    raise RuntimeError(f"moto_server did not answer on {endpoint} within {timeout:.0f} s of a quiet host")
 
 
 def stop_moto_server(proc: subprocess.Popen[bytes]) -> None:
