@@ -5,6 +5,8 @@ Ray Train's controller on the driver's node. The per-worker loop it starts is ``
 - ``driver``: ``train(cfg)``: connect, build the ``TorchTrainer``, stream rank 0's reports, the
   attempts of a run the spot price paused, the summary; ``StreamingFit`` and ``InProcessFit``
   (a run's report stream, shared with Tune's trials).
+- ``attempts``: the attempt loop's states and transitions (waiting for the price, running,
+  finished, stopped while paused).
 - ``torch_trainer``: Ray Train's ``TorchTrainer`` less the Ray Data actor a run never uses.
 - ``elastic``: the controller callback that reports resizes and enforces the min-workers wait.
 - ``spend``: the driver's side of the cost rules (the spend each report shows, the ledger, the

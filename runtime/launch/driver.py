@@ -29,6 +29,7 @@ import ray.train
 from runtime.cluster import ClusterError, authenticate, prometheus_sd_dir, ray_address, tracking_uri
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
+from runtime.launch.attempts import Attempts, Phase
 from runtime.launch.elastic import record_resize, resize_line
 from runtime.launch.runlock import RunLock
 from runtime.launch.signals import StopSignals
@@ -386,7 +387,6 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
 def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address: str | None, show_progress: bool,
                   verbose: bool) -> TrainOutcome:
     """``train`` once the run is this driver's."""
-    from runtime.launch.spend import paused_for_price
     from runtime.observe.curves import plot_curves
     from runtime.observe.tracking import Tracker
     from runtime.train.export import save_final_model
@@ -413,10 +413,15 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
     # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.observe.report).
     history = HistoryLog(run_dir)
     fitting: StreamingFit | None = None
-    pause: str | None = None  # rank 0's reason for pausing the last attempt (the spot price)
+    attempts = Attempts()  # where the run is between its attempts (launch.attempts)
     try:
         # An attempt per start of the workers: more than one only when the spot price paused the run.
-        while costs.wait_while_price_high(outcome.metrics.get("step"), (run_dir / PREEMPT_FILE).exists, pause):
+        while not attempts.done:
+            if not costs.wait_while_price_high(outcome.metrics.get("step"), (run_dir / PREEMPT_FILE).exists,
+                                               attempts.pause):
+                attempts = attempts.interrupted()
+                break
+            attempts = attempts.price_ok()
             fitting = StreamingFit(cfg, run_name, mlflow_run_id=(tracker.run_id or None) if tracker else None)
             fitting.on_resize = on_resize
             costs.attempt_started(fitting.run.started_at)
@@ -430,12 +435,9 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
                 history.append(item)
                 if tracker:
                     tracker.log_step_metrics(item)
-            pause = outcome.stop if fitting.error is None else None
-            if not paused_for_price(pause):
-                costs.attempt_ended(final=True)
-                break
-            costs.attempt_ended(final=False)
-        else:  # SIGTERM while paused: the run stays resumable from the checkpoint its pause committed
+            attempts = attempts.ended(outcome.stop, failed=fitting.error is not None)
+            costs.attempt_ended(final=attempts.done)
+        if attempts.phase is Phase.STOPPED_WHILE_PAUSED:  # resumable from the checkpoint its pause committed
             outcome.metrics["stop_reason"] = PREEMPTED
             outcome.preempted = True
     finally:
