@@ -1,12 +1,14 @@
-"""Verified, asynchronous checkpoints on a local folder or S3 (issue 3).
+"""Verified, asynchronous checkpoints on a local folder or an object store (S3, GCS, Azure Blob).
 
 ``CheckpointManager`` snapshots state on the training thread, writes it in one
 background thread, commits with a manifest of sha256 hashes written last, and on
 restore skips any folder that does not verify. Files load with ``weights_only=True``.
-``CheckpointReader`` lists, verifies and loads without writing; the manager is the writer
-(and a reader: rotation and a resume verify what it wrote).
+``CheckpointReader`` lists, verifies and loads without writing: read-only callers use it.
 Under FSDP every rank writes its own shards (``save_sharded``, the ``sharded`` module);
 both writers share the format and commit protocol of the ``format`` module.
+Backends: ``storage`` (the API and local folders), ``objects`` (the object-store commit protocol,
+and any store with a pyarrow filesystem), ``s3`` (boto3); ``backends.open_storage`` picks one
+for a location (``runtime.config.storage``).
 """
 
 from runtime.checkpoint.backends import open_storage

@@ -1,5 +1,6 @@
-"""Checkpoint folders under an S3 prefix (boto3): multipart uploads, bounded retries, and a
-commit that is "every file verified, then the manifest uploaded last", since S3 has no rename.
+"""Checkpoint folders under an S3 prefix (boto3): multipart uploads, server-side copies, bounded
+retries and server-side encryption. The commit protocol every object store shares ("every file
+verified, then the manifest uploaded last", since there is no rename) is ``objects.ObjectStore``'s.
 """
 
 from __future__ import annotations
@@ -8,15 +9,13 @@ import builtins
 import logging
 import os
 import random
-import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 from urllib.parse import urlparse
 
-from runtime.checkpoint.storage import ASIDE_RE, MANIFEST, TMP_PREFIX, CheckpointError, safe_join
+from runtime.checkpoint.objects import ObjectStore
+from runtime.checkpoint.storage import CheckpointError
 
 log = logging.getLogger("runtime.checkpoint")
 
@@ -47,7 +46,7 @@ def _s3_retryable(exc: BaseException) -> bool:
     return False
 
 
-class S3Storage:
+class S3Storage(ObjectStore):
     """``s3://bucket/prefix`` via boto3: multipart uploads, bounded retries with backoff.
 
     Two retry layers: botocore's own (per HTTP request) and a loop around each object
@@ -229,14 +228,6 @@ class S3Storage:
                 ),
             )
 
-    def delete_prefix(self, prefix: str) -> None:
-        # The manifest goes first so a folder never looks committed while half deleted.
-        keys = sorted(self.list(prefix), key=lambda k: not k.endswith("/" + MANIFEST))
-        manifests = [k for k in keys if k.endswith("/" + MANIFEST)]
-        self.delete_keys(manifests)
-        self.delete_keys([k for k in keys if k not in manifests])
-        self.abort_uploads(prefix)
-
     def abort_uploads(self, prefix: str = "") -> builtins.list[str]:
         """Abort unfinished multipart uploads (orphans of a killed writer) under ``prefix``."""
         full = self._key(prefix)
@@ -253,131 +244,9 @@ class S3Storage:
 
         return self.retry(f"abort multipart uploads under {self.uri_of(prefix)}", run)
 
-    def stage(self, name: str, fsync: bool = True) -> _S3Staging:
-        return _S3Staging(self, name)
-
     def partial_uploads(self) -> builtins.list[str]:
         def run() -> list[str]:
             resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self._key(""))
             return [u["Key"] for u in resp.get("Uploads", [])]
 
         return self.retry(f"list multipart uploads under {self.uri}", run)
-
-    def _staged_prefixes(self) -> dict[str, builtins.list[str]]:
-        """``.tmp-step_*-<hex>`` prefix -> its keys (re-saves of a committed step)."""
-        out: dict[str, list[str]] = {}
-        for key in self.list(""):
-            top, _, rest = key.partition("/")
-            if ASIDE_RE.match(top) and rest:
-                out.setdefault(top, []).append(key)
-        return out
-
-    def clean_partials(self) -> builtins.list[str]:
-        self.recover()
-        removed = []
-        for top, keys in self._staged_prefixes().items():
-            if f"{top}/{MANIFEST}" not in keys:  # never committed: an interrupted re-save
-                self.delete_keys(keys)
-                removed.append(top)
-        return removed + self.abort_uploads()
-
-    def recover(self) -> builtins.list[str]:
-        restored = []
-        for top, keys in sorted(self._staged_prefixes().items()):
-            m = ASIDE_RE.match(top)
-            if m is None or f"{top}/{MANIFEST}" not in keys:
-                continue
-            name = m.group(2)
-            manifest = self.get_bytes(f"{top}/{MANIFEST}")
-            if not self._same_bytes(f"{name}/{MANIFEST}", manifest):
-                publish(self, top, name, manifest)
-                log.warning("restored %s from %s (a re-save of it was interrupted)",
-                            self.uri_of(name), self.uri_of(top))
-                restored.append(name)
-            self.delete_keys(keys)  # only once name/ holds this very commit
-        return restored
-
-    def _same_bytes(self, key: str, data: bytes) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            return self.get_bytes(key) == data
-        except CheckpointError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, ClientError) and cause.response.get("Error", {}).get("Code") == "NoSuchKey":
-                return False
-            raise
-
-
-def publish(storage: S3Storage, staged: str, name: str, manifest: bytes) -> None:
-    """Copy a committed copy from ``staged/`` over ``name/``: S3 has no rename.
-
-    Files first, manifest last, then files of the old copy the new one lacks. Until the new
-    manifest lands, ``name/`` holds the old manifest over partly new files, which fails
-    verification, while ``staged/`` stays committed: a crash or a failure anywhere here
-    loses nothing (``recover`` finishes it). Publishing twice is harmless.
-    """
-    files = [k.partition("/")[2] for k in storage.list(staged)]
-    old = [k.partition("/")[2] for k in storage.list(name)]
-    for fname in files:
-        if fname != MANIFEST:
-            storage.copy(f"{staged}/{fname}", f"{name}/{fname}")
-    storage.put_bytes(f"{name}/{MANIFEST}", manifest)
-    storage.delete_keys([f"{name}/{f}" for f in old if f not in files])
-
-
-class _S3Staging:
-    """Uploads each file, then the manifest last.
-
-    A new step goes straight into ``<name>/``. Re-saving a committed step goes into
-    ``.tmp-<name>-<hex>/`` and is committed there first; only then is it published over
-    the old folder (``publish``), so a valid copy exists at every moment.
-    """
-
-    def __init__(self, storage: S3Storage, name: str) -> None:
-        self.storage = storage
-        self.name = name
-        self.resave = storage.exists(f"{name}/{MANIFEST}")
-        self.prefix = f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}" if self.resave else name
-        self.spool = tempfile.mkdtemp(prefix=f"ckpt-{name}-", dir=storage.spool_dir)
-        self.uploaded: dict[str, int] = {}  # key -> size
-        self.committed = False
-
-    def local_path(self, filename: str) -> str:
-        return safe_join(self.spool, filename)
-
-    def finish_file(self, filename: str) -> None:
-        key = f"{self.prefix}/{filename}"
-        size = os.path.getsize(self.local_path(filename))
-        self.storage.put_file(key, self.local_path(filename))
-        self.uploaded[key] = size
-        os.remove(self.local_path(filename))  # keep the spool at one file at a time
-
-    def commit(self, manifest: bytes) -> str:
-        # A server that restarted mid-save may have lost objects it already acknowledged:
-        # check them all before the manifest makes the folder visible.
-        listing = self.storage.list(self.prefix)
-        for key, size in self.uploaded.items():
-            if listing.get(key) != size:
-                raise CheckpointError(
-                    f"{self.storage.uri_of(key)} is missing or has the wrong size after upload "
-                    f"(server lost it?); not committing {self.storage.uri_of(self.name)}"
-                )
-        self.storage.put_bytes(f"{self.prefix}/{MANIFEST}", manifest)
-        self.committed = True
-        shutil.rmtree(self.spool, ignore_errors=True)
-        if self.resave:
-            publish(self.storage, self.prefix, self.name, manifest)
-            self.storage.delete_prefix(self.prefix)
-        return self.storage.uri_of(self.name)
-
-    def abort(self) -> None:
-        shutil.rmtree(self.spool, ignore_errors=True)
-        if self.committed:  # a staged re-save that failed to publish: recover() finishes it
-            return
-        try:
-            self.storage.delete_keys(self.uploaded)
-        except Exception as exc:  # server may be gone (the save's failure is said once); prune cleans orphans
-            log.debug(
-                "could not remove partial upload %s: %s", self.storage.uri_of(self.name), exc
-            )

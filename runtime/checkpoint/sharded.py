@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from runtime.checkpoint.format import META, CheckpointRef, Kind, file_digest, step_name
-from runtime.checkpoint.s3 import S3Storage
+from runtime.checkpoint.objects import ObjectStore
 from runtime.checkpoint.storage import (
     CheckpointError,
     LocalStorage,
@@ -325,7 +325,7 @@ class ShardedWriter:
                 digests[fname] = {"sha256": sha, "size": size}
                 if self.rank == 0 and staging is not None:
                     staging.finish_file(fname)
-                elif isinstance(self.storage, S3Storage):
+                elif isinstance(self.storage, ObjectStore):
                     self.storage.put_file(f"{prefix}/{fname}", os.path.join(folder, fname))
         except Exception as exc:  # reported to rank 0 through the gather
             error = f"rank {self.rank}: {exc}"

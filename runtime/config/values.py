@@ -5,21 +5,28 @@ and returns it typed, or raises ``ValueError`` saying what was expected; the cal
 field (pydantic validators prefix the dotted path, subcommands the option). One parser per kind
 of value, so a class of input is checked the same way wherever it is typed.
 
-``StorageLocation`` is where runs, checkpoints and data sets live: a local folder or an object
-store prefix, one class per scheme (``SCHEMES``); a new backend (``gs://``) is one more class
-registered there.
+Storage locations (where runs, checkpoints and data sets live) have a package of their own,
+``runtime.config.storage``, one module per scheme; ``parse_storage`` is re-exported here so every
+parser of typed values is found in one place.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import re
-from dataclasses import dataclass
-from pathlib import Path
-from typing import ClassVar
 from urllib.parse import SplitResult, urlsplit
 
-from runtime.config.base import short
+from runtime.config.storage import (
+    SCHEMES,
+    LocalLocation,
+    ObjectLocation,
+    S3Location,
+    StorageLocation,
+    parse_storage,
+    s3_bucket_problem,
+)
+
+__all__ = ["PORT_MAX", "SCHEMES", "SEED_MAX", "LocalLocation", "ObjectLocation", "S3Location", "StorageLocation",
+           "parse_http_url", "parse_mlflow_uri", "parse_port", "parse_seed", "parse_storage", "s3_bucket_problem"]
 
 # torch.manual_seed takes up to 2**64 - 1, but the runtime derives seeds by arithmetic (seed + rank,
 # seed * 1_000_003 + split) and numpy's legacy seed takes 32 bits: a 32-bit seed keeps every derived
@@ -102,112 +109,3 @@ def parse_mlflow_uri(uri: str) -> str:
         return uri
     raise ValueError(f"must be an MLflow tracking URI: http(s)://host[:port] (e.g. {example}), file:/folder, "
                      "sqlite:///file.db or a local folder")
-
-
-# ----------------------------------------------------------------------------- storage locations
-
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-
-
-def s3_bucket_problem(bucket: str) -> str | None:
-    """Why ``bucket`` is not a bucket name S3 accepts (AWS's naming rules), or None."""
-    if not bucket:
-        return "needs a bucket name, e.g. s3://my-bucket/runs"
-    why = None
-    if not 3 <= len(bucket) <= 63:
-        why = f"is {len(bucket)} characters long (3 to 63 allowed)"
-    elif not _BUCKET_RE.fullmatch(bucket):
-        why = "may hold only lowercase letters, digits, '.' and '-', and must start and end with a letter or digit"
-    elif ".." in bucket or ".-" in bucket or "-." in bucket:
-        why = "may not hold '..', '.-' or '-.'"
-    else:
-        try:
-            ipaddress.ip_address(bucket)
-            why = "may not be an IP address"
-        except ValueError:
-            pass
-    return f"bucket name {short(bucket)} {why}" if why else None
-
-
-@dataclass(frozen=True)
-class StorageLocation:
-    """A place runs, checkpoints or data sets live. ``parse_storage`` picks the class by scheme."""
-
-    text: str  # as the user typed it
-
-    remote: ClassVar[bool] = False
-
-    def check(self) -> None:
-        """Refuse what the location's syntax allows but this machine shows to be unusable (ValueError)."""
-
-
-@dataclass(frozen=True)
-class LocalLocation(StorageLocation):
-    """A folder on this machine (``~`` expanded); created on first use, so it may not exist yet."""
-
-    @property
-    def path(self) -> Path:
-        try:
-            return Path(self.text).expanduser()
-        except RuntimeError:  # ~user of a user this machine does not have
-            raise ValueError("names the home folder of a user this machine does not have") from None
-
-    def check(self) -> None:
-        """The folder, or the nearest part of its path that exists, must be a folder: a regular file
-        there would fail the run's first write, after Ray started it."""
-        path = self.path
-        for part in (path, *path.parents):
-            if part.is_dir():
-                return
-            if part.exists() or part.is_symlink():
-                what = "is" if part == path else f"lies under {short(str(part))}, which is"
-                what = f"the path {what}"
-                kind = "a file" if part.is_file() else "a broken link" if part.is_symlink() else "not a folder"
-                raise ValueError(f"{what} {kind}: expected a folder (or a path where one can be created)")
-
-
-@dataclass(frozen=True)
-class S3Location(StorageLocation):
-    """``s3://bucket/prefix``: an S3 bucket (or an S3-compatible one behind an endpoint URL)."""
-
-    bucket: str = ""
-    prefix: str = ""
-
-    remote: ClassVar[bool] = True
-    scheme: ClassVar[str] = "s3"
-
-    @classmethod
-    def parse(cls, text: str) -> S3Location:
-        bucket, _, prefix = text[len("s3://"):].partition("/")
-        problem = s3_bucket_problem(bucket)
-        if problem:
-            raise ValueError(problem)
-        return cls(text, bucket, prefix.strip("/"))
-
-
-SCHEMES: dict[str, type[S3Location]] = {"s3": S3Location}
-
-
-def parse_storage(text: str) -> StorageLocation:
-    """A local folder or ``<scheme>://...`` of a registered scheme; anything URL-like that is neither
-    (``s3:/bucket``, ``gs://b``) is refused rather than taken for a local folder of that name."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("is empty: give a local folder (e.g. runs) or s3://bucket/prefix")
-    if "\0" in text or any(not c.isprintable() for c in text):
-        raise ValueError("holds control characters")
-    choices = " or ".join(f"{s}://bucket/prefix" for s in SCHEMES)
-    m = _SCHEME_RE.match(text)
-    if m:
-        scheme = m.group(1).lower()
-        rest = text[m.end():]
-        if scheme in SCHEMES and rest.startswith("//"):
-            if m.group(1) != scheme:
-                raise ValueError(f"write the scheme in lowercase: did you mean {short(scheme + ':' + rest)}?")
-            return SCHEMES[scheme].parse(text)
-        if scheme in SCHEMES:
-            raise ValueError(f"is missing a slash of {scheme}://, did you mean "
-                             f"{short(scheme + '://' + rest.lstrip('/'))}?")
-        if rest.startswith("/") or "://" in text:
-            raise ValueError(f"must be a local folder or {choices} ({scheme}:// is not a storage this "
-                             "runtime knows)")
-    return LocalLocation(text)

@@ -22,8 +22,9 @@ from pydantic import ValidationError
 
 from runtime.cluster import ClusterError
 from runtime.config import JobConfig
+from runtime.config.storage import parse_storage
 from runtime.errors import ConfigError
-from runtime.layout import checkpoint_uri, is_s3, storage_paths
+from runtime.layout import checkpoint_uri, storage_paths
 from runtime.observe.history import CURVES_FILE, ReportError, read_history
 from runtime.observe.mlflow_http import bound_mlflow_http, first_line
 from runtime.observe.mlflow_upload import (
@@ -64,9 +65,9 @@ def _config(run_dir: Path) -> JobConfig:
 
 
 def _checkpoints(run_dir: Path, cfg: JobConfig) -> str:
-    """The run's own checkpoint folder: beside its run folder, or on S3 under the config's storage
+    """The run's own checkpoint folder: beside its run folder, or on an object store under the config's storage
     and the run folder's name (runtime.layout)."""
-    if not is_s3(cfg.checkpoint.storage):
+    if not parse_storage(cfg.checkpoint.storage).remote:
         return checkpoint_uri(str(run_dir))
     try:
         return storage_paths(cfg, run_dir.name)[1]

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from runtime.config import JobConfig
+from runtime.config.storage import parse_storage
 from runtime.errors import ConfigError
 from runtime.layout import TRIAL_TRAINABLE, search_paths, storage_filesystem, trial_checkpoints, trial_folder
 from runtime.tune.config import SCHEDULERS, TuneSpec, parse_tune
@@ -43,7 +44,7 @@ class DiskCap:
         self.finished: list[str] = []
 
     def used_bytes(self) -> int:
-        if self.search_dir.startswith("s3://"):
+        if parse_storage(self.search_dir).remote:
             return 0  # object stores bill by the byte but do not fill up; the cap guards local disks
         total = 0
         for root, _dirs, files in os.walk(self.search_dir):

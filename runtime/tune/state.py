@@ -25,6 +25,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from runtime.config.storage import ObjectLocation, parse_storage
 from runtime.errors import ConfigError
 
 MAC_SUFFIX = ".rtmac"
@@ -67,7 +68,9 @@ def driver_key(create: bool = True) -> bytes:
 
 
 def _plain(path: str) -> str:
-    return path.removeprefix("s3://").rstrip("/")
+    """A path as the storage's filesystem sees it (an object store's URI without its scheme)."""
+    where = parse_storage(path)
+    return where.fs_path if isinstance(where, ObjectLocation) else path.rstrip("/")
 
 
 def state_name(search_path: str, path: str) -> str | None:
@@ -266,9 +269,8 @@ def inner_filesystem(storage: str, fs: Any) -> Any:
         return fs
     import pyarrow.fs as pafs
 
-    if storage.startswith("s3://"):
-        return pafs.FileSystem.from_uri(storage)[0]
-    return pafs.LocalFileSystem()
+    where = parse_storage(storage)
+    return where.filesystem() if isinstance(where, ObjectLocation) else pafs.LocalFileSystem()
 
 
 def sealed_filesystem(storage: str, search_dir: str, fs: Any) -> Any:

@@ -57,7 +57,7 @@ CASES = {
                            expect=("checkpoint.storage", "is a file", "expected a folder")),
     "storage under a file": s("checkpoint.storage={tmp}/model.pt/runs", files={"model.pt": "x"},
                               expect=("checkpoint.storage", "lies under", "model.pt", "is a file")),
-    "gcs storage": s("checkpoint.storage=gs://bucket/runs", expect=("checkpoint.storage", "gs://", "s3://bucket")),
+    "unknown storage scheme": s("checkpoint.storage=hdfs://bucket/runs", expect=("checkpoint.storage", "hdfs://", "s3://bucket")),
     "mlflow uri typo": s("tracking.mlflow_uri=htp:/x", expect=("tracking.mlflow_uri", "http(s)://host", "'htp:/x'")),
     "mlflow uri without host": s("tracking.mlflow_uri=http:/x", expect=("tracking.mlflow_uri", "http://host")),
     "endpoint without scheme": s("checkpoint.endpoint_url=localhost:9000",

@@ -79,7 +79,7 @@ FILE_CASES = {
     "short bucket": v("checkpoint: {storage: 's3://ab/runs'}\n", "'ab'", "3 to 63"),
     "ip bucket": v("checkpoint: {storage: 's3://192.168.1.10/runs'}\n", "IP address"),
     "dotted bucket": v("checkpoint: {storage: 's3://a..b/runs'}\n", "'..'"),
-    "gcs storage": v("checkpoint: {storage: 'gs://bucket/x'}\n", "checkpoint.storage", "s3://bucket/prefix"),
+    "unknown storage scheme": v("checkpoint: {storage: 'hdfs://bucket/x'}\n", "checkpoint.storage", "s3://bucket/prefix"),
     "blank storage": v("checkpoint: {storage: ' '}\n", "checkpoint.storage", "empty"),
     "shards bad bucket": v("data: {source: shards, path: 's3://Bad_Bucket/x'}\n", "data.path", "lowercase"),
     "cifar10 without path": v("data: {source: cifar10}\n", "data.path is required"),

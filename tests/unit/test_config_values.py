@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.config.storage import AzureLocation, GcsLocation
 from runtime.config.values import (
     SCHEMES,
     SEED_MAX,
@@ -25,14 +26,21 @@ def test_storage_locations_parse_to_a_class_per_scheme_that_says_whether_it_is_r
     assert isinstance(s3, S3Location) and s3.remote and (s3.bucket, s3.prefix) == ("my-bucket", "runs/a")
     local = parse_storage("~/runs")
     assert isinstance(local, LocalLocation) and not local.remote and local.path == Path.home() / "runs"
-    assert set(SCHEMES) == {"s3"}  # a new backend registers here; nothing else parses schemes
+    gcs, az = parse_storage("gs://my_bucket/runs"), parse_storage("az://runs-1/a")
+    assert isinstance(gcs, GcsLocation) and gcs.remote and gcs.join("r", "checkpoints") == "gs://my_bucket/runs/r/checkpoints"
+    assert isinstance(az, AzureLocation) and (az.bucket, az.fs_path) == ("runs-1", "runs-1/a")
+    assert set(SCHEMES) == {"s3", "gs", "az"}  # a new backend registers here; nothing else parses schemes
 
 
 @pytest.mark.parametrize(("text", "message"), [
     ("s3:/bucket/x", "did you mean 's3://bucket/x'"),
     ("s3:bucket", "did you mean 's3://bucket'"),
     ("S3://bucket", "lowercase"),
-    ("gs://bucket/x", "gs:// is not a storage"),
+    ("hdfs://bucket/x", "hdfs:// is not a storage"),
+    ("gs://Bucket", "lowercase letters"),
+    ("gs:/bucket", "did you mean 'gs://bucket'"),
+    ("az://", "needs a container name"),
+    ("az://a--b", "single '-'"),
     ("file:///srv/runs", "file:// is not a storage"),
     ("http://host/x", "must be a local folder or s3://bucket/prefix"),
     ("s3://", "needs a bucket name"),
@@ -100,3 +108,24 @@ def test_ports_and_seeds_are_bounded_and_booleans_are_not_numbers() -> None:
     for bad in (-1, SEED_MAX + 1, 10**30):
         with pytest.raises(ValueError, match="seed between 0 and"):
             parse_seed(bad)
+
+
+def test_each_location_says_what_ray_persists_through(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Ray gets the URI where it can open the store itself, else the path inside the store's filesystem."""
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "AZURE_STORAGE_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    assert parse_storage(str(tmp_path)).ray_storage() == (str(tmp_path.resolve()), None)
+    assert parse_storage("s3://b-1/runs/").ray_storage() == ("s3://b-1/runs", None)
+    path, fs = parse_storage("s3://b-1/runs").ray_storage("http://127.0.0.1:9000")
+    assert (path, fs.type_name) == ("b-1/runs", "s3")
+    path, fs = parse_storage("gs://b-1/runs").ray_storage("http://127.0.0.1:9023")
+    assert (path, fs.type_name) == ("b-1/runs", "gcs")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    path, fs = parse_storage("az://c-1").ray_storage("http://127.0.0.1:10000")
+    assert (path, fs.type_name) == ("c-1", "abfs")
+
+
+def test_an_azure_location_without_its_account_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
+    with pytest.raises(ValueError, match="set AZURE_STORAGE_ACCOUNT_NAME"):
+        parse_storage("az://c-1/runs").check()

@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 from typing import IO, Any
 
+from runtime.config.storage import S3Location, parse_storage
 from runtime.errors import ConfigError
 
 INDEX = "index.json"
@@ -60,12 +61,10 @@ class S3Store:
     AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL; credentials come from boto3's usual chain.
     """
 
-    def __init__(self, uri: str, endpoint_url: str | None) -> None:
-        bucket, _, prefix = uri[len("s3://"):].partition("/")
-        self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.where = uri.rstrip("/")
-        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-            "AWS_ENDPOINT_URL")
+    def __init__(self, location: S3Location, endpoint_url: str | None) -> None:
+        self.bucket, self.prefix = location.bucket, location.prefix
+        self.where = location.uri
+        self.endpoint_url = location.endpoint(endpoint_url)
         self._client: Any = None
         self._pid = -1
 
@@ -119,4 +118,14 @@ Store = LocalStore | S3Store
 
 
 def open_store(path: str, endpoint_url: str | None = None) -> Store:
-    return S3Store(path, endpoint_url) if path.startswith("s3://") else LocalStore(path)
+    """The store ``path`` names (a folder or an object-store prefix, as ``parse_storage`` reads it)."""
+    try:
+        where = parse_storage(path)
+    except ValueError as e:
+        raise ConfigError(f"data.path: {path!r} {e}") from None
+    if isinstance(where, S3Location):
+        return S3Store(where, endpoint_url)
+    if where.remote:
+        raise ConfigError(f"data.path: {where.uri}: shard sets are read from a folder or s3://bucket/prefix "
+                          "(checkpoints reach every registered store; shards only these two)")
+    return LocalStore(path)

@@ -16,6 +16,7 @@ from typing import Any
 
 from PIL import UnidentifiedImageError
 
+from runtime.config.storage import parse_storage
 from runtime.data.images import DECODE_ERRORS, list_image_folder
 from runtime.data.shards.store import INDEX, INDEX_FORMAT, READ_ERRORS, SPLITS, LocalStore, Store, open_store
 from runtime.data.shards.stream import load_index, read_shard, sample_image, sample_label
@@ -146,9 +147,10 @@ def inspect(path: str, samples: int = 4, endpoint_url: str | None = None, max_sh
     few decoded samples. On shards the histogram covers the first ``max_shards`` shards per split."""
     lines: list[str] = []
     local = Path(path).expanduser()
-    if not path.startswith("s3://") and not local.is_dir():
+    remote = parse_storage(path).remote
+    if not remote and not local.is_dir():
         raise ConfigError(f"{path} is not a folder (expected an ImageFolder tree, a shard folder or s3://...)")
-    is_folder = not path.startswith("s3://") and local.is_dir() and not (local / INDEX).is_file() and not any(
+    is_folder = not remote and local.is_dir() and not (local / INDEX).is_file() and not any(
         (local / s).is_dir() and any(p.suffix == ".tar" for p in (local / s).iterdir()) for s in SPLITS)
     t0 = time.perf_counter()
     if is_folder:

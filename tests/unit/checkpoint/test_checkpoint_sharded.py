@@ -266,7 +266,7 @@ def test_the_sharded_writer_depends_on_format_and_storage_not_on_the_manager() -
     tree = ast.parse(Path(sharded.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     ours = {m for m in imported if m.startswith("runtime.")}
-    assert ours == {"runtime.checkpoint.format", "runtime.checkpoint.storage", "runtime.checkpoint.s3"}, ours
+    assert ours == {"runtime.checkpoint.format", "runtime.checkpoint.storage", "runtime.checkpoint.objects"}, ours
 
 
 def _replant_metadata(folder: Path, change: Callable[[Any], None]) -> None:

@@ -92,7 +92,7 @@ def test_a_fifo_planted_as_a_checkpoint_file_is_refused_without_blocking(store: 
     assert done.returncode == 1 and "0 valid, 2 invalid" in done.stdout, done
 
 
-@pytest.mark.parametrize("storage, named", [("s3:/bucket/run", "s3://bucket/run"), ("gs://bucket/run", "gs://")])
+@pytest.mark.parametrize("storage, named", [("s3:/bucket/run", "s3://bucket/run"), ("hdfs://bucket/run", "hdfs://")])
 def test_a_malformed_or_unknown_storage_url_is_refused_not_taken_for_a_local_folder(
         storage: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     os.chdir(tmp_path)  # a relative "s3:" folder would be looked for (and reported missing) here
