@@ -67,5 +67,5 @@ def test_storage_ranges_that_overlap_cannot_vouch_for_a_larger_tensor(tmp_path: 
 
 
 def test_the_metadata_dcp_writes_still_loads(tmp_path: Path) -> None:
-    md = SafeFileSystemReader(str(_saved(tmp_path))).read_metadata()
-    assert list(md.state_dict_metadata["w"].size) == [4096]
+    w = SafeFileSystemReader(str(_saved(tmp_path))).read_metadata().state_dict_metadata["w"]
+    assert isinstance(w, dcp_metadata.TensorStorageMetadata) and list(w.size) == [4096]
