@@ -14,6 +14,7 @@ import sys
 
 from runtime.checkpoint.format import NAME_RE, CheckpointRef
 from runtime.checkpoint.manager import CheckpointManager
+from runtime.checkpoint.reader import CheckpointReader
 from runtime.checkpoint.storage import CheckpointError, LocalStorage
 from runtime.config.base import short
 from runtime.config.values import parse_storage
@@ -31,7 +32,7 @@ def _human(n: int) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m runtime checkpoints",
-        description="Inspect, verify and rotate checkpoints in a folder or s3://bucket/prefix "
+        description="Inspect, verify and rotate checkpoints in a folder or an object store (s3://, gs://, az://) "
                     "(a run's checkpoints: <checkpoint.storage>/<run name>/checkpoints).",
         epilog="exit codes: 0 ok; 1 an invalid checkpoint (verify), nothing to verify, or storage failed; "
                "2 bad usage or a local folder that does not exist or is a file",
@@ -45,16 +46,17 @@ def _parser() -> argparse.ArgumentParser:
     }
     for name, text in helps.items():
         s = sub.add_parser(name, help=text, description=text)
-        s.add_argument("storage", help="checkpoint root: a path, file://path or s3://bucket/prefix")
-        s.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (else AWS env)")
+        s.add_argument("storage", help="checkpoint root: a path, file://path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix")
+        s.add_argument("--endpoint-url", default=None,
+                       help="object-store endpoint: an S3-compatible server, an emulator (else the store's env)")
         if name == "prune":
             s.add_argument("--keep", type=int, default=3, help="valid checkpoints to keep (>= 1)")
     return p
 
 
-def _table(mgr: CheckpointManager) -> list[tuple[int, str, int, str]]:
-    sizes = mgr.sizes()
-    return [(ref.step, ref.name, sizes.get(ref.name, 0), status) for ref, status in mgr.list()]
+def _table(reader: CheckpointReader) -> list[tuple[int, str, int, str]]:
+    sizes = reader.sizes()
+    return [(ref.step, ref.name, sizes.get(ref.name, 0), status) for ref, status in reader.list()]
 
 
 def _print_table(rows: list[tuple[int, str, int, str]]) -> None:
@@ -84,29 +86,30 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --keep must be >= 1", file=sys.stderr)
         return 2
     try:
-        mgr = CheckpointManager(args.storage, keep=0, endpoint_url=args.endpoint_url)
+        # Only prune writes: list and verify get the reader.
+        reader = (CheckpointManager(args.storage, keep=0, endpoint_url=args.endpoint_url) if args.command == "prune"
+                  else CheckpointReader(args.storage, endpoint_url=args.endpoint_url))
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if isinstance(mgr.storage, LocalStorage) and not os.path.isdir(mgr.storage.root):
-        # A typo must not read as "0 valid, 0 invalid": nothing was verified.
-        root = mgr.storage.root
-        why = ("is a file, not a checkpoint folder (give the folder that holds the checkpoints: "
-               "<checkpoint.storage>/<run name>/checkpoints)") if os.path.exists(root) else "does not exist"
-        print(f"error: checkpoint folder {root} {why}", file=sys.stderr)
-        mgr.close()
-        return 2
     try:
-        if args.command == "prune":
-            deleted = mgr.prune(keep)
+        if isinstance(reader.storage, LocalStorage) and not os.path.isdir(reader.storage.root):
+            # A typo must not read as "0 valid, 0 invalid": nothing was verified.
+            root = reader.storage.root
+            why = ("is a file, not a checkpoint folder (give the folder that holds the checkpoints: "
+                   "<checkpoint.storage>/<run name>/checkpoints)") if os.path.exists(root) else "does not exist"
+            print(f"error: checkpoint folder {root} {why}", file=sys.stderr)
+            return 2
+        if isinstance(reader, CheckpointManager):
+            deleted = reader.prune(keep)
             for ref in deleted:
                 print(f"deleted {ref.name}")
             print(f"{len(deleted)} deleted, keeping the newest {keep} valid")
-            _print_table(_table(mgr))
+            _print_table(_table(reader))
             return 0
-        rows = _table(mgr)
+        rows = _table(reader)
         _print_table(rows)
-        partials = mgr.storage.partial_uploads()
+        partials = reader.storage.partial_uploads()
         if partials:
             print(
                 f"{len(partials)} leftovers of interrupted saves (removed by prune): "
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         invalid = [r for r in rows if r[3] != "valid"]
         if not rows:
-            print(f"no checkpoints in {mgr.storage.uri}")
+            print(f"no checkpoints in {reader.storage.uri}")
         if args.command == "verify":
             print(f"{len(rows) - len(invalid)} valid, {len(invalid)} invalid")
             return 1 if invalid or not rows else 0  # verifying nothing is not a pass
@@ -123,30 +126,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        mgr.close()
+        if isinstance(reader, CheckpointManager):
+            reader.close()
 
 
 def _verify_one(root: str, name: str, endpoint_url: str | None) -> int:
     """``verify <storage>/step_<n>``: that checkpoint alone, as a resume would check it; one line."""
     try:
-        mgr = CheckpointManager(root, keep=0, endpoint_url=endpoint_url)
+        reader = CheckpointReader(root, endpoint_url=endpoint_url)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ref: CheckpointRef | None = None
     try:
-        if isinstance(mgr.storage, LocalStorage):
-            path = os.path.join(mgr.storage.root, name)
-            real_root, real = os.path.realpath(mgr.storage.root), os.path.realpath(path)
+        if isinstance(reader.storage, LocalStorage):
+            path = os.path.join(reader.storage.root, name)
+            real_root, real = os.path.realpath(reader.storage.root), os.path.realpath(path)
             if os.path.commonpath([real_root, real]) != real_root:  # a link planted as a step folder
-                print(f"{name}: invalid: a link to {real}, outside the storage {mgr.storage.root}: not followed")
+                print(f"{name}: invalid: a link to {real}, outside the storage {reader.storage.root}: not followed")
                 return 1
             if not os.path.isdir(path):
                 why = "is not a folder" if os.path.lexists(path) else "does not exist"
                 print(f"error: checkpoint folder {path} {why}", file=sys.stderr)
                 return 2
-        ref = CheckpointRef(mgr.storage.uri_of(name), int(name.removeprefix("step_")), name)
-        manifest, _ = mgr.verified_files(ref)
+        ref = CheckpointRef(reader.storage.uri_of(name), int(name.removeprefix("step_")), name)
+        manifest, _ = reader.verified_files(ref)
         size = sum(int(f["size"]) for f in manifest["files"].values())
         print(f"{name}: valid ({len(manifest['files'])} files, {_human(size)}, step {ref.step})")
         return 0
@@ -154,8 +158,6 @@ def _verify_one(root: str, name: str, endpoint_url: str | None) -> int:
         why = str(exc).removeprefix(f"{ref.uri}: ") if ref is not None else str(exc)
         print(f"{name}: invalid: {why}")
         return 1
-    finally:
-        mgr.close()
 
 
 if __name__ == "__main__":

@@ -283,7 +283,7 @@ class CheckpointManager(CheckpointReader):
             raise self.save_failed(step_name(step), exc) from exc
         ref = done.ref
         self._last = ref  # visible to last_committed() as soon as it is committed
-        self._known_good[ref.name] = done.manifest_sha256
+        self.remember(ref.name, done.manifest_sha256)
         seconds = time.monotonic() - started
         self.metrics.record_commit(step, seconds, done.nbytes, done.committed_unix)
         log.info("checkpoint %s committed: %d bytes in %.2fs", ref.uri, done.nbytes, seconds)
@@ -341,20 +341,20 @@ class CheckpointManager(CheckpointReader):
         """
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        folders = self._folders()
+        folders = self.folders()
         valid = 0
         deleted: list[CheckpointRef] = []
-        for ref in self._refs_newest_first(folders):
+        for ref in self.refs_newest_first(folders):
             if valid < keep:
                 try:
-                    self._check(ref.name, folders[ref.name], deep=False)
+                    self.check(ref.name, folders[ref.name], deep=False)
                     valid += 1
                     continue
                 except InvalidCheckpoint:
                     if valid == 0:
                         continue
             self.storage.delete_prefix(ref.name)
-            self._known_good.pop(ref.name, None)
+            self.remember(ref.name, None)
             deleted.append(ref)
         cleaned = self.storage.clean_partials()
         if cleaned:

@@ -2,8 +2,8 @@
 
 Every reader goes through ``first_loadable``, the one newest-first loop that skips a folder
 which does not verify or load with a warning naming the file and the reason, and falls back to
-the previous one. ``CheckpointManager`` (the writer) is a reader too: rotation and a resume
-verify what it wrote, and it remembers the manifests it wrote so rotation need not rehash them.
+the previous one. The writer (``CheckpointManager``) reads through the same public methods:
+rotation lists and checks folders, and ``remember`` spares it rehashing the manifests it wrote.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class CheckpointReader:
         self.storage: Storage = storage or open_storage(storage_uri, endpoint_url=endpoint_url, **retry)
         self._known_good: dict[str, str] = {}  # name -> sha256 of a manifest verified/written here
 
-    def _folders(self) -> dict[str, dict[str, int]]:
+    def folders(self) -> dict[str, dict[str, int]]:
         """Checkpoint folder name -> {filename: size}, from one listing of the root."""
         out: dict[str, dict[str, int]] = {}
         for key, size in self.storage.list("").items():
@@ -60,22 +60,30 @@ class CheckpointReader:
         """{filename: size} of one folder."""
         return {k.partition("/")[2]: v for k, v in self.storage.list(name).items()}
 
-    def _refs_newest_first(self, folders: dict[str, dict[str, int]]) -> list[CheckpointRef]:
+    def refs_newest_first(self, folders: dict[str, dict[str, int]]) -> list[CheckpointRef]:
         refs = [
             CheckpointRef(self.storage.uri_of(n), int(NAME_RE.match(n).group(1)), n)  # type: ignore[union-attr]
             for n in folders
         ]
         return sorted(refs, key=lambda r: r.step, reverse=True)
 
+    def remember(self, name: str, manifest_sha256: str | None) -> None:
+        """Record that folder ``name`` holds the manifest with this hash (written or verified by this
+        process; None forgets it), so ``check(deep=False)`` need not rehash its files."""
+        if manifest_sha256 is None:
+            self._known_good.pop(name, None)
+        else:
+            self._known_good[name] = manifest_sha256
+
     def _manifest(self, name: str, listing: dict[str, int]) -> tuple[dict[str, Any], bytes]:
         return read_manifest(self.storage, name, listing)
 
-    def _check(
+    def check(
         self, name: str, listing: dict[str, int], fetch_dir: str | None = None, deep: bool = True
     ) -> tuple[dict[str, Any], dict[str, str]]:
         """Verify a folder; returns its manifest and local paths of its (verified) files.
 
-        deep=False trusts sizes for folders whose manifest this manager wrote or verified.
+        deep=False trusts sizes for folders whose manifest this process wrote or verified (``remember``).
         """
         manifest, blob = read_manifest(self.storage, name, listing)
         if not deep and self._known_good.get(name) == hashlib.sha256(blob).hexdigest():
@@ -94,7 +102,7 @@ class CheckpointReader:
         """Verify ``ref``; returns its manifest and local paths of its files (remote files are
         fetched into ``fetch_dir``). Raises CheckpointError naming the folder, file and reason."""
         try:
-            return self._check(ref.name, self._listing(ref.name), fetch_dir=fetch_dir)
+            return self.check(ref.name, self._listing(ref.name), fetch_dir=fetch_dir)
         except InvalidCheckpoint as exc:
             raise CheckpointError(f"{ref.uri}: {exc}") from None
 
@@ -109,11 +117,11 @@ class CheckpointReader:
 
     def list(self) -> list[tuple[CheckpointRef, str]]:
         """Every checkpoint folder, newest first, with "valid" or "invalid: <reason>"."""
-        folders = self._folders()
+        folders = self.folders()
         out = []
-        for ref in self._refs_newest_first(folders):
+        for ref in self.refs_newest_first(folders):
             try:
-                self._check(ref.name, folders[ref.name])
+                self.check(ref.name, folders[ref.name])
                 out.append((ref, "valid"))
             except InvalidCheckpoint as exc:
                 out.append((ref, f"invalid: {exc}"))
@@ -121,7 +129,7 @@ class CheckpointReader:
 
     def sizes(self) -> dict[str, int]:
         """Total bytes per checkpoint folder (for the CLI table)."""
-        return {n: sum(files.values()) for n, files in self._folders().items()}
+        return {n: sum(files.values()) for n, files in self.folders().items()}
 
     def _recover(self) -> None:
         """Before choosing a checkpoint: put back a copy a crashed re-save left aside."""
@@ -140,7 +148,7 @@ class CheckpointReader:
         """
         self._recover()
         skipped: list[str] = []
-        for ref in self._refs_newest_first(self._folders()):
+        for ref in self.refs_newest_first(self.folders()):
             try:
                 value = load(ref)
             except CheckpointError as exc:
@@ -187,7 +195,7 @@ class CheckpointReader:
     def candidates(self) -> builtins.list[CheckpointRef]:
         """Every checkpoint folder, newest first, unverified (after putting back an interrupted re-save)."""
         self._recover()
-        return self._refs_newest_first(self._folders())
+        return self.refs_newest_first(self.folders())
 
     def _safe_load(self, ref: CheckpointRef, path: str) -> Any:
         try:

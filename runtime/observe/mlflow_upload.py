@@ -355,13 +355,12 @@ def export_final_model(checkpoint_uri: str, cfg: JobConfig, out_dir: Path) -> Pa
     """The final weights as a plain state_dict file (loadable with weights_only=True)."""
     import torch
 
-    from runtime.checkpoint import CheckpointManager
+    from runtime.checkpoint import CheckpointReader
 
     try:
-        mgr = CheckpointManager(checkpoint_uri, keep=cfg.checkpoint.keep, endpoint_url=cfg.checkpoint.endpoint_url,
-                               s3_retry_s=cfg.checkpoint.s3_retry_s)
-        ref, payload, _ = mgr.load_latest()
-        mgr.close()
+        reader = CheckpointReader(checkpoint_uri, endpoint_url=cfg.checkpoint.endpoint_url,
+                                  s3_retry_s=cfg.checkpoint.s3_retry_s)
+        ref, payload, _ = reader.load_latest()
     except Exception as e:
         log.warning("no final model exported: %s", e)
         return None

@@ -131,30 +131,27 @@ def copy_checkpoint(ckpt_root: str, step: int, dest: str, endpoint_url: str | No
     Returns the step copied. Only the files its manifest names are copied, each name checked
     (safe_join) before it becomes a local path.
     """
-    from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointRef, step_name
+    from runtime.checkpoint import CheckpointError, CheckpointReader, CheckpointRef, step_name
     from runtime.checkpoint.storage import UnsafeNameError, safe_join
 
-    mgr = CheckpointManager(ckpt_root, keep=0, endpoint_url=endpoint_url)
-    ref: CheckpointRef | None = CheckpointRef(mgr.storage.uri_of(step_name(step)), step, step_name(step))
-    try:
-        for _ in range(COPY_ATTEMPTS):
-            if ref is None:
-                return None
-            try:
-                for fname in mgr.files_of(ref):
-                    out = safe_join(dest, f"{ref.name}/{fname}")
-                    os.makedirs(os.path.dirname(out), exist_ok=True)
-                    mgr.storage.get_file(f"{ref.name}/{fname}", out)
-                return ref.step
-            except UnsafeNameError:
-                raise
-            except (CheckpointError, FileNotFoundError) as exc:  # rotated away (S3 404s are CheckpointErrors)
-                log.info("checkpoint %s not copied (%s); copying the newest valid one", ref.name, exc)
-                shutil.rmtree(os.path.join(dest, ref.name), ignore_errors=True)
-                ref, _ = mgr.latest_valid()
-        return None
-    finally:
-        mgr.close()
+    reader = CheckpointReader(ckpt_root, endpoint_url=endpoint_url)
+    ref: CheckpointRef | None = CheckpointRef(reader.storage.uri_of(step_name(step)), step, step_name(step))
+    for _ in range(COPY_ATTEMPTS):
+        if ref is None:
+            return None
+        try:
+            for fname in reader.files_of(ref):
+                out = safe_join(dest, f"{ref.name}/{fname}")
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                reader.storage.get_file(f"{ref.name}/{fname}", out)
+            return ref.step
+        except UnsafeNameError:
+            raise
+        except (CheckpointError, FileNotFoundError) as exc:  # rotated away (object-store 404s are CheckpointErrors)
+            log.info("checkpoint %s not copied (%s); copying the newest valid one", ref.name, exc)
+            shutil.rmtree(os.path.join(dest, ref.name), ignore_errors=True)
+            ref, _ = reader.latest_valid()
+    return None
 
 
 COPY_ATTEMPTS = 3
