@@ -129,3 +129,30 @@ def test_an_azure_location_without_its_account_is_refused_naming_the_variable(mo
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
     with pytest.raises(ValueError, match="set AZURE_STORAGE_ACCOUNT_NAME"):
         parse_storage("az://c-1/runs").check()
+
+
+# The driver's hand-off to Ray still strips "s3://" itself until it asks runtime.layout.ray_storage.
+SCHEME_TESTS_ALLOWED = {"runtime/launch/driver.py"}
+
+
+def test_no_module_outside_the_storage_package_reads_a_scheme_off_a_url() -> None:
+    """"Remote?", "which store?" are asked of the location type: a ``startswith("s3://")`` or a
+    ``removeprefix("gs://")`` elsewhere would leave a new scheme half supported."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in sorted((root / "runtime").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("runtime/config/storage/") or rel in SCHEME_TESTS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("startswith", "removeprefix") and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                    and node.args[0].value.rstrip("/").endswith(":") and node.args[0].value[:-3] in SCHEMES):
+                found.append(f"{rel}:{node.lineno}")
+            name = node.name if isinstance(node, ast.FunctionDef) else node.id if isinstance(node, ast.Name) else ""
+            if name == "is_s3":
+                found.append(f"{rel}:{node.lineno} is_s3")
+    assert not found, "scheme tests outside runtime.config.storage:\n" + "\n".join(found)
