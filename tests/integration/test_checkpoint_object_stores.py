@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -133,3 +134,19 @@ def test_an_emulator_that_is_down_is_one_error_naming_the_store(store: Store) ->
         reader.latest_valid()
     message = str(err.value)
     assert message.startswith(f"list {store.uri('run1')}: gave up after") and "\n" not in message
+
+
+def test_ray_train_persists_through_the_path_and_filesystem_the_location_gives(store: Store, tmp_path: Path) -> None:
+    """What Ray Train's storage does with ``ray_storage``'s answer (no cluster needed): it writes its
+    validation marker and copies a reported checkpoint folder into the store."""
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    path, fs = parse_storage(store.uri("ray")).ray_storage(store.endpoint)
+    ctx = StorageContext(path, "run-1", storage_filesystem=fs)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "state.txt").write_text("step 7")
+    persisted = ctx.persist_current_checkpoint(Checkpoint.from_directory(str(tmp_path / "ckpt")), "checkpoint_1")
+    with store.raw("ray").open_input_stream(f"{persisted.path}/state.txt") as src:
+        assert src.readall() == b"step 7"
+    assert persisted.path == f"{BUCKET}/ray/run-1/checkpoint_1"
