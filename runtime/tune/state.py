@@ -69,6 +69,8 @@ def driver_key(create: bool = True) -> bytes:
 
 def _plain(path: str) -> str:
     """A path as the storage's filesystem sees it (an object store's URI without its scheme)."""
+    if "://" not in path:  # already a path inside the filesystem (what Tune hands a handler)
+        return path.rstrip("/")
     where = parse_storage(path)
     return where.fs_path if isinstance(where, ObjectLocation) else path.rstrip("/")
 
