@@ -54,6 +54,15 @@ def cluster(pytestconfig: pytest.Config) -> Iterator[dict[str, Any]]:
         yield {**state, "dir": CLUSTER_DIR}
 
 
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The uninterrupted run (tests.support.recovery) every interrupted recovery scenario must match bit
+    for bit: made once for the workers killed (test_recovery.py) and the driver's signals (test_run_edges.py)."""
+    from tests.support.recovery import reference_run
+
+    return reference_run(tmp_path_factory.mktemp("reference"))
+
+
 @pytest.fixture
 def storage(tmp_path: Path) -> str:
     return str(tmp_path / "runs")

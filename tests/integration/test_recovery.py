@@ -1,14 +1,15 @@
-"""Recovery end to end on a real local Ray cluster: real signals, corrupt checkpoints. (S3:
-test_checkpoint_s3.py; a full disk: tests/unit/checkpoint/test_checkpoint_disk_full.py.)
+"""Recovery end to end on a real local Ray cluster: workers killed, corrupt checkpoints. (The driver's
+signals: test_run_edges.py; S3: test_checkpoint_s3.py; a full disk: tests/unit/checkpoint/test_checkpoint_disk_full.py.)
 
-Every run is a small 2-worker MLP on digits so the file stays within a few minutes on 2 cores.
-``log_every_steps=1`` makes the report history show every step, which is how steps redone
-and steps lost are counted: a restarted worker group's first report carries ``resumed_from_step``.
+Every run is tests.support.recovery's small 2-worker MLP on digits, so the file stays within a few minutes
+on 2 cores. Its report history shows every step, which is how steps redone and steps lost are counted: a
+restarted worker group's first report carries ``resumed_from_step``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,27 +18,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from runtime.checkpoint import CheckpointManager, step_name
-from runtime.launch.driver import TrainOutcome, train
+from runtime.checkpoint import step_name
+from runtime.observe.history import read_history
+from runtime.run import TrainOutcome
+from runtime.train.hold import RELEASE_FILE
 from tests.support import ROOT, job, wait_for
-from tests.support.cluster import WorkerGroupKiller, committed_steps, oldest_allowed_resume
-from tests.support.trainer import train_in_process, train_ranks
+from tests.support.behaviours import Behaviours
+from tests.support.cluster import WorkerGroupKiller, committed_steps, oldest_allowed_resume, train_worker_pids
+from tests.support.held_run import finish, start, wait_held
+from tests.support.recovery import BASE, MAX_STEPS, assert_matches_reference, final_model
+from tests.support.trainer import folded, train_in_process
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 200  # steps take ~20 ms here: long enough that every kill lands mid-run
 INTERVAL = 10
-# Small, fast and deterministic: 2 workers x 32 per worker = 64 samples per step.
-BASE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=1",
-        "train.deterministic=true", "distributed.timeout_s=10", "schedule.warmup_steps=0",
-        # Ray Train notices dead workers (and registers checkpoints) at its poll period.
-        "distributed.poll_interval_s=0.25"]
-
-
-def ckpt_dir(storage: str, run: str) -> Path:
-    return Path(storage) / run / "checkpoints"
+# The summary a finished run prints (run, steps, checkpoint, curves, history, ...) with room for a wrapped line.
+CONSOLE_SUMMARY_LINES = 10
+# How many of the run's own start-ups a restart may take, from the kill to the next step: it makes a new
+# group as the start-up did, after tearing down the old one (measured here: ~1, under load too).
+RESTART_IN_STARTUPS = 3
 
 
 def restarts(history: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
@@ -50,107 +50,109 @@ def restarts(history: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
     return out
 
 
-def final_model(uri: str, endpoint_url: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-    with CheckpointManager(uri, endpoint_url=endpoint_url) as mgr:
-        ref, payload, warnings = mgr.load_latest()
-    assert ref is not None and payload is not None and not warnings, warnings
-    return ref.step, payload["model"]
-
-
-def assert_same_model(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"not bit-identical: {different}"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> TrainOutcome:
-    """The uninterrupted run every interrupted Ray run must match bit for bit: the same trainer on
-    2 gloo ranks of its own (what is proven is Ray's recovery, not this run)."""
-    out = train_ranks("digits_smoke", tmp_path_factory.mktemp("reference"), *BASE, f"train.max_steps={MAX_STEPS}")
-    assert out.metrics["step"] == MAX_STEPS
-    return out
-
-
 def test_worker_kills_resume_from_the_last_commit_before_the_kill_and_end_bit_identical(
-        cluster: dict, storage: str, reference: TrainOutcome) -> None:
-    """SIGKILL twice, then SIGTERM, to one worker each time; a dead peer fails in seconds, not a hang.
+        cluster: dict, tmp_path: Path, reference: TrainOutcome) -> None:
+    """SIGKILL twice, then SIGTERM, to one worker each time, in one ``python -m runtime train`` run: each
+    restart resumes within the documented guarantee, a dead peer fails the group in a restart's time, not
+    a hang, the run ends bit-identical to the uninterrupted one, and its console is one line per event.
 
     Ray 2.60 workers exit on SIGTERM through Ray's own handler (the train function runs off the main
     thread and cannot install one), so a worker SIGTERM is a restart from the newest committed
-    checkpoint, like a kill. The spot-notice path with an emergency checkpoint is the driver's SIGTERM.
+    checkpoint, like a kill. The spot-notice path with an emergency checkpoint is the driver's SIGTERM
+    (test_run_edges.py).
     """
-    run = "kills"
-    cfg = job("digits_smoke", storage, *BASE, f"train.max_steps={MAX_STEPS}",
-              f"checkpoint.interval_steps={INTERVAL}", "checkpoint.max_failures=5")
+    storage, run = tmp_path / "runs", "kills"
+    run_dir = storage / run
+    seen = Behaviours("workers killed")
+    cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--run-name", run]
+    for s in (*BASE, f"checkpoint.interval_steps={INTERVAL}", "checkpoint.max_failures=5",
+              f"checkpoint.storage={storage}"):
+        cmd += ["--set", s]
     # Each kill hits a new worker group once it has committed a checkpoint, so its restart shows in the history.
-    with WorkerGroupKiller(ckpt_dir(storage, run), (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM)) as killer:
-        out = train(cfg, run, show_progress=False)
+    with WorkerGroupKiller(run_dir / "checkpoints", (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM)) as killer:
+        started = time.time()
+        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=900)
+    console, lines = done.stdout, done.stdout.splitlines()
     kills = killer.kills
-    assert len(kills) == 3, kills
-    assert not out.error and out.metrics["step"] == MAX_STEPS and out.metrics["final"]
-    seen = restarts(out.history)
-    assert len(seen) == 3, seen
-    for (killed_at, committed, sig), (last, resumed, first_after) in zip(kills, seen):
+    assert len(kills) == 3 and done.returncode == 0, (kills, console[-6000:])
+    history = read_history(run_dir)
+    out = TrainOutcome(run_name=run, run_dir=str(run_dir), checkpoint_uri=str(run_dir / "checkpoints"),
+                       metrics=folded(history), history=history)
+    seen.check("the run trains every step and ends clean", out.metrics["step"] == MAX_STEPS
+               and bool(out.metrics.get("final")), out.metrics)
+    # The run's own start-up (the driver's start to its first step: a worker group made, torch imported, the
+    # process group formed) is the unit a restart is measured in: both stretch alike with the host's load.
+    startup = history[0]["_time"] - started
+    restarted = restarts(history)
+    seen.check("each kill shows as one restart in the history", len(restarted) == 3, restarted)
+    for n, ((killed_at, committed, sig), (last, resumed, first_after)) in enumerate(zip(kills, restarted), 1):
+        name = f"{signal.Signals(sig).name} #{n} at step {last}"
         # The exact guarantee (docs/checkpoints.md, "What a kill costs"): the newest commit before
         # the kill, and never older than the save before the newest one started (that one may have
         # been in flight and lost): fewer than INTERVAL steps redone, or up to 2 x INTERVAL - 1.
-        assert resumed >= committed, f"resumed from {resumed}, but {committed} was committed before the kill"
+        seen.check(f"{name}: resumed from the newest commit before the kill", resumed >= committed,
+                   f"resumed from {resumed}, but {committed} was committed before the kill")
         oldest = oldest_allowed_resume(last, committed, INTERVAL)
-        assert resumed >= oldest, (f"redid {last - resumed} steps after {signal.Signals(sig).name} at step "
-                                   f"{last}: resumed from {resumed}, older than {oldest}")
-        assert first_after - killed_at < 60, f"{first_after - killed_at:.0f}s from kill to the next step"
+        seen.check(f"{name}: redid no more than the guarantee", resumed >= oldest,
+                   f"redid {last - resumed} steps: resumed from {resumed}, older than {oldest}")
+        # A dead peer fails the group at once (a SIGKILLed peer's socket closes; gloo's timeout is the job's
+        # 10 s, Ray polls every 0.25 s), not after a hang: the kill to the next step is a restart, which does
+        # what the start-up did after a teardown. A collective left to gloo's 30-min default would be
+        # dozens of start-ups even in the slowest hour.
+        seen.check(f"{name}: the next step came within {RESTART_IN_STARTUPS} start-ups, not after a hang",
+                   first_after - killed_at < RESTART_IN_STARTUPS * startup,
+                   f"{first_after - killed_at:.0f} s from the kill to the next step; the start-up took {startup:.0f} s")
+    print(f"start-up {startup:.1f} s; kill to next step: "
+          + ", ".join(f"{r[2] - k.time:.1f} s" for k, r in zip(kills, restarted)))
     # Every step of the schedule ran once on the surviving timeline; the result equals no interruption.
-    digests = out.metrics["rank_param_digests"]
-    assert digests == reference.metrics["rank_param_digests"], (digests, reference.metrics["rank_param_digests"])
-    assert_same_model(final_model(out.checkpoint_uri)[1], final_model(reference.checkpoint_uri)[1])
-
-
-def test_driver_sigterm_commits_emergency_checkpoint_and_resume_loses_no_steps(
-        cluster: dict, storage: str, reference: TrainOutcome) -> None:
-    run = "preempted"
-    sets = [*BASE, f"train.max_steps={MAX_STEPS}", "checkpoint.interval_steps=25", f"checkpoint.storage={storage}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--no-progress", "--run-name", run]
-    for s in sets:
-        cmd += ["--set", s]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        # The run has reported step 25 once its checkpoint commits; stop it a few steps later.
-        wait_for(lambda: 25 in committed_steps(ckpt_dir(storage, run)) or proc.poll() is not None, "checkpoint 25")
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        stdout, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stdout[-4000:]
-    assert "PREEMPTED" in stdout and f"--run-name {run}" in stdout, stdout[-4000:]
-    preempted_at = committed_steps(ckpt_dir(storage, run))[-1]
-    assert 25 < preempted_at < MAX_STEPS, f"emergency checkpoint at {preempted_at}"
-    with CheckpointManager(str(ckpt_dir(storage, run))) as mgr:
-        assert mgr.list()[0][1] == "valid"
-    assert f"step={preempted_at}" in stdout
+        assert_matches_reference(out, reference)
+        seen.check("the killed run ends bit-identical to the uninterrupted one", True)
+    except AssertionError as e:
+        seen.check("the killed run ends bit-identical to the uninterrupted one", False, e)
 
-    out = train(job("digits_smoke", storage, *sets), run, show_progress=False)
-    first = out.history[0]
-    assert first["resumed_from_step"] == preempted_at and first["step"] == preempted_at + 1, first
-    assert out.metrics["step"] == MAX_STEPS and not out.preempted
-    steps = [h["step"] for h in out.history if not h.get("final")]
-    assert steps == list(range(preempted_at + 1, MAX_STEPS + 1))  # 0 steps lost, none run twice
-    assert out.metrics["rank_param_digests"] == reference.metrics["rank_param_digests"]
-    assert_same_model(final_model(out.checkpoint_uri)[1], final_model(reference.checkpoint_uri)[1])
+    # The console (what a user reads): Ray's own output (per-report ``TrainingReport`` lines, the dead
+    # workers' tracebacks, the controller's failure policy dump) stays in Ray's log files.
+    for n in (1, 2, 3):
+        seen.check(f"console: failure {n} is one line naming the rank and the budget", any(
+            "worker died (rank" in ln and f"restarting the workers (failure {n} of 5 allowed)" in ln
+            for ln in lines), console)
+    # "(N steps to redo)" only when a report reached the driver before the kill: otherwise the
+    # driver does not know how far the dead group had got.
+    recovery = re.compile(r"\[runtime\] resuming from step_\d{9}( \(\d+ steps? to redo\))?")
+    seen.check("console: each recovery is one line", sum(bool(recovery.fullmatch(ln)) for ln in lines) == 3,
+               console)
+    # One line per report and per evaluation, plus per kill a failure, a recovery and Ray's one
+    # "(raylet) A worker died" line, plus the summary: Ray alone printed ~200 lines for a shorter run before.
+    evaluations = sum(any(k.startswith("val/") for k in h) for h in history)
+    budget = len(history) + evaluations + 3 * 3 + CONSOLE_SUMMARY_LINES
+    seen.check(f"console: at most one line per report and event ({budget})", len(lines) <= budget,
+               f"{len(lines)} lines:\n{console}")
+    for noise in ("TrainingReport(", "Traceback", "PreemptionWatcher", "FailurePolicy", "RayTrainWorker pid="):
+        seen.check(f"console: no {noise!r}", noise not in console, console)
+    curves = run_dir / "training_curves.png"
+    seen.check("console: the summary names the curves written", f"curves:       {curves}" in console
+               and curves.exists() and curves.read_bytes()[:4] == b"\x89PNG", console[-3000:])
+    seen.verify()
 
 
-def test_resume_skips_corrupt_checkpoints_and_says_why(cluster: dict, storage: str) -> None:
-    """Manifest missing / truncated / one byte flipped / one file deleted: each newer one skipped, named."""
-    run = "corrupt"
-    cfg = job("digits_smoke", storage, *BASE, "train.max_steps=25", "checkpoint.interval_steps=5",
-              "checkpoint.keep=5")
+def test_resume_skips_corrupt_checkpoints_says_why_and_a_kill_past_the_failure_budget_exits_1(
+        cluster: dict, tmp_path: Path) -> None:
+    """One CLI run proves two behaviours. Its resume: manifest missing / truncated / one byte flipped /
+    one file deleted, each newer checkpoint skipped and named, the run going on from the valid one. Its
+    end: a worker killed with no restarts allowed (``max_failures=0``, ranks held at step 26 after the
+    re-save of 25): exit 1 with one line and no traceback. (The other exit codes: 0 and 3 in
+    test_tracking_faults.py, 2 in tests/unit/test_config_bad_input.py, 3 without a cluster in
+    tests/unit/test_config_errors.py, 5 in test_final_save_lost.py, 130 in test_run_edges.py.)"""
+    storage, run = tmp_path / "runs", "corrupt"
+    sets = [*BASE, "train.max_steps=30", "checkpoint.interval_steps=5", "checkpoint.keep=5",
+            "checkpoint.max_failures=0"]
+    seen = Behaviours("corrupt checkpoints, then no restarts left")
     # The checkpoints to corrupt come from the trainer in this process (Ray is not what makes them
     # valid or not); the resume below is a real 2-worker run on the cluster.
-    train_in_process(cfg, Path(storage) / run)
-    d = ckpt_dir(storage, run)
+    train_in_process(job("digits_smoke", str(storage), *sets, "train.max_steps=25"), storage / run)
+    d = storage / run / "checkpoints"
     assert committed_steps(d) == [5, 10, 15, 20, 25]
     (d / step_name(25) / "manifest.json").unlink()
     model = d / step_name(20) / "model.pt"
@@ -161,14 +163,29 @@ def test_resume_skips_corrupt_checkpoints_and_says_why(cluster: dict, storage: s
     opt.write_bytes(bytes(blob))
     (d / step_name(10) / "trainer.pt").unlink()
 
-    out = train(cfg, run, show_progress=False)
-    first = out.history[0]
-    assert first["resumed_from_step"] == 5 and first["step"] == 6, first
-    warnings = first["restore_warnings"]
+    hold = tmp_path / "hold-26"
+    proc = start(storage, run, sets, (26, hold))
+    try:
+        wait_held(proc, 26, hold)
+        wait_for(lambda: 25 in committed_steps(d), "the re-save of step 25")
+        os.kill(train_worker_pids()[-1], signal.SIGKILL)
+    finally:
+        console = finish(proc, hold / RELEASE_FILE)
+
+    first = next(h for h in read_history(storage / run) if "resumed_from_step" in h)
+    seen.check("the resume goes on from the newest valid checkpoint (5)",
+               first["resumed_from_step"] == 5 and first["step"] == 6, first)
+    warnings = first.get("restore_warnings") or []
     expected = [(25, "manifest.json missing"), (20, "model.pt size"), (15, "optimizer.pt sha256 mismatch"),
                 (10, "trainer.pt missing")]
-    assert len(warnings) == len(expected), warnings
-    for w, (step, why) in zip(warnings, expected):
-        assert w.startswith(step_name(step)) and why in w and w.endswith(f"using {step_name(5)}"), w
-    assert out.metrics["step"] == 25
-    assert final_model(str(d))[0] == 25  # the re-saved step_25 replaced the uncommitted folder
+    seen.check("each skipped checkpoint is named with why, newest first", len(warnings) == len(expected) and all(
+        w.startswith(step_name(step)) and why in w and w.endswith(f"using {step_name(5)}")
+        for w, (step, why) in zip(warnings, expected)), warnings)
+    seen.check("the console shows each skipped checkpoint", all(w in console for w in warnings), console)
+    seen.check("the re-saved step 25 replaced the uncommitted folder", final_model(str(d))[0] == 25,
+               committed_steps(d))
+    seen.check("a kill past the failure budget exits 1", proc.returncode == 1, console)
+    seen.check("the budget's end is one line", "no restarts left (0 allowed): the run fails" in console
+               and "error: the run failed: Training failed due to worker errors:" in console, console)
+    seen.check("a failed run prints no traceback", "Traceback" not in console, console)
+    seen.verify()
