@@ -142,11 +142,15 @@ QUICK_E2E := $(foreach t,test_two_worker_ddp_keeps_ranks_identical_and_loss_fall
                test_digits_converges_above_90_percent_with_two_workers \
                test_a_run_without_ray_datasets_starts_no_ray_data_actor,tests/integration/test_training.py::$(t))
 
+# Each layer once: the unit tests but those marked slow (each slow one's layer has faster tests beside
+# it: a real MLflow server, sharded and full-disk checkpoints, tensor parallel, DDP against FSDP), the
+# combination matrix (every strategy and model family trained a few steps), one Ray Train run.
 .PHONY: test-quick
-test-quick: setup $(TF_STAMP) ## The inner loop (goal 5 min on 2 idle cores; docs/performance.md): ruff, generate --check, unit tests, one Ray Train run.
+test-quick: setup $(TF_STAMP) ## The inner loop (goal 5 min on 2 idle cores; docs/performance.md): ruff, generate --check, fast unit tests, the combination matrix, one Ray Train run.
 	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes generate.py dashboards alerts ops flows
 	$(PY) -m generate --check
-	$(PY) -m pytest tests/unit $(QUICK_E2E) --ray-only-cluster -q --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not slow" -q --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit/train/test_combination_matrix.py $(QUICK_E2E) --ray-only-cluster -q --durations=10 $(PYTEST_ARGS)
 
 .PHONY: bench
 bench: setup cluster-ready ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.
