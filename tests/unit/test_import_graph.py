@@ -159,8 +159,9 @@ def long_without_reason(package: Path) -> list[str]:
     return found
 
 
-# A long module whose owner is still to split it or say why (its docstring is being rewritten).
-NOT_YET_REASONED = {"runtime.observe.logs"}
+# Long modules whose owners are still to split them or say why in their docstring (both are being
+# reworked by their owners as this rule lands): remove an entry once its module complies.
+NOT_YET_REASONED = {"runtime.observe.logs", "runtime.checkpoint.sharded"}
 
 
 def test_runtime_modules_over_400_lines_say_why() -> None:
