@@ -1,0 +1,131 @@
+"""A run with a killed worker, seen afterwards from one place: ``python -m runtime logs`` shows the dead
+rank's last lines in time order beside the restart, and the run's spans are in the real MLflow server.
+
+One Train run (2 workers, one SIGKILL after the first commit) driven as ``make train`` runs with traces
+on (tests/integration/traced_driver.py): Ray Train's JSON logs on, the tracing hook in the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.cluster.local import ray_temp_dir
+from runtime.observe import logs, traces
+from runtime.train.hold import HOLD_ENV, RELEASE_FILE, held_file
+from tests.support import ROOT, wait_for
+from tests.support.cluster import train_worker_pids
+
+pytestmark = pytest.mark.slow
+
+RUN = "logged"
+STEPS = 60
+HOLD_AT = 30  # after the commits of steps 10 and 20
+# Small and fast: 2 workers x 32 per worker; a checkpoint every 10 steps, so the kill lands mid-run.
+SETS = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=10",
+        f"train.max_steps={STEPS}", "checkpoint.interval_steps=10", "checkpoint.max_failures=2",
+        "distributed.timeout_s=10", "distributed.poll_interval_s=0.25"]
+_LINE = re.compile(r"(\S+) a(\d+|-) r(\d+|-) ~step (\d+|-) (\S+) (\S+) (\S+) (.*)")
+
+
+@pytest.fixture(scope="module")
+def traced(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from mlflow.tracking import MlflowClient
+
+    url = cluster["mlflow"]["url"]
+    experiment = MlflowClient(url).create_experiment("rt-traces")
+    storage = tmp_path_factory.mktemp("logs") / "runs"
+    run_dir = storage / RUN
+    hold = tmp_path_factory.mktemp("hold")
+    # Every rank waits at step HOLD_AT until released (runtime.train.hold): the kill lands at a known step.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **traces.mlflow_otlp_env(url, experiment),
+           HOLD_ENV: f"{HOLD_AT}:{hold}",
+           "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "1", "RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING": "1"}
+    sets = " ".join([f"checkpoint.storage={storage}", *SETS])
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/integration/traced_driver.py"), str(run_dir), "--",
+                             "digits_smoke", "--sets", sets], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: proc.poll() is not None or all(held_file(hold, HOLD_AT, r).exists() for r in (0, 1)),
+                 f"both ranks held at step {HOLD_AT}")
+        assert proc.poll() is None, proc.communicate()[0]
+        killed = train_worker_pids()[-1]
+        os.kill(killed, signal.SIGKILL)
+        (hold / RELEASE_FILE).touch()  # the survivor goes on, fails on its dead peer; the restart passes the hold
+        console, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, console
+    return {"run_dir": run_dir, "killed": killed, "console": console, "url": url, "experiment": experiment,
+            "ray_logs": Path(ray_temp_dir(cluster["dir"]))}
+
+
+def run_logs(traced: dict[str, Any], capsys: pytest.CaptureFixture[str], *args: str) -> list[re.Match[str]]:
+    capsys.readouterr()
+    code = logs.main([str(traced["run_dir"]), "--ray-logs", str(traced["ray_logs"]),
+                      "--shipped", str(traced["run_dir"] / "no-shipped-files"), *args])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = [m for m in map(_LINE.fullmatch, out.splitlines()) if m]
+    assert lines, out
+    return lines
+
+
+def killed_worker(traced: dict[str, Any]) -> tuple[int, str]:
+    """The world rank and Ray worker id of the killed process, from its Ray worker file's name and
+    Ray Train's JSON lines."""
+    sessions = traced["ray_logs"].glob("session_2*/logs")
+    files = [p for s in sessions for p in s.glob(f"worker-*-{traced['killed']}.*")]
+    assert files, f"no Ray worker file of pid {traced['killed']}"
+    worker_id = files[0].name.split("-")[1]
+    raw = list(logs._ray_files([traced["ray_logs"]], None, []))
+    ranks = {item["world_rank"] for f in raw if f.program.endswith(worker_id) for _, line in f.lines
+             if (item := logs._as_json(line)) and isinstance(item.get("world_rank"), int)}
+    assert len(ranks) == 1, ranks
+    return ranks.pop(), worker_id
+
+
+def test_logs_merge_every_source_in_time_order_across_the_restart(traced: dict[str, Any],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    lines = run_logs(traced, capsys)
+    times = [m.group(1) for m in lines]
+    assert times == sorted(times)
+    sources = {m.group(6).split("/")[-1].split("-")[0] for m in lines}
+    assert {"history.jsonl", "timeline.jsonl", "ray"} <= sources, sources
+    attempts = [int(m.group(2)) for m in lines if m.group(2) != "-"]
+    assert attempts == sorted(attempts) and {1, 2} <= set(attempts), "an attempt before the kill, one after"
+    assert {int(m.group(3)) for m in lines if m.group(3) != "-"} == {0, 1}
+
+
+def test_logs_show_the_killed_ranks_last_lines_before_the_restart(traced: dict[str, Any],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    rank, worker_id = killed_worker(traced)
+    before = run_logs(traced, capsys, "--rank", str(rank), "--attempt", "1")
+    assert {m.group(3) for m in before} == {str(rank)} and {m.group(2) for m in before} == {"1"}
+    # The dead process's own lines are among them (its Ray Train records, its stderr).
+    assert any(worker_id in m.group(6) for m in before), "no line of the killed worker process"
+    last = run_logs(traced, capsys, "--rank", str(rank), "--attempt", "1", "--tail", "3")
+    assert [m.group(0) for m in last] == [m.group(0) for m in before[-3:]]
+
+
+def test_a_runs_spans_reach_mlflow_with_its_name_attempt_and_rays_actors(traced: dict[str, Any]) -> None:
+    import mlflow
+
+    ids = traces.trace_ids(traced["run_dir"])
+    assert len(ids) == 1
+    mlflow.set_tracking_uri(traced["url"])
+    found = mlflow.search_traces(locations=[traced["experiment"]], return_type="list")
+    spans = {s.name: s for t in found for s in t.data.spans}
+    root = spans.get(f"run {RUN}")
+    assert root is not None, sorted(spans)
+    assert root.attributes.get("rt.run") == RUN and int(root.attributes.get("rt.attempt")) == 1
+    assert ids[0] in root.trace_id  # MLflow's id of an OpenTelemetry trace: tr-<its hex id>
+    assert any("RayTrainWorker" in name for name in spans), sorted(spans)
