@@ -112,7 +112,11 @@ def lab():
 
 @pytest.fixture(scope="session")
 def inventory(lab) -> Path:
-    return labmod.write_inventory(lab, lab.workdir / "inventory.json")
+    """Terraform's rendered inventory (hosts.yml), the lab's group_vars beside it."""
+    t0 = time.monotonic()
+    path = labmod.terraform_inventory(lab, lab.workdir / "inventory")
+    TIMINGS["terraform apply (cluster_spec inventory)"] = time.monotonic() - t0
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -145,7 +149,7 @@ def hosts(lab, ssh_config, site_run):
     import testinfra
 
     def get(name: str):
-        address = f"{lab.subnet}.{10 + labmod.TOPOLOGY[name]}"
+        address = labmod.node_address(lab, name)
         return testinfra.get_host(f"ssh://root@{address}", ssh_config=str(ssh_config))
     return get
 

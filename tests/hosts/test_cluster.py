@@ -1,9 +1,10 @@
-"""site.yml and health_check.yml on real (nspawn) Debian hosts.
+"""site.yml and health_check.yml on real (nspawn) Debian hosts, from the inventory Terraform renders.
 
 Run: make test-hosts   (root; builds/caches the golden image; about 10 minutes on 2 cores)
-Tests run in file order and share one lab: bring-up, verification, idempotence,
-GPU-less and forced-GPU rendering, the health gate. replace_node.yml runs in test_selfheal.py, as
-the remediation service runs it for a lost worker (scenario (a) asserts what the playbook may touch).
+Tests run in file order and share one lab: Terraform's inventory, bring-up, verification,
+idempotence, GPU-less and forced-GPU rendering, the health gate. replace_node.yml runs
+in test_selfheal.py, as the remediation service runs it for a lost worker (scenario (a) asserts
+what the playbook may touch).
 """
 
 from __future__ import annotations
@@ -16,13 +17,59 @@ import urllib.parse
 import urllib.request
 
 import lab as labmod
+import yaml
 from conftest import TIMINGS, cluster_state, recap
 
-HEAD, WORKERS = "ray-head", ["worker1", "worker2"]
+HEAD, WORKERS = labmod.HEAD, labmod.WORKERS
 ALL = [HEAD, *WORKERS]
 TOKEN = "/etc/ray/auth_token"
 # Run a command with the cluster's Ray authentication settings (installed by the ray role).
 WITH_AUTH = "/usr/local/bin/ray-cluster-env"
+
+
+def _lab_var(inventory, name: str):
+    """A setting of the lab's own group_vars/all.yml, beside Terraform's inventory."""
+    return json.loads((inventory.parent / "group_vars" / "all.yml").read_text())[name]
+
+
+def _rendered_variables(inventory_yaml: dict) -> set[str]:
+    """Every variable name the inventory sets: for all, for a group, for a host."""
+    names = set(inventory_yaml["all"].get("vars") or {})
+    for group in inventory_yaml["all"]["children"].values():
+        names |= set(group.get("vars") or {})
+        for host_vars in (group.get("hosts") or {}).values():
+            names |= set(host_vars or {})
+    return names
+
+
+def test_ansible_runs_on_the_inventory_terraform_rendered_for_the_lab_nodes(lab, inventory):
+    # The file every playbook here gets with -i is Terraform's output, byte for byte.
+    assert inventory.read_text() == labmod.terraform(lab, "output", "-raw", "inventory")
+    assert json.loads(labmod.terraform(lab, "output", "-json", "node_names")) == [HEAD, *WORKERS]
+    rendered = yaml.safe_load(inventory.read_text())
+    groups = rendered["all"]["children"]
+    assert {g: sorted(v["hosts"]) for g, v in groups.items()} == {
+        g: sorted(hosts) for g, hosts in labmod.GROUPS.items()}
+    # Each node Terraform names answers at the addresses Terraform gives Ray and Ansible: the head
+    # at its public address, the workers at their private ones through the head (ProxyJump).
+    head_vars = groups["head"]["hosts"][HEAD]
+    assert head_vars["ray_node_ip_address"] == lab.nodes[HEAD].address
+    assert head_vars["ansible_host"] == labmod.head_public_address(lab)
+    for name, host_vars in groups["gpu_workers"]["hosts"].items():
+        assert host_vars["ansible_host"] == host_vars["ray_node_ip_address"] == lab.nodes[name].address
+        assert f"-o ProxyJump=root@{labmod.head_public_address(lab)} " in host_vars["ansible_ssh_common_args"]
+        assert host_vars["ray_resources"] == {"pool_a": 1}
+    # The lab's own settings only add to the inventory: none replaces a variable Terraform rendered.
+    lab_settings = json.loads((inventory.parent / "group_vars" / "all.yml").read_text())
+    assert not set(lab_settings) & _rendered_variables(rendered)
+
+
+def test_ansible_reached_the_workers_through_the_head(hosts, lab, site_run):
+    # The jump: a worker's sshd saw site.yml's logins come from the head's private address (the
+    # controller's own, the tests' testinfra logins, come from the lab bridge's).
+    for name in WORKERS:
+        journal = hosts(name).check_output("journalctl -u ssh --no-pager -o cat")
+        assert f"Accepted publickey for root from {lab.nodes[HEAD].address} " in journal, journal[-2000:]
 
 
 def test_site_starts_ray_head_and_workers_as_services(hosts):
@@ -49,7 +96,7 @@ def test_ray_status_on_the_head_shows_three_nodes(hosts, lab):
     state = cluster_state(head)
     assert state["alive_nodes"] == 3
     assert sorted(n["address"] for n in state["nodes"]) == sorted(
-        f"{lab.subnet}.{10 + labmod.TOPOLOGY[n]}" for n in ALL)
+        labmod.node_address(lab, n) for n in ALL)
     # The workers advertise the custom resource the inventory gives gpu_workers.
     assert state["resources"]["pool_a"] == 2.0
     assert state["resources"]["object_store_memory"] == 3 * 200 * 1024 * 1024
@@ -153,15 +200,11 @@ def _basic_auth(url: str, user: str, password: str, method: str = "GET") -> tupl
         return err.code, err.read()
 
 
-def _inventory_password(inventory, name: str) -> str:
-    return json.loads(inventory.read_text())["all"]["vars"][name]
-
-
 def _prometheus(lab, inventory, path: str, password: str | None = None,
                 method: str = "GET") -> tuple[int, bytes]:
     """The head's Prometheus; password None = the inventory's."""
     if password is None:
-        password = _inventory_password(inventory, "prometheus_web_password")
+        password = _lab_var(inventory, "prometheus_web_password")
     return _basic_auth(f"http://{lab.subnet}.11:9090{path}", "prometheus", password, method)
 
 
@@ -182,7 +225,7 @@ def test_prometheus_listens_on_the_private_address_behind_basic_auth(hosts, lab,
     web = head.file("/etc/prometheus/web.yml")
     assert (web.user, web.group, web.mode) == ("root", "prometheus", 0o640)
     assert "$2b$" in web.content_string
-    assert json.loads(inventory.read_text())["all"]["vars"]["prometheus_web_password"] not in web.content_string
+    assert _lab_var(inventory, "prometheus_web_password") not in web.content_string
 
 
 def test_prometheus_lifecycle_api_is_off(hosts, lab, inventory):
@@ -212,7 +255,7 @@ def test_prometheus_scrapes_every_target_up(hosts, lab, inventory):
     assert len(jobs.get("node", [])) == 3, targets
     # Ray's file_sd lists every node's metrics agent (plus the head's dashboard/autoscaler).
     ray_hosts = {t["labels"]["instance"].split(":")[0] for t in jobs["ray"]}
-    assert ray_hosts == {f"{lab.subnet}.{10 + labmod.TOPOLOGY[n]}" for n in ALL}
+    assert ray_hosts == {labmod.node_address(lab, n) for n in ALL}
     assert "prometheus" in jobs
 
 
@@ -228,7 +271,7 @@ def test_repository_alert_rules_are_installed_and_loaded(hosts, lab, inventory):
         assert {g["file"].rsplit("/", 1)[-1] for g in groups} == set(repo_rules)
 
 
-# A training worker as the runtime runs it: a Ray actor on worker1 starts the runtime's own
+# A training worker as the runtime runs it: a Ray actor on a worker starts the runtime's own
 # exporter (runtime/observe/metrics.py, with the series it declares in runtime/observe/catalog.py),
 # which announces itself in RT_PROMETHEUS_SD_DIR on that node.
 _EXPORTER_DRIVER = """
@@ -263,7 +306,7 @@ def _put(host, path: str, text: str) -> None:
 
 
 def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(hosts, lab, inventory):
-    head, worker = hosts(HEAD), f"{lab.subnet}.{10 + labmod.TOPOLOGY['worker1']}"
+    head, worker = hosts(HEAD), labmod.node_address(lab, WORKERS[0])
     _put(head, "/tmp/runtime_metrics.py", (labmod.ROOT / "runtime" / "observe" / "metrics.py").read_text())
     _put(head, "/tmp/runtime_catalog.py", (labmod.ROOT / "runtime" / "observe" / "catalog.py").read_text())
     _put(head, "/tmp/exporter_driver.py", _EXPORTER_DRIVER)
@@ -281,7 +324,7 @@ def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(host
         log = head.check_output("cat /tmp/exporter_driver.log")
         assert [t["health"] for t in training] == ["up"], (training, log)
         assert training[0]["labels"]["instance"].startswith(f"{worker}:"), training
-        # The file_sd file lives on worker1, in the directory the ray role gave the services.
+        # The file_sd file lives on the worker, in the directory the ray role gave the services.
         assert "exporter /var/lib/ray/prometheus-sd/training-hosts-lab-rank0.json" in log, log
         query = urllib.parse.quote('rt_train_steps_total{job_id="hosts-lab"}')
         status, body = _prometheus(lab, inventory, f"/api/v1/query?query={query}")
@@ -293,7 +336,7 @@ def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(host
 def _alertmanager(lab, inventory, path: str, password: str | None = None) -> tuple[int, bytes]:
     """The head's Alertmanager; password None = the inventory's."""
     if password is None:
-        password = _inventory_password(inventory, "alertmanager_web_password")
+        password = _lab_var(inventory, "alertmanager_web_password")
     return _basic_auth(f"http://{lab.subnet}.11:9093{path}", "alertmanager", password)
 
 
@@ -345,8 +388,11 @@ def test_a_firing_alert_reaches_alertmanager(hosts, lab, inventory, site_run):
 
 
 def test_gpu_roles_skip_with_a_message_on_gpu_less_hosts(site_run, hosts):
+    # Terraform declares GPUs on the workers (nvidia_driver_enabled: true): the driver role looks and finds none.
+    assert f"nvidia_driver_enabled is false on {HEAD}: skipping" in site_run.stdout
     for name in ALL:
-        assert f"No NVIDIA device (PCI vendor 0x10de) on {name}: skipping" in site_run.stdout
+        if name != HEAD:
+            assert f"No NVIDIA device (PCI vendor 0x10de) on {name}: skipping" in site_run.stdout
         assert f"{name} has no NVIDIA GPU (nccl_enabled is false): skipping NCCL" in site_run.stdout
         assert f"{name} has no NVIDIA GPU (dcgm_exporter_enabled is false)" in site_run.stdout
         host = hosts(name)
@@ -357,7 +403,7 @@ def test_gpu_roles_skip_with_a_message_on_gpu_less_hosts(site_run, hosts):
 
 def test_check_mode_with_forced_gpu_renders_driver_nccl_and_dcgm_config(ansible, hosts, site_run):
     proc = ansible.playbook(
-        "site.yml", "--check", "--diff", "--limit", "worker1",
+        "site.yml", "--check", "--diff", "--limit", WORKERS[0],
         "--tags", "nvidia_driver_repository,nvidia_driver_configure,nccl_configure,dcgm_exporter_configure",
         "-e", json.dumps({"nvidia_driver_force_gpu": True, "nccl_socket_ifname": "host0",
                           "nccl_ib_disable": True, "nccl_p2p_level": "NVL"}))
@@ -375,7 +421,7 @@ def test_check_mode_with_forced_gpu_renders_driver_nccl_and_dcgm_config(ansible,
     assert "--address 0.0.0.0:" not in out and ":9400 --collect-interval 15000" in out  # private address
     assert "+Description=NVIDIA DCGM exporter 4.1.1-4.0.4" in out
     # Check mode wrote nothing.
-    host = hosts("worker1")
+    host = hosts(WORKERS[0])
     assert not host.file("/etc/nccl.conf").exists
     assert not host.file("/etc/modprobe.d/nvidia-cluster.conf").exists
 
@@ -385,7 +431,10 @@ def test_check_mode_renders_mlflow_and_grafana_config_on_the_monitoring_host(ans
     # 2 cores): check mode shows what their configure phase writes from the real inventory.
     secrets = {"grafana_admin_password": "grafana-check-mode-secret",
                "mlflow_auth_admin_password": "mlflow-check-mode-secret",
-               "mlflow_environment": {"AWS_SECRET_ACCESS_KEY": "aws-check-mode-secret"}}
+               # The artifact store's own key, handed to the server alone (LoadCredential=).
+               "mlflow_artifact_root": "s3://lab-artifacts/mlflow",
+               "mlflow_artifact_store_access_key_id": "AKIALABCHECKMODE",
+               "mlflow_artifact_store_secret_access_key": "aws-check-mode-secret"}
     proc = ansible.playbook(
         "site.yml", "--check", "--diff", "--limit", HEAD, "--tags", "mlflow_configure,grafana_configure",
         "-e", json.dumps({"mlflow_enabled": True, "grafana_enabled": True, **secrets}))
@@ -393,14 +442,14 @@ def test_check_mode_renders_mlflow_and_grafana_config_on_the_monitoring_host(ans
     # MLflow: the basic-auth app on the head's private address, with the configured stores.
     assert (f"--app-name basic-auth --host {lab.subnet}.11 --port 5000 --workers 2 "
             "--backend-store-uri sqlite:////var/lib/mlflow/mlflow.db "
-            "--artifacts-destination /var/lib/mlflow/artifacts --serve-artifacts") in out
+            "--artifacts-destination s3://lab-artifacts/mlflow --serve-artifacts") in out
     assert "+Environment=MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in out  # no job runner processes
     assert "+admin_username = admin" in out
     assert "+      path: /var/lib/grafana/dashboards/cluster" in out  # the provider reads the copied files
     for dashboard in sorted((labmod.ROOT / "dashboards").glob("*.json")):
         assert f"/dashboards/{dashboard.name})" in out, dashboard.name  # one copy item per dashboard
     # --diff prints no secret: the files holding them are written with no_log and diff: false.
-    prometheus_password = json.loads(inventory.read_text())["all"]["vars"]["prometheus_web_password"]
+    prometheus_password = _lab_var(inventory, "prometheus_web_password")
     for secret in ["grafana-check-mode-secret", "mlflow-check-mode-secret", "aws-check-mode-secret",
                    prometheus_password]:
         assert secret not in out and secret not in proc.stderr, secret
