@@ -43,7 +43,7 @@ from conftest import ANSIBLE_DIR, NOTES, OPS_BIN, TIMINGS, recap
 
 from tests.support import stop_process
 
-HEAD, WORKER_A, WORKER_B = "ray-head", "worker1", "worker2"
+HEAD, (WORKER_A, WORKER_B) = labmod.HEAD, labmod.WORKERS
 WITH_AUTH = "/usr/local/bin/ray-cluster-env"
 TRAIN_PYTHON = labmod.ROOT / ".venv" / "bin" / "python"
 # Seconds from the fake spot notice to its deadline (EC2 gives 120 s; the lab keeps the run short).
@@ -305,9 +305,9 @@ def _spare(lab: labmod.Lab, node: str) -> None:
 #### Scenarios, in order, on the one run ######################################
 
 def _known_host_keys(lab: labmod.Lab, name: str) -> set[str]:
-    """The host keys the controller's known_hosts holds for the node's SSH (public) address."""
+    """The host keys the controller's known_hosts holds for the worker's SSH address (ansible_host)."""
     # ssh-keygen -F finds hashed entries too (Debian's ssh_config hashes known hosts).
-    address = f"{lab.public_subnet}.{10 + labmod.TOPOLOGY[name]}"
+    address = _address(lab, name)
     out = subprocess.run(["ssh-keygen", "-F", address, "-f", str(lab.workdir / "known_hosts")],
                          capture_output=True, text=True, check=False).stdout
     return {line.split(" ", 1)[1] for line in out.splitlines() if line and not line.startswith("#")}
@@ -321,7 +321,7 @@ def test_a_lost_worker_is_replaced_and_the_run_grows_back_while_the_heads_alert_
     kept = {unit: _unit_started(hosts(WORKER_B), unit) for unit in ("ray-worker", "prometheus-node-exporter")}
     kept_boot = hosts(WORKER_B).file("/proc/sys/kernel/random/boot_id").content_string.strip()
     old_key = _known_host_keys(lab, WORKER_A)
-    assert old_key, "site.yml's connections recorded no host key for worker1"
+    assert old_key, f"site.yml's connections recorded no host key for {WORKER_A}"
     fault_t = time.time()
     # The head's own NodeDown fires at the same time as the worker's: the service must refuse it.
     head.check_output("systemctl stop prometheus-node-exporter")
@@ -342,7 +342,7 @@ def test_a_lost_worker_is_replaced_and_the_run_grows_back_while_the_heads_alert_
     # changed nothing on the other hosts (the head only ran read-only checks).
     replaced = remediation.actions(WORKER_A, "replace")[-1]
     output = Path(replaced["log"]).read_text()
-    assert "worker1 replaced: 3 alive Ray nodes" in output, output[-3000:]
+    assert f"{WORKER_A} replaced: 3 alive Ray nodes" in output, output[-3000:]
     changed_elsewhere = {h: c["changed"] for h, c in recap(output).items()
                          if h not in (WORKER_A, "localhost") and c["changed"]}
     assert set(changed_elsewhere) <= {HEAD}, output[-4000:]
