@@ -16,6 +16,9 @@ The writer gets a storage and callbacks, not a manager: this module depends on
 Loading never unpickles arbitrary objects: ``.metadata`` goes through an unpickler that
 allows only dcp's own classes, and byte entries (non-tensor values) through
 ``torch.load(weights_only=True)``, where dcp's default planner uses ``weights_only=False``.
+
+Over 400 lines because the async writer and the guarded reader share one staging layout and one
+set of DCP planner hooks: apart, each would need the other's private names.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import ray.train
 
 from runtime.cluster import ClusterError, authenticate, prometheus_sd_dir, ray_address, tracking_uri
+from runtime.cluster.connect import init_options
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
 from runtime.launch.attempts import Attempts, Phase
@@ -77,7 +78,7 @@ def connect(address: str | None = None, *, verbose: bool = False) -> None:
     if addr != "local":
         authenticate()
     ray.init(address=addr, log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING,
-             runtime_env={"env_vars": _worker_env()}, configure_logging=True)
+             runtime_env={"env_vars": _worker_env()}, configure_logging=True, **init_options(addr))
 
 
 # What the driver hands every worker through the job's runtime_env. Ray shows a job's
@@ -88,7 +89,7 @@ WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", 
               "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
               "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "AWS_ENDPOINT_URL",
               "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2", "AWS_DEFAULT_REGION", "AWS_REGION", "RT_S3_SSE",
-              "RT_S3_SSE_KMS_KEY_ID", HOLD_ENV,
+              "RT_S3_SSE_KMS_KEY_ID", HOLD_ENV, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",  # its headers may hold a login
               "PYTHONPATH")
 
 
