@@ -168,7 +168,7 @@ def write_profile(step: Callable[[], None], device: torch.device, path: Path) ->
 
 def runtime_run(job: str, sets: list[str], storage: str, use_gpu: bool, batch: int = BATCH,
                 rate: str = "train/throughput") -> dict[str, float]:
-    """One run through runtime.train.driver.train, 1 worker; figures from its own reports."""
+    """One run through runtime.launch.driver.train, 1 worker; figures from its own reports."""
     from runtime.config import load_job
     from runtime.launch.driver import train
 

@@ -51,7 +51,7 @@ def bare_loop() -> float:
 
 
 def runtime_loop(storage: str) -> float:
-    """The same training through runtime.train.driver.train on the Ray cluster, 1 worker.
+    """The same training through runtime.launch.driver.train on the Ray cluster, 1 worker.
 
     Steady-state samples/s from the reports' arrival times at the driver between the
     report after step WARMUP and the last one: everything the runtime adds (reporting,

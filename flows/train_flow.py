@@ -3,7 +3,7 @@ search to a served model, as a Metaflow flow over the platform's Python API (iss
 
     start     load and validate the job: a config error fails here, before anything starts
     tune      the search on the Ray cluster (runtime.tune.tune), ``--budget`` trials
-    train     the best configuration, longer (runtime.train.driver.train); its run name is fixed at
+    train     the best configuration, longer (runtime.launch.driver.train); its run name is fixed at
               start, so a ``resume`` after a failure here continues from its newest checkpoint
     evaluate  held-out metrics of the final checkpoint (runtime.models.evaluate)
     register  the run's model as a new version in the MLflow Model Registry, promoted to ``--alias``

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-HISTORY_FILE = "history.jsonl"  # every report the driver received, one JSON object a line (runtime.train.driver.train)
+HISTORY_FILE = "history.jsonl"  # every report the driver received, one JSON object a line (runtime.launch.driver.train)
 CURVES_FILE = "training_curves.png"
 
 log = logging.getLogger("runtime.observe.history")

@@ -140,7 +140,7 @@ class WorkerMetrics:
 
 
 class ControllerMetrics:
-    """Job-level size of an elastic run, exported by the Ray Train controller (runtime.train.elastic).
+    """Job-level size of an elastic run, exported by the Ray Train controller (runtime.launch.elastic).
 
     The controller lives through every restart of the worker group, so ``rt_train_resizes_total``
     counts the run's resizes without resetting at each one (a worker's exporter would).

@@ -2,7 +2,7 @@
 
 One line per report, plus one line per failure and per recovery. Ray's own output from the
 workers and the Train controller stays in Ray's log files unless ``--verbose``
-(runtime.train.driver.connect), so what a user reads is these lines and the end-of-run summary.
+(runtime.launch.driver.connect), so what a user reads is these lines and the end-of-run summary.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Progress:
         eta = self._eta(m)
         if eta is not None:
             parts.append(f"ETA {eta:.0f}s")
-        if isinstance(m.get("cost/estimated_dollars"), float):  # the driver's spend (runtime.train.spend)
+        if isinstance(m.get("cost/estimated_dollars"), float):  # the driver's spend (runtime.launch.spend)
             projected = m.get("cost/projected_dollars")
             parts.append(f"${m['cost/estimated_dollars']:.2f}"
                          + (f" (${projected:.2f} at ETA)" if isinstance(projected, float) else ""))
@@ -96,7 +96,7 @@ class Progress:
             print(f"[runtime] {text}", file=self.stream, flush=True)
 
     def failure(self, item: WorkerGroupFailed) -> None:
-        """Ray Train's controller saw a worker-group failure (runtime.train.driver.FailureNotices)."""
+        """Ray Train's controller saw a worker-group failure (runtime.launch.driver.FailureNotices)."""
         self.failures += 1
         count, allowed = item.failures, item.max_failures
         if allowed >= 0 and count > allowed:

@@ -3,7 +3,7 @@
 Each trial is a Tune *function trainable*. A multi-worker trial launches one Ray Train
 ``TorchTrainer`` (Ray 2.60's Tune + Train V2 pattern): the trial itself asks for almost no CPU,
 its Train workers take the resources of the job's ``distributed`` section. A one-worker trial
-trains in its own process instead (runtime.train.driver.InProcessFit) and reserves its worker's
+trains in its own process instead (runtime.launch.driver.InProcessFit) and reserves its worker's
 resources: same loop, same checkpoints, none of Train's start-up.
 
 Reports reach Tune through :class:`TrialRun`, which relays rank 0's reports (streamed to the

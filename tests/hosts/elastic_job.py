@@ -139,7 +139,7 @@ def main() -> int:
 
     # The runtime's own elastic controller callback (what `make train` adds to an elastic run): it
     # waits for Ray to mark a lost node dead and refreshes Ray's 20-s capacity view, so that a
-    # restart is sized on the cluster as it is (runtime/train/elastic.py).
+    # restart is sized on the cluster as it is (runtime/launch/elastic.py).
     from runtime.launch.elastic import ElasticWatch
 
     # The runtime's trainer too: no Ray Data actor at each of the run's group starts.

@@ -1,4 +1,4 @@
-"""The driver's side of the cost rules (runtime.train.spend) on a fake clock: the pause while the
+"""The driver's side of the cost rules (runtime.launch.spend) on a fake clock: the pause while the
 spot price is high (polled, recorded, not billed), the spend and projection each report shows,
 the ledger across attempts, and what the CLI and ``runtime report`` make of a budget stop."""
 
