@@ -35,6 +35,7 @@ from runtime.launch.elastic import record_resize, resize_line
 from runtime.launch.runlock import RunLock
 from runtime.launch.signals import StopSignals
 from runtime.layout import storage_filesystem, storage_paths
+from runtime.observe import traces
 from runtime.observe.cost import CostLedger
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import Progress, failure_line
@@ -269,8 +270,9 @@ class ReportStream:
 
         Failure notices from the controller (FailureNotices) go to ``on_event``, never into the reports.
         """
-        thread = self._thread = threading.Thread(target=self._fit_catching, name=f"fit-{self.run.run_name}",
-                                                 daemon=True)
+        # carry: the fit's thread (and so Ray Train's actors) stays in the attempt's trace.
+        thread = self._thread = threading.Thread(target=traces.carry(self._fit_catching),
+                                                 name=f"fit-{self.run.run_name}", daemon=True)
         thread.start()
         while thread.is_alive() or not self._queue.empty():
             try:
@@ -415,6 +417,7 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
     history = HistoryLog(run_dir)
     fitting: StreamingFit | None = None
     attempts = Attempts()  # where the run is between its attempts (launch.attempts)
+    started = 0  # attempts this driver started
     try:
         # An attempt per start of the workers: more than one only when the spot price paused the run.
         while not attempts.done:
@@ -427,15 +430,18 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
             fitting.on_resize = on_resize
             costs.attempt_started(fitting.run.started_at)
             outcome.metrics.pop("stop_reason", None)  # a pause's reason is not the resumed run's
-            for report in fitting.stream(on_event=progress.failure):
-                item = report.flat()  # what the console, the history and MLflow read
-                costs.annotate(item)
-                outcome.history.append(item)
-                outcome.metrics.update(item)
-                progress.update(item)
-                history.append(item)
-                if tracker:
-                    tracker.log_step_metrics(item)
+            started += 1
+            # The attempt's root span (nothing with traces off); its trace id goes into the run folder.
+            with traces.run_span(run_name, started, run_dir):
+                for report in fitting.stream(on_event=progress.failure):
+                    item = report.flat()  # what the console, the history and MLflow read
+                    costs.annotate(item)
+                    outcome.history.append(item)
+                    outcome.metrics.update(item)
+                    progress.update(item)
+                    history.append(item)
+                    if tracker:
+                        tracker.log_step_metrics(item)
             attempts = attempts.ended(outcome.stop, failed=fitting.error is not None)
             costs.attempt_ended(final=attempts.done)
         if attempts.phase is Phase.STOPPED_WHILE_PAUSED:  # resumable from the checkpoint its pause committed

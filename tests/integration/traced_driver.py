@@ -2,7 +2,7 @@
 with traces on, in a process of its own (Ray's tracing switches are per process, for good).
 
 The driver's ``ray.init`` takes ``runtime.cluster.connect.init_options`` (the workers' JSON logs), the
-run is the root span of ``runtime.observe.traces.run_span``, and the cluster runs the tracing hook:
+driver opens each attempt's root span itself, and the cluster runs the tracing hook:
 ``ray start --tracing-startup-hook`` stores it in the GCS's key-value store, written here the same
 way into the running test cluster and removed after, so the session's other runs are untraced.
 """
@@ -36,9 +36,7 @@ def run() -> int:
                                       "RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING") if k in os.environ}
     ray.init(address=address, runtime_env={"env_vars": env}, **init_options(address))
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with traces.run_span(run_dir.name, attempt=1, run_dir=run_dir):
-            return main(["train", *args, "--run-name", run_dir.name, "--no-progress"])
+        return main(["train", *args, "--run-name", run_dir.name, "--no-progress"])
     finally:
         internal_kv._internal_kv_del(KEY, namespace=ray_constants.KV_NAMESPACE_TRACING)
 
