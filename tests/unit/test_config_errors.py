@@ -39,7 +39,7 @@ def write_job(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
         ("data: {source: cifar10, path: /no/such/dir}\n", [], ["/no/such/dir", "not a directory"]),
         ("precision: {dtype: fp8}\n", [], ["precision.dtype", "'bf16'", "'fp16'"]),
         ("train: {max_steps: null, epochs: null}\n", [], ["train.max_steps or train.epochs"]),
-        ("checkpoint: {storage: 'gs://bucket/x'}\n", [], ["checkpoint.storage", "s3://bucket/prefix"]),
+        ("checkpoint: {storage: 'hdfs://bucket/x'}\n", [], ["checkpoint.storage", "s3://bucket/prefix"]),
         ("checkpoint: {keep: 0}\n", [], ["checkpoint.keep", "greater than or equal to 1"]),
         ("schedule: {name: linear}\n", [], ["schedule.name", "'cosine'"]),
         ("- just\n- a list\n", [], ["expected a mapping of sections", "list"]),
