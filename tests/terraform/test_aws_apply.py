@@ -399,6 +399,30 @@ def test_checkpoint_bucket_is_private_encrypted_and_refuses_plain_http(cluster: 
     assert s3.get_bucket_versioning(Bucket=bucket)["Status"] == "Enabled"
 
 
+def test_mlflow_artifacts_belong_to_the_mlflow_user_not_to_any_node_role(cluster: Cluster) -> None:
+    # Every job on the head can use its instance role; only MLflow's own user may touch mlflow/.
+    iam = cluster.client("iam")
+    bucket_arn = f"arn:aws:s3:::{cluster.outputs()['checkpoint_bucket_name']}"
+    roles = [r["RoleName"] for p in iam.list_instance_profiles()["InstanceProfiles"] for r in p["Roles"]]
+    assert any(r.startswith("train-a-head-") for r in roles) and len(roles) == 1 + len(POOLS), roles
+    for role in roles:
+        document = iam.get_role_policy(RoleName=role, PolicyName="checkpoint-bucket")["PolicyDocument"]
+        objects = next(s for s in document["Statement"] if s["Sid"] == "ReadWriteOwnPrefixes")
+        assert objects["Resource"] == f"{bucket_arn}/ray/*", role
+        listing = next(s for s in document["Statement"] if s["Sid"] == "ListOwnPrefixes")
+        assert listing["Condition"]["StringLike"]["s3:prefix"] == ["ray/", "ray/*"], role
+    user = cluster.outputs()["mlflow_artifacts_user_name"]
+    assert user == "train-a-mlflow-artifacts"
+    document = iam.get_user_policy(UserName=user, PolicyName="mlflow-artifacts")["PolicyDocument"]
+    granted = {s["Sid"]: s for s in document["Statement"]}
+    assert set(granted) == {"ListMlflowPrefix", "ReadWriteMlflowArtifacts"}
+    assert granted["ListMlflowPrefix"]["Resource"] == bucket_arn
+    assert granted["ListMlflowPrefix"]["Condition"]["StringLike"]["s3:prefix"] == ["mlflow/", "mlflow/*"]
+    assert granted["ReadWriteMlflowArtifacts"]["Resource"] == f"{bucket_arn}/mlflow/*"
+    # The key is made by the operator and vaulted, so its secret never sits in Terraform's state.
+    assert iam.list_access_keys(UserName=user)["AccessKeyMetadata"] == []
+
+
 def test_shared_file_system_is_encrypted_and_reachable_from_the_pools_subnet(cluster: Cluster) -> None:
     efs = cluster.client("efs")
     fs_id = cluster.outputs()["file_system_id"]
@@ -544,6 +568,7 @@ def test_destroy_leaves_nothing(cluster: Cluster) -> None:
     iam = cluster.client("iam")
     assert [r["RoleName"] for r in iam.list_roles()["Roles"] if r["RoleName"].startswith("train-a")] == []
     assert iam.list_instance_profiles()["InstanceProfiles"] == []
+    assert [u["UserName"] for u in iam.list_users()["Users"] if u["UserName"].startswith("train-a")] == []
     assert cluster.client("logs").describe_log_groups()["logGroups"] == []
     kms = cluster.client("kms")
     # Terraform's keys wait out their deletion window. AWS's own keys (alias/aws/ebs, made at the

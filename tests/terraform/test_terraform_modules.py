@@ -363,11 +363,31 @@ def test_node_iam_policy_allows_only_the_pools_own_bucket_prefixes() -> None:
     assert kms["actions"] == ["kms:Decrypt", "kms:GenerateDataKey"] and kms["resources"] == ["${statement.value}"]
 
 
-def test_the_head_and_the_workers_get_different_bucket_prefixes() -> None:
+def test_no_node_role_reaches_mlflow_artifacts_only_the_mlflow_user_does() -> None:
+    # Every job on the head can use the head's role, so mlflow/ goes to MLflow's own IAM user.
     example = parse_dir(TERRAFORM / "examples" / "aws_cluster")
     modules = {name: body for block in example["module"] for name, body in block.items()}
-    assert modules["head"]["s3_prefixes"] == ["ray/", "mlflow/"]
+    assert modules["head"]["s3_prefixes"] == ["ray/"]
     assert modules["pool"]["s3_prefixes"] == ["ray/"]
+    documents = {name: body for b in example["data"] for kind, named in b.items()
+                 if kind == "aws_iam_policy_document" for name, body in named.items()}
+    statements = documents["mlflow_artifacts"]["statement"]
+    listing = next(s for s in statements if s["actions"] == ["s3:ListBucket"])
+    assert listing["resources"] == ["${module.storage.bucket_arn}"]
+    assert listing["condition"][0]["variable"] == "s3:prefix"
+    assert listing["condition"][0]["values"] == ["mlflow/", "mlflow/*"]
+    objects = next(s for s in statements if "s3:GetObject" in s["actions"])
+    assert set(objects["actions"]) == {"s3:GetObject", "s3:PutObject", "s3:DeleteObject",
+                                       "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"}
+    assert objects["resources"] == ["${module.storage.bucket_arn}/mlflow/*"]
+    assert len(statements) == 2
+    users = {name: body for _, name, body in resources(example, "aws_iam_user")}
+    assert list(users) == ["mlflow_artifacts"]
+    attached = {name: body for _, name, body in resources(example, "aws_iam_user_policy")}
+    assert attached["mlflow_artifacts"]["user"] == "${aws_iam_user.mlflow_artifacts.name}"
+    assert attached["mlflow_artifacts"]["policy"] == "${data.aws_iam_policy_document.mlflow_artifacts.json}"
+    # The operator makes the key and vaults it: a Terraform key would put its secret in the state.
+    assert not list(resources(example, "aws_iam_access_key"))
 
 
 def test_only_the_head_gets_a_public_address_and_the_admin_group() -> None:

@@ -88,11 +88,55 @@ module "head" {
   security_group_ids          = [module.network.security_group_id, module.network.admin_security_group_id]
   associate_public_ip_address = true
   checkpoint_bucket_arn       = module.storage.bucket_arn
-  # Ray Train's controller (checkpoint registry, rotation) and MLflow's artifact proxy.
-  s3_prefixes          = ["ray/", "mlflow/"]
+  # Ray Train's controller (checkpoint registry, rotation). Not mlflow/: every job on the head
+  # can use this role, and MLflow's server reaches its artifacts with its own key (below).
+  s3_prefixes          = ["ray/"]
   root_volume_size_gib = 100
 
   tags = var.tags
+}
+
+################################################################################
+# MLflow's artifact store
+################################################################################
+
+# The MLflow server's own identity for mlflow/ of the bucket, so no job on the head can rewrite
+# artifacts behind MLflow's per-experiment permissions. Its access key is made outside Terraform
+# (`aws iam create-access-key`, then into the Ansible vault) so the secret never enters the state.
+# The bucket uses the AWS-managed aws/s3 key (the storage module's kms_key_arn is not set here),
+# which S3 uses for any principal of the account, so no KMS grant is needed.
+resource "aws_iam_user" "mlflow_artifacts" {
+  #checkov:skip=CKV_AWS_273:MLflow runs on a self-managed host, not AWS SSO; this user's one access key is vaulted and read only by the MLflow server.
+  name = "${module.spec.cluster_name}-mlflow-artifacts"
+
+  tags = merge({ Name = "${module.spec.cluster_name}-mlflow-artifacts", "gpu-cluster:name" = module.spec.cluster_name }, var.tags)
+}
+
+data "aws_iam_policy_document" "mlflow_artifacts" {
+  statement {
+    sid       = "ListMlflowPrefix"
+    actions   = ["s3:ListBucket"]
+    resources = [module.storage.bucket_arn]
+
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = ["mlflow/", "mlflow/*"]
+    }
+  }
+
+  statement {
+    sid       = "ReadWriteMlflowArtifacts"
+    actions   = ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"]
+    resources = ["${module.storage.bucket_arn}/mlflow/*"]
+  }
+}
+
+resource "aws_iam_user_policy" "mlflow_artifacts" {
+  #checkov:skip=CKV_AWS_40:A user of one service with one inline policy scoped to mlflow/; a group or managed policy would only add objects.
+  name   = "mlflow-artifacts"
+  user   = aws_iam_user.mlflow_artifacts.name
+  policy = data.aws_iam_policy_document.mlflow_artifacts.json
 }
 
 module "pool" {

@@ -27,3 +27,8 @@ output "inventory" {
   description = "Ansible inventory YAML; `make cluster-up-aws` writes it to ansible/inventories/aws/hosts.yml."
   value       = module.spec.inventory
 }
+
+output "mlflow_artifacts_user_name" {
+  description = "IAM user the MLflow server reaches mlflow/ of the bucket as. Terraform makes no key for it (the secret would sit in the state): run `aws iam create-access-key --user-name <this>` and put the pair in the vault as mlflow_artifact_store_access_key_id / mlflow_artifact_store_secret_access_key."
+  value       = aws_iam_user.mlflow_artifacts.name
+}

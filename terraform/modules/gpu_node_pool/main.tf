@@ -64,8 +64,7 @@ data "aws_iam_policy_document" "assume" {
   }
 }
 
-# Each pool reaches only its own key prefixes (workers: checkpoints; the head also the
-# MLflow artifacts it serves), never the whole bucket.
+# Each pool reaches only its own key prefixes (checkpoints under ray/), never the whole bucket.
 data "aws_iam_policy_document" "checkpoint" {
   statement {
     sid       = "ListOwnPrefixes"

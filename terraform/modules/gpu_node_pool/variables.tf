@@ -207,7 +207,7 @@ variable "checkpoint_bucket_arn" {
 }
 
 variable "s3_prefixes" {
-  description = "Key prefixes of the checkpoint bucket the pool's nodes may list, read, write and delete (workers: [\"ray/\"]; the head also [\"mlflow/\"])."
+  description = "Key prefixes of the checkpoint bucket the pool's nodes may list, read, write and delete (the example gives every pool, the head included, [\"ray/\"]; MLflow's server uses its own IAM user for mlflow/)."
   type        = list(string)
   default     = ["ray/"]
   nullable    = false
