@@ -46,6 +46,15 @@ def test_site_names_every_missing_password_before_touching_a_host(tmp_path: Path
     assert "inventories/example/group_vars" in out
 
 
+def test_site_asks_an_s3_artifact_store_for_the_mlflow_servers_own_key(tmp_path: Path) -> None:
+    s3 = {**COMPLETE, "mlflow_artifact_root": "s3://bucket/mlflow/", "mlflow_artifact_store_access_key_id": "AKIA1"}
+    proc = _run(tmp_path, s3)
+    assert proc.returncode != 0
+    assert "head-0 lacks mlflow_artifact_store_secret_access_key." in proc.stdout, proc.stdout[-3000:]
+    proc = _run(tmp_path, {**s3, "mlflow_artifact_store_use_instance_role": True})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
 def test_site_asks_gpu_hosts_for_their_download_checksums(tmp_path: Path) -> None:
     proc = _run(tmp_path, COMPLETE, {"nvidia_driver_enabled": True})
     assert proc.returncode != 0
