@@ -49,6 +49,10 @@ def load_price_table(path: str | Path = DEFAULT_PRICE_TABLE) -> dict[str, dict[s
         document = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise PriceTableError(f"price table {path} does not exist") from None
+    except UnicodeDecodeError:
+        raise PriceTableError(f"price table {path} is not UTF-8 text (a YAML file was expected)") from None
+    except OSError as err:
+        raise PriceTableError(f"price table {path} cannot be read: {err.strerror or err}") from None
     except yaml.YAMLError as err:
         raise PriceTableError(f"price table {path} is not valid YAML: {err}") from None
     if not isinstance(document, Mapping) or not isinstance(document.get("instances"), Mapping):

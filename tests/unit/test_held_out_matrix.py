@@ -324,8 +324,6 @@ OPEN: dict[str, str] = {
                              "escapes as a traceback); parse it with config.values.parse_http_url, exit 2",
     "ckpt_endpoint_closed": "runtime/checkpoint/cli.py: an unreachable endpoint exits 1 (a failure), not 3 "
                             "(no required service), the code every other command gives it",
-    "set_price_table_garbage": "runtime/observe/cost.py load_price_table: a file that is not UTF-8 is named by "
-                               "its codec error only; catch UnicodeDecodeError and OSError naming the path",
 }
 
 
