@@ -34,7 +34,7 @@ from runtime.launch.attempts import Attempts, Phase
 from runtime.launch.elastic import record_resize, resize_line
 from runtime.launch.runlock import RunLock
 from runtime.launch.signals import StopSignals
-from runtime.layout import storage_filesystem, storage_paths
+from runtime.layout import ray_storage, storage_paths
 from runtime.observe import traces
 from runtime.observe.cost import CostLedger
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
@@ -151,8 +151,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
     run = new_run(cfg, run_name)
-    storage_path = storage_paths(cfg, run_name)[0]
-    fs = storage_filesystem(cfg)
+    storage_path, fs = ray_storage(cfg)
     d = cfg.distributed
     resources: dict[str, float] = {"CPU": d.cpus_per_worker, **d.resources_per_worker}
     if use_gpu:
@@ -166,8 +165,6 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     # Ray Train's preemption watcher (an actor per worker group) serves ray.train.get_preemption_info:
     # the drain notices of checkpoint.on_node_drain. Off, no actor per run.
     os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "1" if watches_drains(cfg) else "0"
-    if fs is not None:  # with an explicit filesystem Ray wants "bucket/prefix", not a URI
-        storage_path = storage_path.removeprefix("s3://")
     # The controller's side of every worker-group restart, for the timeline of where its seconds go.
     callbacks: list[Any] = [PhaseClock(run.run_dir)]
     num_workers: int | tuple[int, int] = d.max_workers

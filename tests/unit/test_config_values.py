@@ -131,10 +131,6 @@ def test_an_azure_location_without_its_account_is_refused_naming_the_variable(mo
         parse_storage("az://c-1/runs").check()
 
 
-# The driver's hand-off to Ray still strips "s3://" itself until it asks runtime.layout.ray_storage.
-SCHEME_TESTS_ALLOWED = {"runtime/launch/driver.py"}
-
-
 def test_no_module_outside_the_storage_package_reads_a_scheme_off_a_url() -> None:
     """"Remote?", "which store?" are asked of the location type: a ``startswith("s3://")`` or a
     ``removeprefix("gs://")`` elsewhere would leave a new scheme half supported."""
@@ -144,7 +140,7 @@ def test_no_module_outside_the_storage_package_reads_a_scheme_off_a_url() -> Non
     found = []
     for path in sorted((root / "runtime").rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel.startswith("runtime/config/storage/") or rel in SCHEME_TESTS_ALLOWED:
+        if rel.startswith("runtime/config/storage/"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
