@@ -211,7 +211,7 @@ def run(results_dir: Path) -> dict[str, Any]:
                 assert ref is not None
                 drop_from_page_cache(work / "ckpts" / ref.name)
                 t0 = time.perf_counter()
-                mgr.load(ref)
+                mgr.reader.load(ref)
                 load.append(time.perf_counter() - t0)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -86,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --keep must be >= 1", file=sys.stderr)
         return 2
     try:
-        # Only prune writes: list and verify get the reader.
-        reader = (CheckpointManager(args.storage, keep=0, endpoint_url=args.endpoint_url) if args.command == "prune"
-                  else CheckpointReader(args.storage, endpoint_url=args.endpoint_url))
+        # Only prune writes: list and verify get the reader alone.
+        writer = (CheckpointManager(args.storage, keep=0, endpoint_url=args.endpoint_url) if args.command == "prune"
+                  else None)
+        reader = writer.reader if writer is not None else CheckpointReader(args.storage, endpoint_url=args.endpoint_url)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                    "<checkpoint.storage>/<run name>/checkpoints)") if os.path.exists(root) else "does not exist"
             print(f"error: checkpoint folder {root} {why}", file=sys.stderr)
             return 2
-        if isinstance(reader, CheckpointManager):
-            deleted = reader.prune(keep)
+        if writer is not None:
+            deleted = writer.prune(keep)
             for ref in deleted:
                 print(f"deleted {ref.name}")
             print(f"{len(deleted)} deleted, keeping the newest {keep} valid")
@@ -126,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if isinstance(reader, CheckpointManager):
-            reader.close()
+        if writer is not None:
+            writer.close()
 
 
 def _verify_one(root: str, name: str, endpoint_url: str | None) -> int:

@@ -4,7 +4,7 @@ The writer. The folder layout (``step_<n>/``: one ``torch.save`` file per top-le
 ``meta.json``, and ``manifest.json`` written last = the commit) and the commit protocol live
 in ``format``; sharded (FSDP) saves write the same layout through ``sharded.ShardedWriter``,
 which commits through ``commit`` here. Reading, and skipping a folder that does not verify,
-is the base class's (``reader.CheckpointReader``); the pointer file older runs handed Ray is ``pointer``'s.
+is its ``reader``'s (a ``reader.CheckpointReader`` it holds); the pointer file older runs handed Ray is ``pointer``'s.
 """
 
 from __future__ import annotations
@@ -119,9 +119,9 @@ class _HashingWriter:
         self._out.flush()
 
 
-class CheckpointManager(CheckpointReader):
-    """The writer: saves, commits and rotates checkpoints in one storage root; it reads them
-    as its ``CheckpointReader`` base does (rotation and a resume verify what it wrote).
+class CheckpointManager:
+    """The writer: saves, commits and rotates checkpoints in one storage root. It reads through the
+    ``CheckpointReader`` it composes (``reader``: rotation and a resume verify what it wrote).
 
     Rank 0 owns the manager for replicated (DDP) state; every rank calls
     ``save_sharded`` for FSDP state.
@@ -142,7 +142,8 @@ class CheckpointManager(CheckpointReader):
             raise ValueError(f"on_failure must be 'continue' or 'stop', got {on_failure!r}")
         if keep < 0:
             raise ValueError(f"keep must be >= 0 (0 = keep all), got {keep}")
-        super().__init__(storage_uri, endpoint_url=endpoint_url, storage=storage, s3_retry_s=s3_retry_s)
+        self.reader = CheckpointReader(storage_uri, endpoint_url=endpoint_url, storage=storage, s3_retry_s=s3_retry_s)
+        self.storage: Storage = self.reader.storage
         self.keep = keep
         self.metrics = metrics or CheckpointMetrics()
         self.on_failure = on_failure
@@ -283,7 +284,7 @@ class CheckpointManager(CheckpointReader):
             raise self.save_failed(step_name(step), exc) from exc
         ref = done.ref
         self._last = ref  # visible to last_committed() as soon as it is committed
-        self.remember(ref.name, done.manifest_sha256)
+        self.reader.remember(ref.name, done.manifest_sha256)
         seconds = time.monotonic() - started
         self.metrics.record_commit(step, seconds, done.nbytes, done.committed_unix)
         log.info("checkpoint %s committed: %d bytes in %.2fs", ref.uri, done.nbytes, seconds)
@@ -341,20 +342,20 @@ class CheckpointManager(CheckpointReader):
         """
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        folders = self.folders()
+        folders = self.reader.folders()
         valid = 0
         deleted: list[CheckpointRef] = []
-        for ref in self.refs_newest_first(folders):
+        for ref in self.reader.refs_newest_first(folders):
             if valid < keep:
                 try:
-                    self.check(ref.name, folders[ref.name], deep=False)
+                    self.reader.check(ref.name, folders[ref.name], deep=False)
                     valid += 1
                     continue
                 except InvalidCheckpoint:
                     if valid == 0:
                         continue
             self.storage.delete_prefix(ref.name)
-            self.remember(ref.name, None)
+            self.reader.remember(ref.name, None)
             deleted.append(ref)
         cleaned = self.storage.clean_partials()
         if cleaned:

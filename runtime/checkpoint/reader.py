@@ -2,7 +2,7 @@
 
 Every reader goes through ``first_loadable``, the one newest-first loop that skips a folder
 which does not verify or load with a warning naming the file and the reason, and falls back to
-the previous one. The writer (``CheckpointManager``) reads through the same public methods:
+the previous one. The writer (``CheckpointManager``) holds one and reads through the same public methods:
 rotation lists and checks folders, and ``remember`` spares it rehashing the manifests it wrote.
 """
 

@@ -45,14 +45,14 @@ class FinalModel:
 
 def final_model(checkpoint_uri: str, cfg: JobConfig) -> FinalModel | None:
     """The newest valid checkpoint under ``checkpoint_uri`` as a network in eval mode; None without one."""
-    from runtime.checkpoint import CheckpointManager
+    from runtime.checkpoint import CheckpointReader
 
-    with CheckpointManager(checkpoint_uri, keep=cfg.checkpoint.keep, endpoint_url=cfg.checkpoint.endpoint_url,
-                           s3_retry_s=cfg.checkpoint.s3_retry_s) as mgr:
-        ref, payload, _ = mgr.load_latest()
-        if ref is None or payload is None:
-            return None
-        meta = mgr.read_meta(ref)
+    reader = CheckpointReader(checkpoint_uri, endpoint_url=cfg.checkpoint.endpoint_url,
+                              s3_retry_s=cfg.checkpoint.s3_retry_s)
+    ref, payload, _ = reader.load_latest()
+    if ref is None or payload is None:
+        return None
+    meta = reader.read_meta(ref)
     classes = meta.get("classes")
     module, example, inputs = _network(cfg, classes)
     module.load_state_dict(payload["model"])

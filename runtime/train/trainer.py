@@ -199,7 +199,7 @@ class Trainer:
             with ray_ckpt.as_directory() as d:
                 pointed = read_pointer(d)
             pointer_step = pointed.step if pointed else None
-        saved, self.metrics.once = restore_latest(self.checkpoints, self.trainables, self.cfg, self.rank,
+        saved, self.metrics.once = restore_latest(self.checkpoints.reader, self.trainables, self.cfg, self.rank,
                                                   self.world, pointer_step, sharded=self.is_fsdp,
                                                   trainer=merged_state(self.stateful))
         self.metrics.once["timeline"] = worker_timeline(self.t_start, restore_start)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime.checkpoint import CheckpointError, CheckpointManager, S3Storage, step_name
+from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointReader, S3Storage, step_name
 from runtime.checkpoint.cli import main as cli_main
 from runtime.checkpoint.storage import MANIFEST
 from runtime.observe.history import read_history
@@ -97,17 +97,17 @@ def test_save_list_load_prune_on_s3(moto: MotoServer) -> None:
         ref = mgr.wait()
         assert ref is not None and ref.uri == f"{uri}/step_000000003"
     fresh = CheckpointManager(uri, endpoint_url=moto.endpoint)
-    assert [(r.step, s) for r, s in fresh.list()] == [(3, "valid"), (2, "valid")]
-    ref, warnings = fresh.latest_valid()
+    assert [(r.step, s) for r, s in fresh.reader.list()] == [(3, "valid"), (2, "valid")]
+    ref, warnings = fresh.reader.latest_valid()
     assert ref is not None and ref.step == 3 and warnings == []
-    assert torch.equal(fresh.load(ref)["model"]["w"], _state(3.0)["model"]["w"])
+    assert torch.equal(fresh.reader.load(ref)["model"]["w"], _state(3.0)["model"]["w"])
 
     # A flipped byte in S3 is caught the same way as on disk.
     key = "run1/step_000000003/model.pt"
     data = bytearray(moto.client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
     data[-10] ^= 0xFF
     moto.client().put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
-    ref, warnings = fresh.latest_valid()
+    ref, warnings = fresh.reader.latest_valid()
     assert ref is not None and ref.step == 2
     assert warnings == ["step_000000003: model.pt sha256 mismatch; using step_000000002"]
     fresh.close()
@@ -117,7 +117,7 @@ def test_endpoint_from_environment(moto: MotoServer, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto.endpoint)
     with CheckpointManager(f"s3://{BUCKET}/env") as mgr:
         mgr.save(_state(1.0), step=1, meta={}, blocking=True)
-        assert mgr.latest_valid()[0] is not None
+        assert mgr.reader.latest_valid()[0] is not None
 
 
 def _kill_after_first_data_object(storage: S3Storage, action: Any) -> None:
@@ -153,13 +153,13 @@ def test_server_killed_and_restarted_during_save_no_half_visible_checkpoint(
     assert mgr.metrics.failures == 1
     listing = storage.list("")
     assert "step_000000002/manifest.json" not in listing
-    ref, warnings = mgr.latest_valid()
+    ref, warnings = mgr.reader.latest_valid()
     assert ref is None  # A died with the server's memory; B is not half-visible
     assert all("manifest.json missing" in w for w in warnings)
 
     mgr.save(_state(3.0), step=3, meta={}, blocking=True)  # C: the failure was raised once
     resumed = CheckpointManager(storage.uri, storage=_storage(moto))
-    ref, state, _ = resumed.load_latest()
+    ref, state, _ = resumed.reader.load_latest()
     assert ref is not None and ref.step == 3 and state is not None
     assert state["trainer"]["global_step"] == 3
     assert "step_000000002/model.pt" not in storage.list("")  # B's leftovers were pruned
@@ -179,7 +179,7 @@ def test_server_paused_within_retry_window_save_succeeds(moto: MotoServer) -> No
     t0 = time.monotonic()
     mgr.save(_state(5.0), step=5, meta={}, blocking=True)
     assert time.monotonic() - t0 >= 3.5  # it really waited the outage out
-    ref, warnings = mgr.latest_valid()
+    ref, warnings = mgr.reader.latest_valid()
     assert ref is not None and ref.step == 5 and warnings == []
     mgr.close()
 
@@ -197,7 +197,7 @@ def test_server_down_for_good_gives_clear_error_and_keeps_old_checkpoint(
             mgr.wait()
     finally:
         os.kill(moto.proc.pid, signal.SIGCONT)
-    ref, _ = CheckpointManager(storage.uri, storage=_storage(moto)).latest_valid()
+    ref, _ = CheckpointReader(storage.uri, storage=_storage(moto)).latest_valid()
     assert ref is not None and ref.step == 1
     mgr.close()
 
@@ -245,7 +245,7 @@ def test_prune_aborts_orphan_multipart_uploads(moto: MotoServer) -> None:
     )
     with CheckpointManager(f"s3://{BUCKET}/run1", endpoint_url=moto.endpoint) as mgr:
         assert mgr.storage.partial_uploads() == [key]
-        assert mgr.latest_valid() == (None, [])  # never visible as a checkpoint
+        assert mgr.reader.latest_valid() == (None, [])  # never visible as a checkpoint
         mgr.save(_state(10.0), step=10, meta={}, blocking=True)  # prunes after the commit
         assert mgr.storage.partial_uploads() == []
     assert client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
@@ -255,9 +255,9 @@ def test_large_state_uses_multipart_upload(moto: MotoServer) -> None:
     storage = _storage(moto, multipart_mb=5)  # S3's minimum part size
     with CheckpointManager(storage.uri, storage=storage) as mgr:
         mgr.save(_state(7.0, mib=12), step=7, meta={}, blocking=True)
-        ref, _ = mgr.latest_valid()
+        ref, _ = mgr.reader.latest_valid()
         assert ref is not None
-        assert torch.equal(mgr.load(ref)["model"]["w"], _state(7.0, mib=12)["model"]["w"])
+        assert torch.equal(mgr.reader.load(ref)["model"]["w"], _state(7.0, mib=12)["model"]["w"])
     head = moto.client().head_object(Bucket=BUCKET, Key="run1/step_000000007/model.pt")
     assert head["ETag"].strip('"').endswith("-3")  # 12 MiB in 5 MiB parts
 
@@ -317,10 +317,10 @@ def test_manifest_naming_a_key_outside_the_folder_writes_nothing_there_and_is_sk
     before = sorted(tmp_path.rglob("*"))
 
     fresh = CheckpointManager(uri, endpoint_url=moto.endpoint)
-    ref, warnings = fresh.latest_valid()
+    ref, warnings = fresh.reader.latest_valid()
     assert ref is not None and ref.step == 1
     assert warnings[0].startswith("step_000000002: manifest.json has the wrong shape: unsafe file name"), warnings
-    ref, state, _ = fresh.load_latest()
+    ref, state, _ = fresh.reader.load_latest()
     assert ref is not None and ref.step == 1 and state is not None
     fresh.close()
     assert cli_main(["verify", uri, "--endpoint-url", moto.endpoint]) == 1
@@ -352,11 +352,11 @@ def test_resave_interrupted_by_an_outage_leaves_a_committed_copy_that_resume_use
     listing = _storage(moto).list("")
     staged = [k for k in listing if k.startswith(".tmp-step_000000003-") and k.endswith("/manifest.json")]
     assert staged, listing  # the new copy is committed aside ...
-    ref, warnings = CheckpointManager(storage.uri, storage=_storage(moto)).latest_valid()
+    ref, warnings = CheckpointReader(storage.uri, storage=_storage(moto)).latest_valid()
     assert ref is not None and ref.step == 3 and warnings == []  # ... and the next reader finishes it
 
     resumed = CheckpointManager(storage.uri, storage=_storage(moto))
-    ref, state, warnings = resumed.load_latest()
+    ref, state, warnings = resumed.reader.load_latest()
     assert ref is not None and ref.step == 3 and state is not None and warnings == []
     assert state["trainer"]["global_step"] == 2
     assert not [k for k in _storage(moto).list("") if k.startswith(".tmp-")]
@@ -368,7 +368,7 @@ def test_resaving_a_step_on_s3_replaces_it(moto: MotoServer) -> None:
     with CheckpointManager(f"s3://{BUCKET}/again", endpoint_url=moto.endpoint) as mgr:
         mgr.save(_state(1.0), step=3, meta={}, blocking=True)
         mgr.save({"trainer": {"global_step": 9}}, step=3, meta={}, blocking=True)  # fewer files
-        ref, state, warnings = mgr.load_latest()
+        ref, state, warnings = mgr.reader.load_latest()
         assert ref is not None and state == {"trainer": {"global_step": 9}} and warnings == []
     keys = sorted(_storage(moto, prefix="again").list(""))
     assert keys == ["step_000000003/manifest.json", "step_000000003/meta.json", "step_000000003/trainer.pt"]
@@ -514,7 +514,7 @@ def test_s3_run_rides_out_refused_connections_from_a_commit_on_then_resumes_with
         assert out.history[0]["resumed_from_step"] == last and out.history[0]["step"] == last + 1, out.history[0]
         assert out.metrics["step"] == last + 2 and not out.error, out.error  # the workers used no driver keys
         with CheckpointManager(out.checkpoint_uri, endpoint_url=endpoint) as mgr:
-            ref, _ = mgr.latest_valid()
+            ref, _ = mgr.reader.latest_valid()
         assert ref is not None and ref.step == last + 2
     finally:
         watcher.done.set()
@@ -604,7 +604,7 @@ def test_s3_throttled_then_refusing_longer_than_the_retry_window_skips_saves_and
     assert re.match(rf"checkpoint storage s3://{BUCKET}/outage is back: step_\d+ committed after 2 failed saves",
                     console[1]), console[1]
     assert mgr.metrics.failures == 2
-    ref, state, warnings = CheckpointManager(storage.uri, storage=_storage(moto, "outage")).load_latest()
+    ref, state, warnings = CheckpointReader(storage.uri, storage=_storage(moto, "outage")).load_latest()
     assert ref is not None and ref.step == mgr.last_committed().step and warnings == []  # type: ignore[union-attr]
     assert state is not None and state["trainer"]["global_step"] == ref.step
     mgr.close()

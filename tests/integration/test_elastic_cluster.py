@@ -23,7 +23,7 @@ import ray
 import torch
 
 from runtime import cluster as rc
-from runtime.checkpoint import CheckpointManager
+from runtime.checkpoint import CheckpointReader
 from runtime.launch.driver import StreamingFit, connect
 from runtime.run import Resized
 from runtime.train.capacity import refresh_capacity
@@ -79,7 +79,7 @@ def slots(cluster: dict[str, Any]) -> Iterator[Path]:
 
 
 def _final_params(storage: str, run: str) -> dict[str, torch.Tensor]:
-    ref, payload, _ = CheckpointManager(f"{storage}/{run}/checkpoints").load_latest()
+    ref, payload, _ = CheckpointReader(f"{storage}/{run}/checkpoints").load_latest()
     assert ref is not None and ref.step == MAX_STEPS and payload is not None
     return {k: v.float() for k, v in payload["model"].items()}
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from runtime.checkpoint import CheckpointManager
+from runtime.checkpoint import CheckpointReader
 from runtime.observe.history import read_history
 from runtime.observe.mlflow_upload import SyncState
 from tests.support import ROOT, free_port, wait_for
@@ -111,8 +111,7 @@ def _assert_row(code: int, console: str, run_dir: Path, checkpoints: str, endpoi
     assert set(range(10, STEPS + 1, 10)) <= set(steps)  # every log interval (epoch ends report too)
     assert history[-1].get("final") and history[-1]["step"] == STEPS
     assert max(h.get("checkpoint_failures", 0) for h in history) >= 1  # counted in the reports, as in Prometheus
-    with CheckpointManager(checkpoints, endpoint_url=endpoint) as mgr:
-        ref, state, warnings = mgr.load_latest()
+    ref, state, warnings = CheckpointReader(checkpoints, endpoint_url=endpoint).load_latest()
     assert ref is not None and ref.step == STEPS and warnings == [], (ref, warnings)
     assert state is not None and state["trainer"]["global_step"] == STEPS
     for text, n in counts.items():

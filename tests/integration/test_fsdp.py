@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.checkpoint import CheckpointManager
+from runtime.checkpoint import CheckpointReader
 from runtime.launch.driver import train
 from tests.support import job
 from tests.support.cluster import WorkerGroupKiller, oldest_allowed_resume
@@ -26,8 +26,7 @@ BASE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", 
 
 
 def final_model(outcome: Any) -> tuple[int, dict[str, torch.Tensor]]:
-    with CheckpointManager(outcome.checkpoint_uri) as mgr:
-        ref, payload, _ = mgr.load_latest()
+    ref, payload, _ = CheckpointReader(outcome.checkpoint_uri).load_latest()
     assert ref is not None and payload is not None
     return ref.step, payload["model"]
 
@@ -66,7 +65,7 @@ def test_worker_kill_under_fsdp_resumes_from_the_newest_sharded_checkpoint_bit_i
     oldest = oldest_allowed_resume(last, committed, 10)
     assert resumed >= oldest, f"redid {last - resumed} steps after step {last}: resumed from {resumed} < {oldest}"
     assert out.metrics["rank_param_digests"] == reference.metrics["rank_param_digests"]
-    with CheckpointManager(out.checkpoint_uri) as mgr:
-        assert mgr.manifest(mgr.candidates()[0])["kind"] == "dcp"
+    reader = CheckpointReader(out.checkpoint_uri)
+    assert reader.manifest(reader.candidates()[0])["kind"] == "dcp"
     a, b = final_model(reference)[1], final_model(out)[1]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

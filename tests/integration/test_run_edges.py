@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.checkpoint import CheckpointManager
+from runtime.checkpoint import CheckpointReader
 from runtime.launch.driver import TrainOutcome, train
 from runtime.launch.runlock import LOCK_FILE
 from runtime.run import PREEMPT_FILE
@@ -103,8 +103,7 @@ def test_ctrl_c_twice_and_a_spot_sigterm_each_commit_or_stop_as_documented_and_t
     seen.check("SIGTERM commits an emergency checkpoint at the held step (40)",
                committed_steps(checkpoints)[-1:] == [40] and "step=40" in console, (committed_steps(checkpoints),
                                                                                       console))
-    with CheckpointManager(str(checkpoints)) as mgr:
-        newest = mgr.list()[0]
+    newest = CheckpointReader(str(checkpoints)).list()[0]
     seen.check("the emergency checkpoint verifies", newest[1] == "valid", newest)
 
     out = train(job("digits_smoke", str(storage), *SETS), run, show_progress=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoint import CheckpointManager
+from runtime.checkpoint import CheckpointReader
 from runtime.run import TrainOutcome
 from tests.support.trainer import train_ranks
 
@@ -33,8 +33,7 @@ def reference_run(folder: Path) -> TrainOutcome:
 
 
 def final_model(uri: str, endpoint_url: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-    with CheckpointManager(uri, endpoint_url=endpoint_url) as mgr:
-        ref, payload, warnings = mgr.load_latest()
+    ref, payload, warnings = CheckpointReader(uri, endpoint_url=endpoint_url).load_latest()
     assert ref is not None and payload is not None and not warnings, warnings
     return ref.step, payload["model"]
 

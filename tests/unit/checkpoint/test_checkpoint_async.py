@@ -42,7 +42,7 @@ def test_save_returns_before_the_write_completes(tmp_path) -> None:
     assert ref is not None and ref.step == 1
     assert returned < written / 2, (returned, written)
     assert mgr.metrics.stall_seconds < mgr.metrics.save_seconds
-    assert mgr.load(ref)["model"]["w"].abs().sum() > 0  # the snapshot, not the zeroed tensor
+    assert mgr.reader.load(ref)["model"]["w"].abs().sum() > 0  # the snapshot, not the zeroed tensor
     mgr.close()
 
 
@@ -57,7 +57,7 @@ def test_second_save_waits_for_the_first(tmp_path) -> None:
     assert mgr.last_committed() is not None and mgr.last_committed().step == 1  # type: ignore[union-attr]
     ref = mgr.wait()
     assert ref is not None and ref.step == 2
-    assert [r.step for r, status in mgr.list() if status == "valid"] == [2, 1]
+    assert [r.step for r, status in mgr.reader.list() if status == "valid"] == [2, 1]
     mgr.close()
 
 

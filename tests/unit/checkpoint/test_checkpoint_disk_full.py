@@ -62,9 +62,9 @@ def test_disk_full_with_continue_keeps_old_checkpoints_and_training_goes_on(
     assert mgr.metrics.failures == 1
     assert "disk full" in caplog.text and "step_000000003" in caplog.text
     assert sorted(p.name for p in small_fs.iterdir()) == ["step_000000001", "step_000000002"]
-    latest, warnings = mgr.latest_valid()
+    latest, warnings = mgr.reader.latest_valid()
     assert latest == ref and warnings == []
-    assert torch.equal(mgr.load(latest)["model"]["w"], torch.full((6 * 256 * 1024,), 2.0))
+    assert torch.equal(mgr.reader.load(latest)["model"]["w"], torch.full((6 * 256 * 1024,), 2.0))
 
     mgr.save(_state(1, 4.0), step=4, meta={}, blocking=True)  # space left for a small one
     assert mgr.last_committed() is not None and mgr.last_committed().step == 4  # type: ignore[union-attr]
@@ -80,9 +80,9 @@ def test_disk_full_with_stop_raises_on_wait(small_fs: Path) -> None:
     assert mgr.metrics.failures == 1
     assert not [p for p in small_fs.iterdir() if p.name.startswith(".tmp-")]
     fresh = CheckpointManager(str(small_fs))
-    ref, warnings = fresh.latest_valid()
+    ref, warnings = fresh.reader.latest_valid()
     assert ref is not None and ref.step == 2 and warnings == []
-    fresh.load(ref)
+    fresh.reader.load(ref)
     fresh.close()
     mgr.close()
 
@@ -178,8 +178,8 @@ def test_disk_full_keeps_older_checkpoints_and_the_trainer_follows_on_failure(
         (disk / "filler").unlink()
         d = disk / "runs" / f"full-{policy}" / "checkpoints"
         with CheckpointManager(str(d)) as mgr:
-            listing = mgr.list()
-            ref, payload, warnings = mgr.load_latest()
+            listing = mgr.reader.list()
+            ref, payload, warnings = mgr.reader.load_latest()
         assert listing and all(status == "valid" for _, status in listing), listing
         assert ref is not None and payload is not None and not warnings
         assert filled_at <= ref.step < FULL_DISK_STEPS and payload["trainer"]["global_step"] == ref.step

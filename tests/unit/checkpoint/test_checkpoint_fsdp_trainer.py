@@ -95,7 +95,7 @@ def test_fsdp_trainer_resumes_from_sharded_checkpoints_past_a_corrupt_shard_and_
 
     # 2 ranks -> 1 process without a process group: the whole state, identical to the gathered one.
     with CheckpointManager(str(tmp_path / "whole" / "checkpoints")) as mgr:
-        ref, payload, warnings = mgr.load_latest()
+        ref, payload, warnings = mgr.reader.load_latest()
     assert ref is not None and ref.step == STEPS and payload is not None and not warnings
     assert all(torch.equal(payload["model"][k], expected[k]) for k in expected)
     assert payload["trainer"]["global_step"] == STEPS and set(payload["rng"]) == {"0", "1"}

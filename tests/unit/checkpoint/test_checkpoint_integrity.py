@@ -130,31 +130,31 @@ def test_latest_valid_skips_damaged_newest_and_names_file_and_reason(
     corrupt(tmp_path / "step_000000120")
 
     fresh = CheckpointManager(str(tmp_path))  # a restarted worker: no in-memory knowledge
-    ref, warnings = fresh.latest_valid()
+    ref, warnings = fresh.reader.latest_valid()
     assert ref is not None and ref.step == 100
     assert len(warnings) == 1
     assert warnings[0].startswith(f"step_000000120: {reason}"), warnings
     assert warnings[0].endswith("; using step_000000100")
-    assert fresh.load(ref)["trainer"]["global_step"] == 3
+    assert fresh.reader.load(ref)["trainer"]["global_step"] == 3
 
-    statuses = {r.step: s for r, s in fresh.list()}
+    statuses = {r.step: s for r, s in fresh.reader.list()}
     assert statuses[100] == "valid" and statuses[120].startswith(f"invalid: {reason}")
-    bad = next(r for r, _ in fresh.list() if r.step == 120)
+    bad = next(r for r, _ in fresh.reader.list() if r.step == 120)
     with pytest.raises(CheckpointError, match="step_000000120"):
-        fresh.verify(bad)
+        fresh.reader.verify(bad)
     with pytest.raises(CheckpointError, match=reason.split()[0]):
-        fresh.load(bad)
-    ref2, state, warnings2 = fresh.load_latest()
+        fresh.reader.load(bad)
+    ref2, state, warnings2 = fresh.reader.load_latest()
     assert ref2 == ref and state is not None and warnings2 == warnings
     fresh.close()
 
 
 def test_no_valid_checkpoint_says_so(tmp_path, trainer) -> None:
     with CheckpointManager(str(tmp_path)) as mgr:
-        assert mgr.latest_valid() == (None, [])
+        assert mgr.reader.latest_valid() == (None, [])
         mgr.save(trainer.state(), step=1, meta={}, blocking=True)
         _delete_manifest(tmp_path / "step_000000001")
-        ref, warnings = mgr.latest_valid()
+        ref, warnings = mgr.reader.latest_valid()
     assert ref is None
     assert warnings == [
         (
@@ -199,9 +199,9 @@ def test_pickle_bomb_named_like_a_checkpoint_is_refused_without_running_code(
         _plant(ckpts / "step_000000001", "model.pt", data)
         ref = mgr.last_committed()
         assert ref is not None
-        mgr.verify(ref)  # hashes match: verification alone cannot catch it
+        mgr.reader.verify(ref)  # hashes match: verification alone cannot catch it
         with pytest.raises(CheckpointError, match=r"model\.pt: refused to load"):
-            mgr.load(ref)
-        _, state, warnings = mgr.load_latest()
+            mgr.reader.load(ref)
+        _, state, warnings = mgr.reader.load_latest()
     assert not sentinel.exists(), "unpickling ran code"
     assert state is None and "refused to load" in warnings[0]

@@ -75,7 +75,7 @@ def test_a_disk_turned_read_only_fails_saves_once_said_skips_under_backoff_and_c
     assert re.match(rf"checkpoint storage {disk}/ckpt is back: step_000000006 committed after "
                     rf"{mgr.metrics.failures} failed saves? over \d+s$", console[1]), console[1]
     assert not mgr.failing
-    ref, state, warnings = mgr.load_latest()
+    ref, state, warnings = mgr.reader.load_latest()
     assert ref is not None and ref.step == 6 and state is not None and warnings == []
     assert state["trainer"]["global_step"] == 6
     mgr.close()

@@ -30,9 +30,9 @@ def test_a_verified_checkpoint_without_model_or_trainer_is_skipped_for_the_older
         broken = build_payload(saved, TrainState(global_step=2).state_dict(), False, 1)
         del broken[missing]  # committed and hashed like any other: only its content is wrong
         mgr.save(broken, step=2, meta={}, blocking=True)
-        mgr.verify(mgr.last_committed())  # type: ignore[arg-type]
+        mgr.reader.verify(mgr.last_committed())  # type: ignore[arg-type]
 
-        state, info = restore_latest(mgr, _trainables(), cfg, rank=0, world=1, ray_pointer_step=None)
+        state, info = restore_latest(mgr.reader, _trainables(), cfg, rank=0, world=1, ray_pointer_step=None)
     assert state is not None and state["global_step"] == 1 and info["resumed_from_step"] == 1
     [warning] = info["restore_warnings"]
     assert warning.startswith("step_000000002: verified, but its payload has no ") and missing in warning

@@ -40,7 +40,7 @@ def test_invalid_checkpoints_do_not_count_and_newest_valid_survives(tmp_path, tr
     # 3 is the newest valid and is kept; 2 (invalid) and 1 (beyond keep) go.
     assert sorted(r.step for r in deleted) == [1, 2]
     assert _steps(tmp_path) == [3, 4]
-    ref, warnings = fresh.latest_valid()
+    ref, warnings = fresh.reader.latest_valid()
     assert ref is not None and ref.step == 3 and "step_000000004: model.pt" in warnings[0]
     fresh.close()
 
@@ -65,10 +65,10 @@ def test_resaving_a_step_replaces_it_atomically(tmp_path, trainer) -> None:
         mgr.save(trainer.state(), step=3, meta={}, blocking=True)
         trainer.step()
         mgr.save(trainer.state(), step=3, meta={"again": True}, blocking=True)
-        ref, warnings = mgr.latest_valid()
+        ref, warnings = mgr.reader.latest_valid()
         assert ref is not None and warnings == []
-        assert mgr.read_meta(ref)["again"] is True
-        assert mgr.load(ref)["trainer"]["global_step"] == 4
+        assert mgr.reader.read_meta(ref)["again"] is True
+        assert mgr.reader.load(ref)["trainer"]["global_step"] == 4
     assert _steps(tmp_path) == [3]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
@@ -122,7 +122,7 @@ def _crash_child(*args: str) -> subprocess.CompletedProcess[str]:
 def _newest(root: Path) -> tuple[int, int]:
     """(step, global_step) of the newest checkpoint a restarted worker would resume from."""
     with CheckpointManager(str(root)) as mgr:
-        ref, state, warnings = mgr.load_latest()
+        ref, state, warnings = mgr.reader.load_latest()
     assert ref is not None and state is not None and warnings == [], warnings
     return ref.step, state["trainer"]["global_step"]
 

@@ -39,7 +39,7 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng(tmp_path, trainer
         mgr.save(state, step=3, meta={"config": {"lr": 0.1}}, blocking=True)
         ref = mgr.last_committed()
         assert ref is not None and ref.step == 3 and ref.name == "step_000000003"
-        loaded = mgr.load(ref)
+        loaded = mgr.reader.load(ref)
     _assert_equal(snapshot_to_cpu(state), loaded)
     assert loaded["optimizer"]["state"][0]["momentum_buffer"].abs().sum() > 0
 
@@ -59,9 +59,9 @@ def test_resumed_training_matches_uninterrupted_bit_for_bit(tmp_path, make_train
     first.step(3)
     with CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(first.state(), step=3, meta={}, blocking=True)
-        ref, warnings = mgr.latest_valid()
+        ref, warnings = mgr.reader.latest_valid()
         assert ref is not None and warnings == []
-        loaded = mgr.load(ref)
+        loaded = mgr.reader.load(ref)
     first.step(5)  # the interrupted process keeps going; its state must not leak into the copy
 
     resumed = Trainer(seed=99)
@@ -91,7 +91,7 @@ def test_meta_manifest_metrics_and_ray_pointer(tmp_path, trainer) -> None:
         mgr.save(trainer.state(), step=7, meta={"config": {"b": 2, "a": 1}, "job": "t"})
         ref = mgr.wait()
         assert ref is not None
-        meta = mgr.read_meta(ref)
+        meta = mgr.reader.read_meta(ref)
     assert meta["step"] == 7 and meta["world_size"] == 1 and meta["job"] == "t"
     assert meta["config_hash"] and meta["versions"]["torch"] == torch.__version__
     manifest = json.loads((tmp_path / "ck" / ref.name / "manifest.json").read_text())
@@ -141,11 +141,11 @@ def test_repeated_async_saves_each_hold_the_state_of_their_own_step(tmp_path) ->
             mgr.save({"model": {"w": w}}, step=step, meta={})
             w.fill_(-1)  # training goes on while the write runs
         mgr.wait()
-        listed = mgr.list()
+        listed = mgr.reader.list()
         assert [ref.step for ref, _ in listed] == [3, 2, 1]
         for ref, status in listed:
             assert status == "valid", status
-            assert torch.equal(mgr.load(ref)["model"]["w"], torch.full((256, 256), float(ref.step)))
+            assert torch.equal(mgr.reader.load(ref)["model"]["w"], torch.full((256, 256), float(ref.step)))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from runtime.checkpoint import CheckpointError, CheckpointManager, step_name
+from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointReader, step_name
 from tests.support import free_port
 from tests.support.ranks import spawn_ranks
 
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, root: str) -> None:
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
     fresh(torch.randn(1, 8)).sum().backward()
     fresh_opt.step()  # materialize optimizer state so dcp has tensors to load into
-    reader = CheckpointManager(root)
+    reader = CheckpointReader(root)
     ref, warnings = reader.latest_valid()
     assert ref is not None and ref.step == 2 and warnings == [], (ref, warnings)
     fmsd, fosd = get_state_dict(fresh, fresh_opt)
@@ -68,7 +68,6 @@ def _worker(rank: int, world: int, root: str) -> None:
     same = all(torch.equal(_local(v), saved[k]) for k, v in fresh.state_dict().items())
     result = {"same": same, "trainer_step": target["trainer"]["step"]}
     Path(root, f"result_{rank}.json").write_text(json.dumps(result))
-    reader.close()
 
 
 @pytest.mark.slow
@@ -85,9 +84,9 @@ def test_fsdp2_sharded_checkpoint_round_trip_on_two_gloo_ranks(tmp_path: Path) -
     # Resharded 2 -> 1: one process without a process group reads the whole state, equal to the
     # full parameters the two ranks gathered.
     mgr = CheckpointManager(str(root))
-    ref, _ = mgr.latest_valid()
+    ref, _ = mgr.reader.latest_valid()
     assert ref is not None
-    whole = mgr.load(ref)
+    whole = mgr.reader.load(ref)
     expected = torch.load(root / "full_model.pt", weights_only=True)
     assert whole["model"].keys() == expected.keys()
     assert all(torch.equal(whole["model"][k], expected[k]) for k in expected)
@@ -97,7 +96,7 @@ def test_fsdp2_sharded_checkpoint_round_trip_on_two_gloo_ranks(tmp_path: Path) -
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    ref, warnings = mgr.latest_valid()
+    ref, warnings = mgr.reader.latest_valid()
     assert ref is None and warnings[0].startswith("step_000000002: __1_0.distcp sha256 mismatch")
     mgr.close()
 
@@ -154,9 +153,9 @@ def _refused_then_previous_loaded(mgr: CheckpointManager, sentinel: Path,
     bad = mgr.last_committed()
     assert bad is not None
     with pytest.raises(CheckpointError, match=rf"step_000000002: .*{why}"):
-        mgr.load_sharded(bad, _target())
+        mgr.reader.load_sharded(bad, _target())
     target = _target()
-    ref, warnings = mgr.load_latest_sharded(target)
+    ref, warnings = mgr.reader.load_latest_sharded(target)
     assert not sentinel.exists(), "unpickling ran code"
     assert ref is not None and ref.step == 1 and target["trainer"]["step"] == 1
     return target, warnings
@@ -168,7 +167,7 @@ def test_dcp_byte_entry_pickle_bomb_is_refused_and_the_previous_checkpoint_is_us
     mgr = CheckpointManager(str(tmp_path / "ckpt"), keep=0)
     _commit_dcp(mgr, 1, {"model": {"w": torch.ones(4)}, "trainer": {"step": 1}})
     _commit_dcp(mgr, 2, {"model": {"w": torch.full((4,), 2.0)}, "trainer": {"step": _Bomb(str(sentinel))}})
-    mgr.verify(mgr.last_committed())  # hashes match: only the loader stands in the way
+    mgr.reader.verify(mgr.last_committed())  # hashes match: only the loader stands in the way
     target, warnings = _refused_then_previous_loaded(mgr, sentinel, r"'trainer\.step': refused to load")
     assert torch.equal(target["model"]["w"], torch.ones(4))
     assert len(warnings) == 1 and warnings[0].startswith("step_000000002: ") and "refused to load" in warnings[0]
@@ -213,9 +212,9 @@ def test_a_damaged_shard_is_skipped_with_a_warning_naming_it_and_the_previous_ch
     else:
         shard.unlink()
     target = _target()
-    ref, warnings = mgr.load_latest_sharded(target)  # every rank's path under FSDP
+    ref, warnings = mgr.reader.load_latest_sharded(target)  # every rank's path under FSDP
     assert ref is not None and ref.step == 1 and torch.equal(target["model"]["w"], torch.ones(4))
-    ref, whole, warnings_whole = mgr.load_latest()  # a DDP run's or one process's path
+    ref, whole, warnings_whole = mgr.reader.load_latest()  # a DDP run's or one process's path
     assert ref is not None and ref.step == 1 and whole is not None and whole["trainer"] == {"step": 1}
     for w in (warnings, warnings_whole):
         assert len(w) == 1 and re.match(rf"step_000000002: {why}; using step_000000001$", w[0]), w
@@ -245,9 +244,9 @@ def test_sharded_checkpoint_on_s3_commits_every_ranks_shards_and_rotates(tmp_pat
         uri, out = "s3://ckpt/run", str(tmp_path / "full.pt")
         spawn_ranks(_s3_worker, WORLD, uri, endpoint, out)
         with CheckpointManager(uri, endpoint_url=endpoint) as mgr:
-            assert [(r.step, status) for r, status in mgr.list()] == [(2, "valid")]
-            ref, whole, warnings = mgr.load_latest()
-            files = set(mgr.manifest(ref)["files"]) if ref else set()
+            assert [(r.step, status) for r, status in mgr.reader.list()] == [(2, "valid")]
+            ref, whole, warnings = mgr.reader.load_latest()
+            files = set(mgr.reader.manifest(ref)["files"]) if ref else set()
         assert ref is not None and whole is not None and not warnings
         assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"} == files
         expected = torch.load(out, weights_only=True)
@@ -308,7 +307,7 @@ def test_dcp_metadata_reading_outside_the_folder_or_declaring_oversized_tensors_
     _replant_metadata(folder, change)
     target, warnings = _refused_then_previous_loaded(mgr, tmp_path / "never", why)
     assert torch.equal(target["model"]["w"], torch.ones(4))
-    ref, whole, warnings_whole = mgr.load_latest()  # the whole read (torch.empty of every size) refuses too
+    ref, whole, warnings_whole = mgr.reader.load_latest()  # the whole read (torch.empty of every size) refuses too
     assert ref is not None and ref.step == 1 and whole is not None and whole["trainer"] == {"step": 1}
     for w in (warnings, warnings_whole):
         assert len(w) == 1 and re.match(rf"step_000000002: .*\.metadata: {why}", w[0]), w

@@ -42,7 +42,7 @@ def test_a_sharded_save_holds_the_values_of_save_time_when_tensors_change_after_
     w.add_(1.0)  # what the optimizer step does once settle() returns
     mgr.wait()
     target = {"model": {"w": torch.zeros_like(w)}, "trainer": {"step": 0}}
-    ref, warnings = mgr.load_latest_sharded(target)
+    ref, warnings = mgr.reader.load_latest_sharded(target)
     mgr.close()
     assert ref is not None and ref.step == 3 and warnings == []
     assert torch.equal(target["model"]["w"], torch.arange(1 << 20, dtype=torch.float32))

@@ -218,10 +218,10 @@ def test_checkpointer_finish_commits_the_last_step_once(tmp_path: Path) -> None:
     ck = _checkpointer(tmp_path, manager, [])
     ck.save(5, blocking=True)
     ck.finish(5)  # step 5 is committed already: nothing new
-    assert [r.step for r, _ in manager.list()] == [5]
+    assert [r.step for r, _ in manager.reader.list()] == [5]
     ck.finish(8)
-    assert [r.step for r, _ in manager.list()] == [8, 5]
-    assert manager.read_meta(manager.list()[0][0])["classes"] == ["a", "b"]
+    assert [r.step for r, _ in manager.reader.list()] == [8, 5]
+    assert manager.reader.read_meta(manager.reader.list()[0][0])["classes"] == ["a", "b"]
     ck.close()
 
 

@@ -73,7 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
 
 def final_model(folder: Path) -> tuple[int, dict[str, torch.Tensor]]:
     with CheckpointManager(str(folder / "checkpoints")) as mgr:
-        ref, payload, _ = mgr.load_latest()
+        ref, payload, _ = mgr.reader.load_latest()
     assert ref is not None and payload is not None
     return ref.step, payload["model"]
 
