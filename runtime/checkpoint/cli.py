@@ -15,9 +15,9 @@ import sys
 from runtime.checkpoint.format import NAME_RE, CheckpointRef
 from runtime.checkpoint.manager import CheckpointManager
 from runtime.checkpoint.reader import CheckpointReader
-from runtime.checkpoint.storage import CheckpointError, LocalStorage
+from runtime.checkpoint.storage import CheckpointError, LocalStorage, StoreUnreachable
 from runtime.config.base import short
-from runtime.config.values import parse_storage
+from runtime.config.values import parse_http_url, parse_storage
 
 
 def _human(n: int) -> str:
@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: storage {short(args.storage)} {exc}", file=sys.stderr)
             return 2
+    if args.endpoint_url is not None:
+        try:  # botocore would raise its own ValueError deep in the first call
+            parse_http_url(args.endpoint_url)
+        except ValueError as exc:
+            print(f"error: --endpoint-url {short(args.endpoint_url)} {exc}", file=sys.stderr)
+            return 2
     if args.command == "verify":
         root, _, name = args.storage.rstrip("/").rpartition("/")
         if root and NAME_RE.match(name):
@@ -123,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(rows) - len(invalid)} valid, {len(invalid)} invalid")
             return 1 if invalid or not rows else 0  # verifying nothing is not a pass
         return 0
+    except StoreUnreachable as exc:  # no required service: the exit code every command gives it
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

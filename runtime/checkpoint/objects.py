@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from runtime.checkpoint.storage import ASIDE_RE, MANIFEST, TMP_PREFIX, CheckpointError, safe_join
+from runtime.checkpoint.storage import ASIDE_RE, MANIFEST, TMP_PREFIX, CheckpointError, StoreUnreachable, safe_join
 from runtime.config.storage import ObjectLocation
 
 log = logging.getLogger("runtime.checkpoint")
@@ -228,7 +228,7 @@ class FsObjectStorage(ObjectStore):
             except OSError as exc:  # pyarrow's IOError: connection refused, timeouts, 5xx
                 left = deadline - time.monotonic()
                 if attempt > self.retries or left <= 0:
-                    raise CheckpointError(f"{what}: gave up after {attempt} attempts: {_first_line(exc)}") from exc
+                    raise StoreUnreachable(f"{what}: gave up after {attempt} attempts: {_first_line(exc)}") from exc
                 sleep = min(delay * (1 + random.random()), left)  # jitter
                 log.debug("%s failed (attempt %d): %s; retrying in %.1fs", what, attempt, exc, sleep)
                 time.sleep(sleep)

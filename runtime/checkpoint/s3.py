@@ -15,7 +15,7 @@ from typing import TypeVar
 from urllib.parse import urlparse
 
 from runtime.checkpoint.objects import ObjectStore
-from runtime.checkpoint.storage import CheckpointError
+from runtime.checkpoint.storage import CheckpointError, StoreUnreachable
 
 log = logging.getLogger("runtime.checkpoint")
 
@@ -131,7 +131,7 @@ class S3Storage(ObjectStore):
                     raise CheckpointError(f"{what}: {exc}") from exc
                 left = deadline - time.monotonic()
                 if attempt > self.retries or left <= 0:
-                    raise CheckpointError(
+                    raise StoreUnreachable(
                         f"{what}: gave up after {attempt} attempts: {exc}"
                     ) from exc
                 sleep = min(delay * (1 + random.random()), left)  # jitter

@@ -36,6 +36,10 @@ class CheckpointError(Exception):
     """A checkpoint could not be written, verified or read; the message names the file/uri."""
 
 
+class StoreUnreachable(CheckpointError):
+    """The object store did not answer within the retries: a service is missing, not a checkpoint bad."""
+
+
 class UnsafeNameError(CheckpointError):
     """A file name from a manifest or a listing that could point outside its folder."""
 

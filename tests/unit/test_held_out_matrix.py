@@ -318,14 +318,6 @@ CASES: dict[str, Case] = {
     "make_bench_unknown": make("bench", "BENCH=nosuch", names="nosuch"),
 }
 
-# Cases whose fix lies in a file another engineer owns: kept here, xfail(strict) until fixed there.
-OPEN: dict[str, str] = {
-    "ckpt_endpoint_not_url": "runtime/checkpoint/cli.py: --endpoint-url is not parsed (botocore's ValueError "
-                             "escapes as a traceback); parse it with config.values.parse_http_url, exit 2",
-    "ckpt_endpoint_closed": "runtime/checkpoint/cli.py: an unreachable endpoint exits 1 (a failure), not 3 "
-                            "(no required service), the code every other command gives it",
-}
-
 
 def expand(value: str, w: Path) -> str:
     """``{w}`` -> the world folder; ``P:old|new`` -> a policy file with one edit."""
@@ -369,8 +361,7 @@ def run_case(case: Case, w: Path) -> tuple[str, int | None, str]:
     return classify(p.returncode, out, case), p.returncode, out
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=OPEN[n], strict=True))
-                                  if n in OPEN else n for n in sorted(CASES)])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_is_refused_in_one_line(name: str, world: Path) -> None:
     case = CASES[name]
     kind, rc, out = run_case(case, world)
