@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import tarfile
 import time
@@ -216,5 +217,7 @@ def _describe(data: bytes, name: str, label: int) -> str:
             return f"  sample {name}: label {label}, {img.format} {img.size[0]}x{img.size[1]} {img.mode}, " \
                    f"{len(data) / 1024:.1f} KB"
     except DECODE_ERRORS as e:
-        return f"  sample {name}: label {label}, UNREADABLE ({type(e).__name__}: {e})"
+        # PIL names the in-memory buffer it read (<_io.BytesIO object at 0x...>): noise, not the sample.
+        why = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e))
+        return f"  sample {name}: label {label}, UNREADABLE ({type(e).__name__}: {why})"
 
