@@ -12,7 +12,6 @@ expires files; preflight refuses a receiver on every interface.
 from __future__ import annotations
 
 import glob
-import os
 import shutil
 import signal
 import socket
@@ -354,72 +353,3 @@ def test_preflight_passes_a_node_wired_as_site_yml_wires_it(tmp_path: Path, mode
                                           "log_shipping_listen_address": "10.0.1.11"}, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]
 
-
-
-def test_an_idle_senders_heartbeat_reaches_the_head(rendered: Rendered, daemons: dict[str, Rsyslogd],
-                                                     tmp_path: Path) -> None:
-    """Nothing written on the node, yet the head hears from it: rsyslog's counters (impstats), every
-    log_shipping_heartbeat_interval, shipped like any line; the forward's own counters among them."""
-    out = tmp_path / "render"
-    out.mkdir()
-    render_template("log_shipping", "rsyslog.conf.j2", out, log_shipping_mode="sender", log_shipping_journal=False,
-                    log_shipping_relp_port=_port(rendered), log_shipping_resume_interval=1,
-                    log_shipping_heartbeat_interval=1, log_shipping_target="127.0.0.1",
-                    log_shipping_work_dir=str(tmp_path / "hb-work"), log_shipping_ray_temp_dir=str(tmp_path / "none"))
-    daemons["receiver"].start(listens_on=_port(rendered))
-    sender = daemons["heartbeat"] = Rsyslogd(out / "rsyslog.conf", tmp_path / "hb-work")
-    sender.start()
-    pstats = rendered.cluster / HOST / "rsyslogd-pstats.log"
-    # Only the sender forwards: a counter line naming its RELP action is the sender's, not the head's own.
-    _wait_for("the sender's counters on the head", lambda: any('"omrelp"' in m or "omrelp" in m
-                                                                for m in _messages(pstats, "rsyslogd-pstats")),
-              daemons)
-
-
-def _promtool() -> Path:
-    """promtool beside RT_PROMETHEUS_BIN, or as `make prometheus-tools` unpacks it (run here when missing)."""
-    prometheus = os.environ.get("RT_PROMETHEUS_BIN")
-    root = Path(__file__).resolve().parents[2]
-    tool = (Path(prometheus).parent if prometheus else root / ".tools" / "prometheus" / "usr" / "bin") / "promtool"
-    if not tool.exists():
-        done = subprocess.run(["make", "-C", str(root), "prometheus-tools"], capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr
-    return tool
-
-
-def _prom_samples(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def test_the_heads_textfile_says_when_each_host_was_last_heard(tmp_path: Path) -> None:
-    """The rendered script, run by sh: one series per host folder, its newest file's mtime (rotated
-    ones included); a folder whose name is not a plain host name (a sender's choice) is no label;
-    promtool reads the file."""
-    cluster, textfile = tmp_path / "cluster", tmp_path / "textfile"
-    textfile.mkdir()
-    render_template("log_shipping", "log-shipping-textfile.sh.j2", tmp_path, log_shipping_cluster_log_dir=str(cluster),
-                    log_shipping_textfile_dir=str(textfile))
-    for host, files in {"worker-1": {"raylet.log": 1_800_000_000, "rsyslogd-pstats.log": 1_800_000_100},
-                        "head": {"gcs_server.log": 1_800_000_050}, 'x"} 1\nevil': {"raylet.log": 1_800_000_200},
-                        "rotated": {"raylet.log.1": 1_800_000_020}, "empty": {}}.items():
-        (cluster / host).mkdir(parents=True)
-        for name, mtime in files.items():
-            (cluster / host / name).write_text("a line\n")
-            os.utime(cluster / host / name, (mtime, mtime))
-    proc = subprocess.run(["sh", str(tmp_path / "log-shipping-textfile.sh")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    prom = textfile / "log_shipping.prom"
-    assert _prom_samples(prom.read_text()) == {
-        'log_shipping_last_line_timestamp_seconds{host="worker-1"}': 1_800_000_100,
-        'log_shipping_last_line_timestamp_seconds{host="head"}': 1_800_000_050,
-        # A host gone quiet since its file was rotated is still heard of, from its rotated file.
-        'log_shipping_last_line_timestamp_seconds{host="rotated"}': 1_800_000_020}
-    assert [p.name for p in textfile.iterdir()] == ["log_shipping.prom"]  # no temporary file left behind
-    check = subprocess.run([str(_promtool()), "check", "metrics"], input=prom.read_text(), capture_output=True,
-                           text=True)
-    assert check.returncode == 0, check.stderr + check.stdout

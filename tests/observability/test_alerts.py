@@ -73,7 +73,6 @@ def test_the_expected_alerts_exist_once():
         "CheckpointFilesystemAlmostFull",
         "RemediationHalted",
         "RemediationFailed",
-        "LogShippingStopped",
     }
     assert sorted(ALERT_NAMES) == sorted(expected)
 
