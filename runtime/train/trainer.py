@@ -297,12 +297,15 @@ class Trainer:
         if not saved:
             self.checkpointer.save(step, blocking=True)
         info = self.stop.drain
+        # The ranks' collective first: once the node is given back, Ray tears the group down within
+        # the grace, and only rank 0's hand-off of the report may still fall inside it.
+        boundary = self.exchange(want_metrics=True)
         if self.rank == 0:
             # Room for the report below to reach the driver and Ray Train before the teardown.
             released, why = drain.release(info.preempted_node_ids, 2 * self.cfg.distributed.poll_interval_s + 1)
             left = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else None
             self.metrics.notify(drain.notice(info.preempted_node_ids, step, bool(released), why, left))
-        self.report(self.exchange(want_metrics=True), {**extra, "drained_at_step": step}, announce=True)
+        self.report(boundary, {**extra, "drained_at_step": step}, announce=True)
         while True:
             time.sleep(1.0)
 
