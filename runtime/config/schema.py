@@ -32,6 +32,7 @@ from runtime.config.base import (
     short,
 )
 from runtime.config.values import LocalLocation, S3Location, parse_http_url, parse_mlflow_uri, parse_seed, parse_storage
+from runtime.parallelism.memory import GPTShape, check_divisible
 
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # The longest a run may wait on one thing (a collective, a retried S3 call, workers to fit): past a
@@ -341,6 +342,11 @@ class DistributedConfig(Strict):
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp = replicate the model; fsdp = shard it per block with FSDP2 (CPU/gloo and GPU).")
     fsdp: FSDPConfig = FSDPConfig()
+    tp_size: int = Field(
+        1, ge=1, le=MAX_WORKERS,
+        description="Tensor-parallel ranks per group (model.name=gpt under strategy=fsdp): each block's matrices are "
+                    "split tp_size ways inside the group and FSDP2 shards across the num_workers / tp_size groups "
+                    "(a 2-D mesh; docs/fsdp.md). Keep a group inside one node: tp_size <= GPUs per node.")
     cpus_per_worker: float = Field(1, gt=0)
     gpus_per_worker: float = Field(1, gt=0)
     resources_per_worker: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources.")
@@ -389,6 +395,11 @@ class DistributedConfig(Strict):
     @property
     def is_elastic(self) -> bool:
         return self.min_workers != self.max_workers
+
+    def sizes(self) -> range:
+        """The worker counts a run may have: whole tensor-parallel groups between min and max."""
+        step = self.tp_size
+        return range(-(-self.min_workers // step) * step, self.max_workers + 1, step)
 
     @field_validator("resources_per_worker")
     @classmethod
@@ -592,11 +603,38 @@ class JobConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _tensor_parallel(self) -> JobConfig:
+        """distributed.tp_size splits a GPT's heads inside groups of that many workers."""
+        d, tp = self.distributed, self.distributed.tp_size
+        if tp == 1:
+            return self
+        if d.strategy != "fsdp":
+            raise ValueError(f"distributed.tp_size={tp} composes tensor parallelism with FSDP2: it needs "
+                             f"distributed.strategy=fsdp (got {d.strategy})")
+        if self.model.name != "gpt":
+            raise ValueError(f"distributed.tp_size={tp} splits a transformer's heads and hidden width: it needs "
+                             f"model.name=gpt (got {self.model.name})")
+        if d.is_elastic:
+            if d.min_workers % tp or d.max_workers % tp:
+                raise ValueError(f"distributed.num_workers={{min: {d.min_workers}, max: {d.max_workers}}} resizes by "
+                                 f"whole tensor-parallel groups: min and max must be multiples of "
+                                 f"distributed.tp_size={tp}")
+        elif d.max_workers % tp:
+            raise ValueError(f"distributed.tp_size={tp} must divide distributed.num_workers={d.max_workers} (the "
+                             f"mesh is num_workers = data-parallel x tp_size)")
+        t = self.model.transformer
+        why = check_divisible(GPTShape(layers=t.layers, dim=t.dim, heads=t.heads, seq_len=t.seq_len,
+                                       vocab_size=t.vocab_size), tp)
+        if why:
+            raise ValueError(why)
+        return self
+
+    @model_validator(mode="after")
     def _elastic_batch(self) -> JobConfig:
         """keep: global_batch needs a whole accumulation count at every size in [min, max]."""
         d = self.distributed
         if d.is_elastic and d.elastic.keep == "global_batch":
-            bad = [w for w in range(d.min_workers, d.max_workers + 1)
+            bad = [w for w in self.distributed.sizes()
                    if self.global_batch_size() % (w * self.data.batch_size)]
             if bad:
                 raise ValueError(
@@ -605,7 +643,7 @@ class JobConfig(Strict):
                     f"{self.data.batch_size} x {self.train.grad_accum_steps} = {self.global_batch_size()} is not "
                     f"a whole number of {self.data.batch_size}-sample micro-batches per worker at "
                     f"{', '.join(map(str, bad))} worker(s); make train.grad_accum_steps a multiple of "
-                    f"{_lcm_for(range(d.min_workers, d.max_workers + 1), d.max_workers)}, narrow the range, or set "
+                    f"{_lcm_for(d.sizes(), d.max_workers)}, narrow the range, or set "
                     "distributed.elastic.keep=per_worker_batch")
         return self
 
