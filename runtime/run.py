@@ -1,7 +1,8 @@
 """What crosses between the driver (runtime.launch) and the workers (runtime.train), typed: the
-hand-off to every worker (``WorkerHandoff``, with ``RunInfo``), rank 0's reports (``Report``), why
-a run stopped (``StopReason``), the controller's events (``WorkerGroupFailed``, ``Resized``), and
-what a finished run hands back (``TrainOutcome``).
+hand-off to every worker (``WorkerHandoff``, with ``RunInfo``), rank 0's reports (``Report``, with
+a ``DrainNotice`` when a node of the run is being drained), why a run stopped (``StopReason``),
+the controller's events (``WorkerGroupFailed``, ``Resized``), and what a finished run hands back
+(``TrainOutcome``).
 
 In the bottom layer (docs/architecture.md), apart from the driver and the trainer, so that
 tracking and Tune can name them without importing either.
@@ -160,6 +161,20 @@ CANCELLED = StopReason(StopKind.CANCELLED, "cancelled")
 
 
 @dataclass(frozen=True)
+class DrainNotice:
+    """Rank 0 committed at a drain notice (``checkpoint.on_node_drain``): the driver gives the nodes back.
+
+    The driver, not the rank, moves the drain's deadline forward (runtime.train.drain.release), and
+    only once it holds the report that carries this: a rank that gave the node back first raced
+    Ray's teardown of the group with the report's hand-off, and under load lost the report.
+    """
+
+    node_ids: tuple[str, ...]  # the nodes being drained (Ray Train's PreemptionInfo)
+    step: int  # the step committed at the notice: the restart resumes here
+    deadline_ms: int | None  # the notice's own deadline (unix ms), None when Ray gave none
+
+
+@dataclass(frozen=True)
 class Report:
     """One report from rank 0 to the driver's stream: the run's metrics apart from its control.
 
@@ -172,6 +187,7 @@ class Report:
     final: bool = False  # the run's last report
     stop: StopReason | None = None  # why the run ended before its length (final reports only)
     notices: tuple[str, ...] = ()  # console lines for the driver to print once (a micro-batch halved, a drain)
+    drain: DrainNotice | None = None  # a node is being drained and this report carries its commit
 
     @property
     def step(self) -> Any:
@@ -186,6 +202,8 @@ class Report:
             out["stop_reason"] = self.stop
         if self.notices:
             out["notices"] = list(self.notices)
+        if self.drain is not None:
+            out["drained_at_step"] = self.drain.step
         return out
 
 

@@ -31,12 +31,12 @@ from runtime.cluster.connect import init_options
 from runtime.config import JobConfig, preflight, validate_run_name
 from runtime.errors import ConfigError
 from runtime.launch.attempts import Attempts, Phase
-from runtime.launch.elastic import record_resize, resize_line
+from runtime.launch.elastic import Release, give_back, record_resize, resize_line
 from runtime.launch.runlock import RunLock
 from runtime.launch.signals import StopSignals
 from runtime.layout import ray_storage, storage_paths
 from runtime.observe import traces
-from runtime.observe.cost import CostLedger
+from runtime.observe.cost.meter import CostLedger
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
 from runtime.observe.progress import Progress, failure_line
 from runtime.run import (
@@ -50,6 +50,7 @@ from runtime.run import (
     WorkerGroupFailed,
     WorkerHandoff,
 )
+from runtime.train import drain
 from runtime.train.hold import HOLD_ENV
 from runtime.train.spares import wanted as spares_wanted
 from runtime.train.spares import worker_runtime_env
@@ -58,7 +59,7 @@ from runtime.train.timeline import PhaseClock
 from runtime.train.worker import run_rank, train_loop_per_worker
 
 if TYPE_CHECKING:
-    from runtime.launch.spend import DriverCosts
+    from runtime.observe.cost.spend import DriverCosts
 
 log = logging.getLogger("runtime.launch.driver")
 
@@ -247,6 +248,8 @@ class ReportStream:
         # Called with each resize event and the step it interrupted; train() prints it and tags MLflow.
         self.on_resize: Callable[[Resized, Any, int], None] | None = None
         self._thread: threading.Thread | None = None
+        # Gives a drained node back to Ray (runtime.launch.elastic.give_back); tests hand in their own.
+        self.release: Release = drain.release
 
     def _fit(self) -> None:
         raise NotImplementedError
@@ -265,6 +268,7 @@ class ReportStream:
     def stream(self, on_event: Callable[[WorkerGroupFailed], None] | None = None) -> Iterator[Report]:
         """Start the run and yield each report until it has ended and the queue is empty.
 
+        A report of a drain's commit releases the drained node before it is yielded (``give_back``).
         Failure notices from the controller (FailureNotices) go to ``on_event``, never into the reports.
         """
         # carry: the fit's thread (and so Ray Train's actors) stays in the attempt's trace.
@@ -288,7 +292,7 @@ class ReportStream:
                     on_event(item)
                 continue
             self.last_step = item.metrics.get("step", self.last_step)
-            yield item
+            yield give_back(item, self.release)  # a drained node goes back only now its commit's report is here
         thread.join()
 
 
@@ -373,7 +377,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
     The run folder's lock is held throughout: a second driver of the same run is refused with
     RunLocked naming this one; ``take_over`` takes a lock another host left (runtime.launch.runlock).
     """
-    from runtime.launch.spend import DriverCosts
+    from runtime.observe.cost.spend import DriverCosts
 
     if run_name is not None:
         validate_run_name(run_name)  # before the cluster, MLflow or storage are touched

@@ -13,20 +13,26 @@ the size changed. It
   ``resized 3 -> 2 workers at step 120: node 5f2c... lost`` and tags the MLflow run;
 - fails the run with a message naming ``distributed.elastic.min_wait_s`` when fewer than
   ``min`` workers fit for that long (Ray itself would wait forever).
+
+``give_back`` is the driver's half of a drain (``checkpoint.on_node_drain``): it gives a drained
+node back to Ray once rank 0's report of the drain's commit has reached the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import socket
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
-from runtime.run import Resized
+from runtime.run import Report, Resized
+from runtime.train import drain
 from runtime.train.capacity import refresh_capacity
 from runtime.train.drain import jobs_by_node, live_actors
 
@@ -289,6 +295,25 @@ def _holders(node_ids: set[str]) -> str:
         if stored > 0:
             held.append(f"{stored / 2**20:.1f} MiB of objects on {node[:12]}")
     return ", ".join(held) or "no live actor and no stored object (a task or a lease)"
+
+
+Release = Callable[[Sequence[str], float], tuple[list[str], str]]
+
+
+def give_back(report: Report, release: Release = drain.release) -> Report:
+    """``report`` as the driver shows it: a drain's commit gets the release's outcome as its console line.
+
+    Called with a report the driver already holds, so the report cannot be lost to the teardown the
+    release starts (Ray restarts the group ``drain.RELEASE_GRACE_S`` later); a report with no drain
+    comes back as it is. ``release``: ``drain.release`` (nodes, grace) -> (released, why not).
+    """
+    notice = report.drain
+    if notice is None:
+        return report
+    released, why = release(notice.node_ids, drain.RELEASE_GRACE_S)
+    left = notice.deadline_ms / 1000 - time.time() if notice.deadline_ms else None
+    line = drain.notice(notice.node_ids, notice.step, bool(released), why, left)
+    return dataclasses.replace(report, notices=(*report.notices, line))
 
 
 class MinWorkersTimeout(RuntimeError):

@@ -3,10 +3,13 @@
 A drain (a spot notice, the remediation service) comes with a deadline: EC2 gives 120 s. Ray Train
 restarts the worker group without the node only at that deadline, and until then the run, which has
 committed and must train nothing a restart would redo, waits. Once the commit is in storage the run
-has no use for the node, so rank 0 asks Ray to drain it again with a deadline a few seconds away:
-Ray keeps the earlier deadline, its preemption watcher sees it, and the group restarts on the other
-nodes at once, still under Ray's preemption budget. The node then holds no actor and its raylet
-leaves (a drained, idle node exits).
+has no use for the node, so the driver, once it holds rank 0's report of that commit (a
+``runtime.run.DrainNotice`` rides on it), asks Ray to drain the node again with a deadline
+``RELEASE_GRACE_S`` away: Ray keeps the earlier deadline, its preemption watcher sees it, and the
+group restarts on the other nodes at once, still under Ray's preemption budget. The node then holds
+no actor and its raylet leaves (a drained, idle node exits). Releasing only after the report has
+arrived is what keeps it: a rank that gave the node back first raced Ray's teardown of the group
+with the report's hand-off, and under load the driver never saw the drain's commit.
 
 Another job's work on the node keeps the notice's full deadline: the node is given back only when
 every live actor on it belongs to this job. Anything that goes wrong (the GCS, a refused drain)
@@ -23,6 +26,9 @@ from collections.abc import Sequence
 from typing import Any
 
 RELEASE_REASON = "training run committed a checkpoint: node released"
+# How far ahead the moved deadline lies. The report is already with the driver, so this is not room
+# for a hand-off: only a deadline still in the future when the GCS gets the request (it refuses a past one).
+RELEASE_GRACE_S = 3.0
 
 
 def live_actors() -> list[dict[str, Any]]:
@@ -51,13 +57,13 @@ def release(node_ids: Sequence[str], grace_s: float) -> tuple[list[str], str]:
 
     context = ray.get_runtime_context()
     job_id = context.get_job_id()
-    deadline_ms = int((time.time() + grace_s) * 1000)
     reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
     released, why = [], []
     try:
         draining = ray._private.state.state.get_draining_nodes()  # what Ray Train's watcher reads
         gcs = GcsClient(address=context.gcs_address)
         jobs = jobs_by_node()
+        deadline_ms = int((time.time() + grace_s) * 1000)  # after the reads: a loaded GCS answers slowly
         for node_id in node_ids:
             current = draining.get(node_id)
             others = jobs.get(node_id, set()) - {job_id}

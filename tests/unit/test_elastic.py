@@ -4,6 +4,7 @@ bookkeeping (fed Ray Train's own state and decision objects)."""
 
 from __future__ import annotations
 
+import queue
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,17 @@ from runtime.config import config_from_dict
 from runtime.data.loaders import ResumableSampler
 from runtime.data.synthetic import SyntheticLoader
 from runtime.errors import ConfigError
-from runtime.launch.elastic import ElasticWatch, MinWorkersTimeout, clear_drained_nodes, failure_reason, resize_line
-from runtime.run import Resized
+from runtime.launch.driver import ReportStream
+from runtime.launch.elastic import (
+    ElasticWatch,
+    MinWorkersTimeout,
+    clear_drained_nodes,
+    failure_reason,
+    give_back,
+    resize_line,
+)
+from runtime.run import DrainNotice, Report, Resized, RunInfo
+from runtime.train import drain
 from runtime.train.setup import for_world
 from runtime.train.state import reshard_position
 from tests.support import FakeClock
@@ -243,3 +253,63 @@ def test_synthetic_shards_are_strided_slices_of_one_permutation() -> None:
     order = torch.randperm(240, generator=torch.Generator().manual_seed(7)).tolist()
     ranks = _synthetic_ids(3, 0, None)
     assert ranks[1][:4] == order[1:12:3]
+
+
+# ------------------------------------------------------------------ a drain's hand-back, driver side
+
+NODE = "5f2c9a01" + "0" * 48
+
+
+class _Fed(ReportStream):
+    """A run whose rank 0 streams ``reports`` onto the driver's queue, as StreamingFit's does."""
+
+    def __init__(self, tmp_path: Path, reports: list[Report]) -> None:
+        super().__init__(RunInfo("r", "j", str(tmp_path / "c"), str(tmp_path)), queue.Queue())
+        self.to_send = reports
+
+    def _fit(self) -> None:
+        for report in self.to_send:
+            self._queue.put(report)
+
+
+def test_the_driver_gives_a_drained_node_back_only_once_the_report_of_its_commit_is_in_hand(tmp_path: Path) -> None:
+    drained = Report({"step": 12}, 0.0, notices=("micro-batch halved",), drain=DrainNotice((NODE,), 12, None))
+    fit = _Fed(tmp_path, [Report({"step": 11}, 0.0), drained])
+    seen: list[tuple[Any, ...]] = []
+
+    def release(nodes: Any, grace_s: float) -> tuple[list[str], str]:
+        # The queue is empty: the report of the drain's commit has left it for the driver.
+        seen.append(("release", list(nodes), fit._queue.qsize()))
+        return list(nodes), ""
+
+    fit.release = release
+    for report in fit.stream():
+        seen.append(("report", report.step, report.notices))
+    assert seen == [
+        ("report", 11, ()),  # no release before the drain's report arrives
+        ("release", [NODE], 0),
+        ("report", 12, ("micro-batch halved", "node 5f2c9a01 is being drained: checkpoint committed at step 12; "
+                        "node released: Ray restarts the run on the other nodes now")),
+    ], seen
+
+
+def test_a_drained_node_the_driver_cannot_give_back_keeps_its_deadline_and_the_line_says_why(tmp_path: Path) -> None:
+    from runtime.launch import elastic
+
+    clock = FakeClock(1000.0)
+    deadline_ms = int((clock() + 117.6) * 1000)
+    report = Report({"step": 30}, 0.0, drain=DrainNotice((NODE,), 30, deadline_ms))
+    grace: list[float] = []
+
+    def refused(nodes: Any, grace_s: float) -> tuple[list[str], str]:
+        grace.append(grace_s)
+        return [], "node 5f2c9a01 also runs job(s) 02000000"
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(elastic, "time", clock.as_time_module())
+        shown = give_back(report, refused)
+    assert shown.notices == ("node 5f2c9a01 is being drained: checkpoint committed at step 30; waiting for Ray to "
+                             "restart the run on the other nodes at the deadline (118 s): node 5f2c9a01 also runs "
+                             "job(s) 02000000",), shown.notices
+    assert grace == [drain.RELEASE_GRACE_S] and shown.flat()["drained_at_step"] == 30
+    assert give_back(Report({"step": 31}, 0.0), refused).notices == () and len(grace) == 1  # no drain: no release
