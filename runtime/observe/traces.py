@@ -8,8 +8,11 @@ makes both). Off, nothing here is imported by a worker and no span is made.
   --tracing-startup-hook=runtime.observe.traces:setup_tracing``, or ``ray.init(_tracing_startup_hook=
   ...)`` for a cluster ``ray.init`` starts): Ray runs it in every worker process and driver that
   connects, then gives every task and actor call a span (Ray Train's controller and workers too).
-- :func:`run_span` is a run's root span (its run name and attempt as attributes); its trace id goes
-  into the run folder (``trace.json``) so ``logs`` and the MLflow run find the trace.
+- :func:`run_span` is a run's root span (its run name and attempt as attributes); its trace and span
+  ids go into the run folder (``trace.json``) so ``logs``, the MLflow run and the phase spans find it.
+- :func:`phase_span` records a phase that already happened (a restore, a checkpoint commit, a
+  worker-group start) as a child of the attempt's root span (:func:`attempt_context`), from the
+  stamps runtime.train.timeline already takes: no span is open while the loop runs.
 - While a span is current, every log record carries ``trace_id`` and ``span_id``: Ray's JSON log
   format writes them, so a log line and its span join.
 
@@ -110,18 +113,29 @@ def _headers_from_env() -> dict[str, str]:
 def setup_tracing() -> None:
     """Ray's tracing startup hook, and the driver's set-up: this process's spans go to the endpoint
     in the environment; its log records carry the current span's ids. Nothing without the endpoint."""
-    global _provider
     endpoint = os.environ.get(ENDPOINT_ENV)
     if not endpoint:
         return
     with _lock:
         if _provider is not None:
             return
-        from opentelemetry import trace
+        install(tracer_provider(endpoint, _headers_from_env()))
 
-        _provider = tracer_provider(endpoint, _headers_from_env())
-        trace.set_tracer_provider(_provider)
-        _tag_log_records()
+
+def install(provider: Any) -> None:
+    """Make ``provider`` this process's: every span of this module and Ray's goes to it (tests give
+    one with an in-memory exporter); log records carry the current span's ids from now on."""
+    global _provider
+    from opentelemetry import trace
+
+    _provider = provider
+    trace.set_tracer_provider(provider)
+    _tag_log_records()
+
+
+def active() -> bool:
+    """Whether this process exports spans (the flag every phase stamp checks first)."""
+    return _provider is not None
 
 
 def _tag_log_records() -> None:
@@ -156,19 +170,19 @@ def run_span(run_name: str, attempt: int, run_dir: Path | str | None = None) -> 
         yield None
         return
     setup_tracing()
-    from opentelemetry import trace
-
-    with trace.get_tracer(TRACER).start_as_current_span(
+    with _provider.get_tracer(TRACER).start_as_current_span(
             f"run {run_name}", attributes={"rt.run": run_name, "rt.attempt": attempt}) as span:
-        trace_id = f"{span.get_span_context().trace_id:032x}"
+        ctx = span.get_span_context()
+        trace_id = f"{ctx.trace_id:032x}"
         if run_dir is not None:
-            _record(Path(run_dir), attempt, trace_id)
+            _record(Path(run_dir), attempt, trace_id, f"{ctx.span_id:016x}")
         yield trace_id
     flush()
 
 
-def _record(run_dir: Path, attempt: int, trace_id: str) -> None:
-    """Append this attempt's trace id to ``trace.json``; a failing disk costs the file, one warning."""
+def _record(run_dir: Path, attempt: int, trace_id: str, span_id: str) -> None:
+    """Append this attempt's trace and root span ids to ``trace.json``; a failing disk costs the
+    file, one warning."""
     path = run_dir / TRACE_FILE
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
@@ -176,7 +190,7 @@ def _record(run_dir: Path, attempt: int, trace_id: str) -> None:
             data = {}
     except (OSError, ValueError):
         data = {}
-    data.setdefault("attempts", []).append({"attempt": attempt, "trace_id": trace_id})
+    data.setdefault("attempts", []).append({"attempt": attempt, "trace_id": trace_id, "span_id": span_id})
     try:
         path.write_text(json.dumps(data, indent=1) + "\n")
     except OSError as e:
@@ -191,6 +205,32 @@ def trace_ids(run_dir: Path | str) -> list[str]:
         return []
     attempts = data.get("attempts", []) if isinstance(data, dict) else []
     return [a["trace_id"] for a in attempts if isinstance(a, dict) and isinstance(a.get("trace_id"), str)]
+
+
+def attempt_context(run_dir: Path | str) -> Any:
+    """The OpenTelemetry context whose parent is the newest attempt's root span, as ``trace.json``
+    recorded it; None when the run folder holds none (tracing off, or a node without the folder)."""
+    try:
+        data = json.loads((Path(run_dir) / TRACE_FILE).read_text())
+        last = data["attempts"][-1]
+        trace_id, span_id = int(last["trace_id"], 16), int(last["span_id"], 16)
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    parent = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    return trace.set_span_in_context(NonRecordingSpan(parent))
+
+
+def phase_span(name: str, start: float, end: float, parent: Any, attributes: dict[str, Any]) -> None:
+    """One finished span from two wall-clock stamps (Unix seconds), under ``parent`` (a context from
+    :func:`attempt_context`, or None: the current one). Nothing unless this process exports spans."""
+    if _provider is None:
+        return
+    span = _provider.get_tracer(TRACER).start_span(name, context=parent, start_time=int(start * 1e9),
+                                                   attributes=attributes)
+    span.end(end_time=int(max(start, end) * 1e9))
 
 
 def carry(fn: Callable[[], Any]) -> Callable[[], Any]:

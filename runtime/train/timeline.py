@@ -15,6 +15,12 @@ across nodes NTP keeps it within milliseconds, well under the phases measured):
 
 :func:`phases` joins both into named phases; ``make bench BENCH="recovery elastic"`` reports
 their medians, docs/performance.md the tables.
+
+With traces on (runtime.observe.traces), the same stamps become spans under the attempt's root span,
+made here and nowhere else: the controller's as it stamps them (``worker group start``,
+``teardown``, ``restart``, ``resize``), the workers' as the loop hands them over (``restore``,
+``first step``, ``save``: a checkpoint's write and commit). With traces off each stamp costs one
+flag check; spans are made from stamps after the fact, so none is open while the loop runs.
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+import ray.train
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerCallback, WorkerGroupCallback
+
+from runtime.observe import traces
 
 log = logging.getLogger("runtime.train.timeline")
 
@@ -65,35 +75,124 @@ def mark_warmed() -> None:
     _warmed_at = time.time()
 
 
+@dataclass
+class _WorkerSpans:
+    """Where this worker process's phase spans go: the attempt's root span, with its run and rank."""
+
+    parent: Any
+    attributes: dict[str, Any]
+
+
+_worker_spans: _WorkerSpans | None = None  # set by PhaseClock in a traced worker; None: no spans
+
+
 def worker_timeline(init_start: float, restore_start: float) -> dict[str, float]:
-    """The worker's stamps up to the end of its restore (the first step's end is added by the loop)."""
+    """The worker's stamps up to the end of its restore (the first step's end: :func:`first_step_done`)."""
     out = {"process_start": process_start_time(), "init_start": init_start,
            "restore_start": restore_start, "restore_end": time.time()}
     if _warmed_at is not None:  # the process's setup hook imported torch and the trainer then
         out["warmed"] = _warmed_at
+    if _worker_spans is not None:
+        traces.phase_span("restore", restore_start, out["restore_end"], _worker_spans.parent,
+                          _worker_spans.attributes)
     return out
 
 
-class PhaseClock(ControllerCallback, WorkerGroupCallback):
+def first_step_done(once: dict[str, Any]) -> None:
+    """Stamp the first step's end into the report's ``timeline`` (``once``: the first report's extras)."""
+    stamps = once.setdefault("timeline", {})
+    stamps["first_step_end"] = time.time()
+    if _worker_spans is not None and "restore_end" in stamps:
+        traces.phase_span("first step", stamps["restore_end"], stamps["first_step_end"], _worker_spans.parent,
+                          _worker_spans.attributes)
+
+
+def committed(step: int, seconds: float, when: float) -> None:
+    """A checkpoint committed at ``when`` after ``seconds`` of writing (the checkpoint writer's
+    commit callback, on its thread): the ``save`` span."""
+    if _worker_spans is not None:
+        traces.phase_span("save", when - seconds, when, _worker_spans.parent,
+                          {**_worker_spans.attributes, "rt.step": step})
+
+
+# Controller moments that open a span, and the span each closing moment ends.
+_OPENS = {"group_start": "worker group start", "shutdown_start": "teardown",
+          "state:RestartingState": "restart", "state:ReschedulingState": "restart", "state:ResizingState": "resize"}
+_CLOSES = {"group_ready": ("worker group start", "restart", "resize"), "shutdown_end": ("teardown",)}
+
+
+class PhaseClock(ControllerCallback, WorkerGroupCallback, WorkerCallback):
     """Runs in Ray Train's controller: one line per moment of a worker group's life into ``timeline.jsonl``.
 
     Stamping is an append of a short line; a full disk costs the timeline (one warning), never the run.
+    With traces on, the same moments end spans under the attempt's root span; Ray copies this
+    callback into every worker too, where it points the workers' phase spans at that root span.
     """
 
     def __init__(self, run_dir: str) -> None:
         self.path = str(Path(run_dir) / TIMELINE_FILE)
         self.state: str | None = None
         self.broken = False
+        self._parent: Any = False  # the root span's context once looked up (None: tracing off)
+        self._open: dict[str, float] = {}  # span name -> when it started
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Ray copies this object into the controller and every worker: each looks its parent up itself
+        (a context can hold a live span, which does not pickle)."""
+        return {**self.__dict__, "_parent": False, "_open": {}}
+
+    def _attributes(self) -> dict[str, Any]:
+        return {"rt.run": Path(self.path).parent.name}
+
+    def _traced_parent(self) -> Any:
+        """The attempt's root span context (looked up once; the driver wrote it before the fit started),
+        or the current context where the run folder is not on this node; None with tracing off."""
+        if self._parent is False:
+            traces.setup_tracing()
+            self._parent = None
+            if traces.active():
+                from opentelemetry import context
+
+                self._parent = traces.attempt_context(Path(self.path).parent) or context.get_current()
+        return self._parent
 
     def _stamp(self, event: str) -> None:
+        now = time.time()
+        if self._traced_parent() is not None:
+            self._span(event, now)
         if self.broken:
             return
         try:
             with open(self.path, "a") as f:
-                f.write(json.dumps({"event": event, "time": time.time()}) + "\n")
+                f.write(json.dumps({"event": event, "time": now}) + "\n")
         except OSError as e:
             self.broken = True
             log.warning("%s: restart timeline not written: %s", self.path, e.strerror or e)
+
+    def _span(self, event: str, now: float) -> None:
+        if event in _OPENS:
+            self._open.setdefault(_OPENS[event], now)  # a restart's first moment counts, not its retries
+        for name in _CLOSES.get(event, ()):
+            start = self._open.pop(name, None)
+            if start is not None:
+                traces.phase_span(name, start, now, self._parent, self._attributes())
+
+    def after_controller_finish(self, result: Any) -> None:
+        traces.flush()  # the controller actor is killed once the run ends
+
+    def after_init_train_context(self) -> None:
+        """In each worker: its phase spans (``restore``, ``first step``, ``save``) go under the root span."""
+        self.trace_worker(ray.train.get_context().get_world_rank())
+
+    def trace_worker(self, rank: int) -> None:
+        """Point this process's phase spans at the root span, as rank ``rank``'s (nothing untraced)."""
+        global _worker_spans
+        parent = self._traced_parent()
+        if parent is not None:
+            _worker_spans = _WorkerSpans(parent, {**self._attributes(), "rt.rank": rank})
+
+    def before_worker_shutdown(self) -> None:
+        traces.flush()  # Ray ends the worker process without running its exit handlers
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         name = type(current_state).__name__
