@@ -13,6 +13,8 @@ import contextlib
 import json
 import os
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,63 @@ from runtime.cluster.processes import (
 from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up, redis_tls_env, redis_up
 from runtime.cluster.state import STATE_FILE, ClusterError, default_cluster_dir, load_state, port, save_state
 from runtime.ports import free_port, worker_ports
+
+# How the start-ups below are waited for: by progress, not by a clock. A process group that has used
+# no CPU and written nothing to its log for STALL_S is hung, however loaded the host (a starved process
+# still gets CPU every few seconds); one that keeps progressing is waited for, up to START_CEILING_S,
+# past which it is spinning rather than starting. A start-up whose process has died fails at once.
+STALL_S = 120.0
+START_CEILING_S = 1800.0
+
+
+def _group_cpu_ticks(pgid: int) -> int | None:
+    """CPU clock ticks used so far by the live processes of process group ``pgid``; None when none is left."""
+    total, found = 0, False
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # After the parenthesised command: state, ppid, pgrp, ... utime and stime at 11 and 12.
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 12 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            total += int(fields[11]) + int(fields[12])
+            found = True
+    return total if found else None
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1].strip() if lines else "(nothing logged)"
+
+
+def wait_started(check: Callable[[], bool], what: str, pid: int, log: Path, *, leader_exits: bool = False,
+                 stall_s: float = STALL_S, ceiling_s: float = START_CEILING_S) -> None:
+    """Return once ``check()`` holds, waiting as long as the start-up of ``pid``'s process group progresses.
+
+    ClusterError naming ``what`` and the log's last line: at once when ``pid`` has died (or, with
+    ``leader_exits``, as ``ray start`` without ``--block`` does, when its whole group has), after
+    ``stall_s`` with no CPU used and nothing logged, or after ``ceiling_s`` in all."""
+    start = last_change = time.monotonic()
+    last: tuple[int | None, int] | None = None
+    while not check():
+        ticks = _group_cpu_ticks(pid)
+        if ticks is None if leader_exits else not running(pid):
+            raise ClusterError(f"{what} exited during start-up: {_last_line(log)} (see {log})")
+        now = time.monotonic()
+        progress = (ticks, log.stat().st_size if log.exists() else 0)
+        if progress != last:
+            last, last_change = progress, now
+        elif now - last_change > stall_s:
+            raise ClusterError(f"{what} made no progress for {stall_s:.0f} s (no CPU used, nothing logged): "
+                               f"{_last_line(log)} (see {log})")
+        if now - start > ceiling_s:
+            raise ClusterError(f"{what} did not come up within {ceiling_s:.0f} s: {_last_line(log)} (see {log})")
+        time.sleep(0.5)
 
 
 def ray_temp_dir(cluster_dir: Path) -> str:
@@ -92,10 +151,10 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
            "metrics_port": port("ray_metrics"), "auth_token_path": auth["RAY_AUTH_TOKEN_PATH"],
            "gcs_ft": bool(redis)}
     if not redis:
-        wait_until(lambda: port_open(host, port("ray")) and alive(pid), "Ray head", 180, log)
+        wait_started(lambda: port_open(host, port("ray")) and running(pid), "Ray head", pid, log)
         return out
     # Detached: `ray start` exits once the head runs; its processes keep its process group (pid).
-    wait_until(lambda: port_open(host, port("ray")) and not running(pid), "Ray head", 180, log)
+    wait_started(lambda: port_open(host, port("ray")) and not running(pid), "Ray head", pid, log, leader_exits=True)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
     if not group_members(pid, "raylet"):
@@ -103,10 +162,11 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
     (cluster_dir / GCS_FILE).unlink(missing_ok=True)
     import sys
 
+    watchdog_log = cluster_dir / "logs" / "gcs_watchdog.log"
     out["watchdog_pid"] = spawn([sys.executable, "-m", "runtime.cluster.gcs_watchdog", str(cluster_dir), str(pid)],
-                                cluster_dir / "logs" / "gcs_watchdog.log")
-    wait_until(lambda: read_gcs_pid(cluster_dir) is not None, "the GCS watchdog", 60,
-               cluster_dir / "logs" / "gcs_watchdog.log")
+                                watchdog_log)
+    wait_started(lambda: read_gcs_pid(cluster_dir) is not None, "the GCS watchdog", out["watchdog_pid"],
+                 watchdog_log)
     return out
 
 
@@ -300,14 +360,10 @@ def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, floa
     offset = log.stat().st_size if log.exists() else 0
     pid = spawn(cmd, log, env={**NODE_ENV, **auth_env(cluster_dir)})
     try:
-        wait_until(lambda: _started(log, offset) or not alive(pid), f"Ray node {index}", 120, log)
-        if not _started(log, offset):
-            raise ClusterError(f"Ray node {index} exited during start-up; see {log}")
+        wait_started(lambda: _started(log, offset), f"Ray node {index}", pid, log)
         token = Path(auth_env(cluster_dir)["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
-        wait_until(lambda: _listed(state["ray"]["dashboard"], token, ports["node_manager"]) or not alive(pid),
-                   f"the head to list Ray node {index}", 60, log)
-        if not alive(pid):
-            raise ClusterError(f"Ray node {index} exited after it started; see {log}")
+        wait_started(lambda: _listed(state["ray"]["dashboard"], token, ports["node_manager"]),
+                     f"the head to list Ray node {index}", pid, log)
     except ClusterError:
         kill(pid)
         kill_group_leftovers(pid)
