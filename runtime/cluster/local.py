@@ -363,7 +363,7 @@ def _add_node(cluster_dir: Path, num_cpus: int | None, resources: dict[str, floa
         wait_started(lambda: _started(log, offset), f"Ray node {index}", pid, log)
         token = Path(auth_env(cluster_dir)["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
         wait_started(lambda: _listed(state["ray"]["dashboard"], token, ports["node_manager"]),
-                     f"the head to list Ray node {index}", pid, log)
+                     f"Ray node {index} (joining the head)", pid, log)
     except ClusterError:
         kill(pid)
         kill_group_leftovers(pid)
