@@ -11,6 +11,7 @@ import pytest
 
 from runtime.config import available_jobs, env_overrides, load_job
 from runtime.errors import ConfigError
+from tests.support.calibration import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,7 +109,7 @@ def test_every_shipped_job_validates(job: str) -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "runtime", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={"PATH": "/usr/bin:/bin", "RAY_ADDRESS": "127.0.0.1:1"})
+                          timeout=scaled(120), env={"PATH": "/usr/bin:/bin", "RAY_ADDRESS": "127.0.0.1:1"})
 
 
 def test_cli_unknown_job_exits_2_and_lists_jobs() -> None:
@@ -138,7 +139,7 @@ def test_cli_missing_job_file_exits_2(tmp_path: Path) -> None:
 
 def test_cli_without_cluster_names_make_cluster_up(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "runtime", "train", "digits_smoke"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120,
+                       text=True, timeout=scaled(120),
                        env={"PATH": "/usr/bin:/bin", "RT_CLUSTER_DIR": str(tmp_path / "none")})
     assert r.returncode == 3
     assert "make cluster-up" in r.stderr
