@@ -23,21 +23,29 @@ from runtime.data.images import (
     first_readable,
     list_image_folder,
 )
+from runtime.data.order import check_epoch, epoch_length, epoch_permutation, rank_indices
 from runtime.errors import ConfigError
 
 
 class ResumableSampler(DistributedSampler[Any]):
     """DistributedSampler that can start an epoch part-way through (after a resume).
 
+    Shuffled (training): the epoch's world-independent order (runtime.data.order), of which
+    the epoch uses a whole number of ``unit`` samples (default: ``num_replicas``, as
+    DistributedSampler's drop_last); rank r takes every ``num_replicas``-th position from r.
+    Unshuffled (evaluation): DistributedSampler's padded split, unchanged.
     ``with_epoch``: yield ``(epoch, index)`` so the dataset seeds each sample's random
     crop by both, in whichever (persistent) worker process it lands.
     """
 
     def __init__(self, dataset: Dataset[Any], num_replicas: int, rank: int, shuffle: bool, seed: int,
-                 with_epoch: bool = False) -> None:
+                 with_epoch: bool = False, unit: int | None = None) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=shuffle)
         self.start_index = 0
         self.with_epoch = with_epoch
+        if shuffle:
+            self.total_size = epoch_length(len(dataset), unit or num_replicas)  # type: ignore[arg-type]
+            self.num_samples = self.total_size // num_replicas
 
     def set_position(self, epoch: int, start_index: int) -> None:
         """Next iteration yields epoch `epoch`'s order from this rank's `start_index`-th sample on."""
@@ -45,7 +53,12 @@ class ResumableSampler(DistributedSampler[Any]):
         self.start_index = start_index
 
     def __iter__(self) -> Iterator[Any]:
-        indices = list(super().__iter__())[self.start_index :]
+        if self.shuffle:
+            order = epoch_permutation(len(self.dataset), self.seed, self.epoch)  # type: ignore[arg-type]
+            indices = rank_indices(order, self.total_size, self.num_replicas, self.rank).tolist()
+        else:
+            indices = list(super().__iter__())
+        indices = indices[self.start_index :]
         self.start_index = 0
         if self.with_epoch:
             return iter([(self.epoch, i) for i in indices])
@@ -111,9 +124,11 @@ def build_datasets(cfg: DataConfig) -> DataBundle:
     return build_builtin(cfg)
 
 
-def file_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
+def file_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool, unit: int | None = None) -> Loaders:
     """Sources read from files (cifar10, digits, imagefolder, shards): each rank reads its own
-    part of the data; batches stay on the host (pinned on GPU)."""
+    part of the data; batches stay on the host (pinned on GPU). ``unit``: an epoch is a whole
+    number of these samples (the global batch, ``order.epoch_unit``; default one loader step,
+    ``world`` x ``data.batch_size``); map-style sources only."""
     if cfg.source == "shards":
         from runtime.data.shards.stream import build_shard_loaders
 
@@ -126,16 +141,13 @@ def file_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loader
     else:
         bundle = build_builtin(cfg)
     images = cfg.source == "imagefolder"
-    sampler = ResumableSampler(bundle.train, world, rank, shuffle=True, seed=cfg.seed, with_epoch=images)
+    unit = unit or world * cfg.batch_size
+    sampler = ResumableSampler(bundle.train, world, rank, shuffle=True, seed=cfg.seed, with_epoch=images, unit=unit)
     common: dict[str, Any] = {"batch_size": cfg.batch_size, "num_workers": n_workers, "pin_memory": on_gpu,
                               "collate_fn": collate}
     if n_workers:
         common["persistent_workers"] = True
-    if len(sampler) < cfg.batch_size:
-        raise ConfigError(
-            f"data: {len(bundle.train)} training samples give each of {world} workers fewer than "
-            f"data.batch_size={cfg.batch_size}; add data or lower the batch size"
-        )
+    check_epoch(len(bundle.train), world, cfg.batch_size, unit, "training samples")
     train = DataLoader(bundle.train, sampler=sampler, drop_last=True, **common)
     val: Batches | None = None
     if bundle.val is not None and len(bundle.val):

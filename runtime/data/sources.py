@@ -2,7 +2,9 @@
 
 A source opens this rank's loaders plus the stages that turn a loader's batch into ``(x, y)``
 on the device (None: the batch is host tensors, copied and normalised by the trainer's
-stage). Sources read from files share one opener; the others are made on the device.
+stage). Sources read from files share one opener; the others are made on the device. Every
+training epoch is a whole number of global batches (``order.epoch_unit``), so an elastic
+resize finds the data at a position every size can continue from exactly.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from runtime.config import JobConfig
 from runtime.data.base import Loaders, Stage
 from runtime.data.loaders import file_loaders
+from runtime.data.order import epoch_unit
 from runtime.data.synthetic import synthetic_loaders
 from runtime.data.tokens import token_loaders
 
@@ -22,14 +25,14 @@ Source = Callable[[JobConfig, int, int, torch.device], Opened]
 
 
 def _files(cfg: JobConfig, world: int, rank: int, device: torch.device) -> Opened:
-    loaders = file_loaders(cfg.data, world, rank, device.type == "cuda")
+    loaders = file_loaders(cfg.data, world, rank, device.type == "cuda", epoch_unit(cfg))
     gpu_decode = loaders.device_stage  # data.decode=gpu: images are decoded on the device
     stage: Stage | None = (lambda b: gpu_decode(b, device)) if gpu_decode else None
     return loaders, stage, stage
 
 
 def _synthetic(cfg: JobConfig, world: int, rank: int, device: torch.device) -> Opened:
-    return synthetic_loaders(cfg.data, world, rank, device)
+    return synthetic_loaders(cfg.data, world, rank, device, epoch_unit(cfg))
 
 
 # Sources whose samples are made on the device once: staging is a gather, with nothing to overlap.

@@ -12,22 +12,24 @@ import torch
 
 from runtime.config import DataConfig
 from runtime.data.base import DataBundle, Loaders, Stage
-from runtime.errors import ConfigError
+from runtime.data.order import check_epoch, epoch_length, epoch_permutation, rank_indices
 
 
 class SyntheticLoader:
     """Index batches for synthetic data: the images themselves live on the device (see synthetic_loaders).
 
-    Each epoch is a seeded permutation of the sample ids, split evenly over the ranks
-    (drop-last, as DistributedSampler does), so sharding and resume behave as for real data.
+    Each epoch is the world-independent order of runtime.data.order (a whole number of
+    ``unit`` samples, default ``world``, dealt round-robin over the ranks), so sharding and
+    resume behave as for real data.
     """
 
     skipped = 0  # made, never read from files: nothing to skip
 
-    def __init__(self, n: int, world: int, rank: int, batch_size: int, seed: int, shuffle: bool, pin: bool) -> None:
+    def __init__(self, n: int, world: int, rank: int, batch_size: int, seed: int, shuffle: bool, pin: bool,
+                 unit: int | None = None) -> None:
         self.n, self.world, self.rank, self.batch_size = n, world, rank, batch_size
         self.seed, self.shuffle, self.pin = seed, shuffle, pin
-        self.per_rank = n // world if shuffle else -(-n // world)
+        self.per_rank = epoch_length(n, unit or world) // world if shuffle else -(-n // world)
         self.epoch, self.start = 0, 0
 
     def set_position(self, epoch: int, batch_index: int) -> None:
@@ -35,8 +37,8 @@ class SyntheticLoader:
 
     def _ids(self) -> torch.Tensor:
         if self.shuffle:
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-            return order[: self.per_rank * self.world][self.rank :: self.world]
+            order = epoch_permutation(self.n, self.seed, self.epoch)
+            return rank_indices(order, self.per_rank * self.world, self.world, self.rank)
         # Evaluation: padded by wrapping around, so every rank runs the same number of batches.
         return (torch.arange(self.per_rank * self.world) % self.n)[self.rank :: self.world]
 
@@ -83,13 +85,14 @@ class SyntheticPool:
         return self.images[slot].permute(0, 3, 1, 2), self.labels[slot]
 
 
-def synthetic_loaders(cfg: DataConfig, world: int, rank: int, device: torch.device) -> tuple[Loaders, Stage, Stage]:
-    """Loaders over synthetic ids plus the train and val stages that turn ids into device images."""
-    if cfg.num_samples // world < cfg.batch_size:
-        raise ConfigError(f"data: {cfg.num_samples} synthetic samples give each of {world} workers fewer than "
-                          f"data.batch_size={cfg.batch_size}; raise data.num_samples or lower the batch size")
+def synthetic_loaders(cfg: DataConfig, world: int, rank: int, device: torch.device,
+                      unit: int | None = None) -> tuple[Loaders, Stage, Stage]:
+    """Loaders over synthetic ids plus the train and val stages that turn ids into device images;
+    ``unit`` as for ``file_loaders`` (an epoch is a whole number of global batches)."""
+    unit = unit or world * cfg.batch_size
+    check_epoch(cfg.num_samples, world, cfg.batch_size, unit, "synthetic samples (data.num_samples)")
     pin = device.type == "cuda"
-    train = SyntheticLoader(cfg.num_samples, world, rank, cfg.batch_size, cfg.seed, True, pin)
+    train = SyntheticLoader(cfg.num_samples, world, rank, cfg.batch_size, cfg.seed, True, pin, unit)
     val = SyntheticLoader(cfg.val_samples, world, rank, cfg.batch_size, cfg.seed, False, pin) \
         if cfg.val_samples else None
     bundle = DataBundle(train, val, cfg.num_classes, 3, cfg.image_size)

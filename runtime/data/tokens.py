@@ -19,6 +19,7 @@ import torch
 
 from runtime.config import JobConfig
 from runtime.data.base import DataBundle, Loaders, Stage
+from runtime.data.order import check_epoch, epoch_unit
 from runtime.data.synthetic import SyntheticLoader
 from runtime.errors import ConfigError
 
@@ -91,11 +92,10 @@ def token_loaders(cfg: JobConfig, world: int, rank: int, device: torch.device) -
         n_train = windows - n_val
         text = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
         train_w, val_w = _Windows(None, text, t.seq_len, 0), _Windows(None, text, t.seq_len, n_train)
-    if n_train // world < d.batch_size:
-        raise ConfigError(f"data: {n_train} sequences give each of {world} workers fewer than "
-                          f"data.batch_size={d.batch_size}; lower the batch size or model.transformer.seq_len")
+    unit = epoch_unit(cfg)
+    check_epoch(n_train, world, d.batch_size, unit, "sequences")
     pin = device.type == "cuda"
-    train = SyntheticLoader(n_train, world, rank, d.batch_size, d.seed, True, pin)
+    train = SyntheticLoader(n_train, world, rank, d.batch_size, d.seed, True, pin, unit)
     val = SyntheticLoader(n_val, world, rank, d.batch_size, d.seed, False, pin) if n_val else None
     bundle = DataBundle(train, val, t.vocab_size, 0, t.seq_len)
     return Loaders(train, val, train.per_rank // d.batch_size, bundle), train_w.stage, val_w.stage

@@ -14,21 +14,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from runtime.data.order import resume_index
 from runtime.train.device_input import Position
 
 
 def reshard_position(batch_in_epoch: int, batch_size: int, old_world: int, world: int) -> tuple[int, int]:
     """A rank's resume index after the world size changed, and how many samples will be seen twice.
 
-    Every sampler here deals an epoch's permutation round-robin (rank r takes positions r,
-    r + world, ...), so after k batches per rank at W ranks exactly the first k x b x W
-    positions of the epoch are consumed, whatever W was. At W' ranks the run resumes at the
-    largest index whose prefix does not pass that point: nothing is skipped, and fewer than
-    b x W' samples are repeated (none with keep=global_batch, where steps hold whole global batches).
+    The checkpoint's position is the global samples consumed in the epoch, k x b x W (every
+    sampler deals one world-independent order, runtime.data.order); W' ranks continue at the
+    largest whole loader step not past it. Exact (0 repeated) when the position is a whole
+    number of W' x b samples, which keep=global_batch guarantees: an epoch and every step are
+    whole global batches, so a checkpoint sits on one.
     """
-    consumed = batch_in_epoch * batch_size * old_world
-    index = consumed // (batch_size * world)
-    return index, consumed - index * batch_size * world
+    return resume_index(batch_in_epoch * batch_size * old_world, batch_size, world)
 
 
 class Stateful(Protocol):
@@ -46,6 +45,7 @@ class TrainState:
     epoch: int = 0
     global_step: int = 0
     samples_seen: int = 0
+    # The data position, global samples consumed in `epoch` = batch_in_epoch x data.batch_size x world:
     batch_in_epoch: int = 0  # loader batches this rank trained on in `epoch`
     world: int = 0  # ranks that trained to here (batch_in_epoch is per rank); 0 = not recorded
 
