@@ -163,10 +163,9 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
     import sys
 
     watchdog_log = cluster_dir / "logs" / "gcs_watchdog.log"
-    out["watchdog_pid"] = spawn([sys.executable, "-m", "runtime.cluster.gcs_watchdog", str(cluster_dir), str(pid)],
-                                watchdog_log)
-    wait_started(lambda: read_gcs_pid(cluster_dir) is not None, "the GCS watchdog", out["watchdog_pid"],
-                 watchdog_log)
+    watchdog = out["watchdog_pid"] = spawn([sys.executable, "-m", "runtime.cluster.gcs_watchdog", str(cluster_dir),
+                                            str(pid)], watchdog_log)
+    wait_started(lambda: read_gcs_pid(cluster_dir) is not None, "the GCS watchdog", watchdog, watchdog_log)
     return out
 
 

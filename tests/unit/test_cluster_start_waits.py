@@ -26,8 +26,13 @@ def test_a_start_up_whose_process_died_fails_at_its_first_look_naming_the_logs_l
     # Exited: a zombie (alive to kill -0, which the old wait asked) until subprocess reaps it.
     wait_for(lambda: not running(pid), "the start-up to exit")
     looks: list[int] = []
+
+    def started() -> bool:
+        looks.append(1)
+        return False
+
     with pytest.raises(ClusterError) as err:
-        wait_started(lambda: bool(looks.append(1)), "Ray node 1", pid, log, stall_s=3600)
+        wait_started(started, "Ray node 1", pid, log, stall_s=3600)
     assert looks == [1], looks  # one look, not a wait for a dead process
     assert str(err.value) == ("Ray node 1 exited during start-up: raylet: the dashboard agent failed to start "
                               f"(see {log})")
