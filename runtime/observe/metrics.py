@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from runtime.observe.catalog import CONTROLLER_SERIES, GPU_SERIES, SERIES, WORKER_LABELS, WORKER_SERIES, Series
+from runtime.observe.stragglers import node_ip
 
 log = logging.getLogger("runtime.observe.metrics")
 
@@ -177,7 +178,7 @@ def _serve(registry: CollectorRegistry, fixed_port: int = 0) -> tuple[Any, int]:
 
 def _announce(port: int, sd_file: Path) -> Path:
     """Write a file_sd target for this exporter atomically; returns the file to remove at exit."""
-    host = os.environ.get("RT_METRICS_HOST") or _node_ip()
+    host = os.environ.get("RT_METRICS_HOST") or node_ip()
     # The series carry job_id/rank/node themselves; target labels would clash (exported_*).
     target = [{"targets": [f"{host}:{port}"], "labels": {}}]
     sd_file.parent.mkdir(parents=True, exist_ok=True)
@@ -185,12 +186,3 @@ def _announce(port: int, sd_file: Path) -> Path:
     tmp.write_text(json.dumps(target))
     os.replace(tmp, sd_file)
     return sd_file
-
-
-def _node_ip() -> str:
-    try:
-        import ray.util
-
-        return str(ray.util.get_node_ip_address())
-    except Exception:
-        return "127.0.0.1"

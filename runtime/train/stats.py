@@ -5,6 +5,10 @@ non-finite counters accumulate in device tensors. At a *boundary* (a report, a c
 an evaluation step) every rank calls :meth:`StepStats.exchange` at the same step: one
 all-reduce carries the window's sums and rank 0's control flags (preempt, stop, new
 commit), and one device-to-host read brings them back. That is the only sync point.
+
+The same all-reduce carries one slot per rank: each rank's *local* seconds per step (data wait,
+forward and the un-synced backward: the part no peer can hold up), so rank 0 can name a rank
+slower than its peers (runtime.observe.stragglers) without a collective of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from runtime.observe.stragglers import Host
 
 
 @dataclass
@@ -30,13 +36,16 @@ class Boundary:
     nonfinite_in_row: int  # this rank's current run of non-finite steps
     nonfinite_crossed_at: int  # step at which this rank crossed max_consecutive, 0 if it did not
     metrics: dict[str, Any] = field(default_factory=dict)  # window metrics, when asked for
+    # Each rank's local seconds per step over the window (index = rank), with the metrics;
+    # 0 for a rank that timed no local work in it.
+    rank_local_s: list[float] = field(default_factory=list)
 
 
 class StepStats:
     """Sums since the last report (device tensors) plus host-side counts and times."""
 
-    def __init__(self, device: torch.device, sync: Callable[[], None] | None = None) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, sync: Callable[[], None] | None = None, rank: int = 0) -> None:
+        self.device, self.rank = device, rank
         # The host runs up to a step ahead of the device: a clock read at a boundary waits for the
         # queued work first, or that backlog would fall outside every window (throughput too high).
         self.sync = sync or device_sync(device)
@@ -63,6 +72,32 @@ class StepStats:
         self.excluded_s = 0.0  # evaluation and checkpoint time inside the window (not training)
         self.data_s = 0.0
         self.timed_from_n = self.timed_from_step = 0  # throughput counts from here (after the first step)
+        self.local_s = 0.0  # host-timed local work (CPU); CUDA keeps event pairs, read at the exchange
+        self.local_steps = 0
+        self._local_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._local_t0: float | torch.cuda.Event | None = None
+
+    def local_begin(self) -> None:
+        """A step starts: what follows until :meth:`local_end` is this rank's own work."""
+        if self.device.type == "cuda":  # device time: the host runs ahead of the device
+            self._local_t0 = torch.cuda.Event(enable_timing=True)
+            self._local_t0.record()
+        else:
+            self._local_t0 = time.perf_counter()
+
+    def local_end(self) -> None:
+        """The step reaches its first collective with the other ranks (the synced backward).
+        No host sync: CUDA events are read at the next exchange, after its sync."""
+        t0, self._local_t0 = self._local_t0, None
+        if t0 is None:
+            return
+        if isinstance(t0, float):
+            self.local_s += time.perf_counter() - t0
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._local_events.append((t0, end))
+        self.local_steps += 1
 
     def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, grad_norm: torch.Tensor, bad: torch.Tensor,
             n: int, items: int, step: int, max_consecutive: int) -> None:
@@ -108,13 +143,20 @@ class StepStats:
         self.sync()  # the window ends when the device has done its steps, not when the host queued them
         elapsed = time.perf_counter() - self.t0 - self.excluded_s
         timed_n = self.n - self.timed_from_n
-        host = torch.tensor([float(timed_n), elapsed, *map(float, flags)], device=self.device)
+        # Each rank fills its own slot; the sum hands every rank all of them (world floats more).
+        slots = [0.0] * world
+        if want_metrics and self.local_steps and self.rank < world:
+            local_s = self.local_s + sum(a.elapsed_time(b) for a, b in self._local_events) / 1000.0
+            slots[self.rank] = local_s / self.local_steps
+        host = torch.tensor([float(timed_n), elapsed, *map(float, flags), *slots], device=self.device)
         crossed = (self.crossed_at > 0).float()
         shared = torch.cat([self.sums, torch.stack([self.grad_norm, crossed]), host])
         if distributed:
             dist.all_reduce(shared)
         own = torch.stack([self.nonfinite_total, self.in_row, self.crossed_at])
         vals = torch.cat([shared, own]).tolist()  # the boundary's one device-to-host read
+        rank_local_s = vals[9:9 + world]
+        del vals[9:9 + world]
         loss, correct, grad_norm, crossed_n, timed_total, elapsed_sum, pre, stop, commit, nf_total, in_row, at = vals
         out = Boundary(preempt=pre > 0, stop=stop > 0, commit=commit > 0, nonfinite_stop=crossed_n > 0,
                        nonfinite_total=int(nf_total), nonfinite_in_row=int(in_row), nonfinite_crossed_at=int(at))
@@ -132,6 +174,7 @@ class StepStats:
             }
             if self.first_step_s is not None:  # reported once
                 out.metrics["time/first_step_s"], self.first_step_s = self.first_step_s, None
+            out.rank_local_s = rank_local_s
             self._reset_window()
         return out
 
@@ -141,3 +184,13 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     if device.type != "cuda":
         return lambda: None
     return lambda: torch.cuda.current_stream(device).synchronize()
+
+
+def gather_hosts(distributed: bool, world: int) -> list[Host]:
+    """Every rank's host, in rank order (one all_gather_object at start-up: every rank calls it)."""
+    me = Host.here()
+    if not distributed:
+        return [me] * world
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, me)
+    return hosts
