@@ -26,6 +26,10 @@ Layout:
   (never `ip netns exec`: it remounts /sys and breaks nspawn's cgroup detection).
   Nodes get no route out, like an air-gapped cluster: packages come from a local
   apt repository and a pip wheelhouse bind-mounted read-only at /srv/offline.
+
+Over 400 lines because it is one tool with its own command line (image, offline repositories,
+namespace, nodes, Terraform's inventory) that the hosts tests and a person at a shell both drive;
+its parts share the lab's namespace and teardown.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Tests run in file order and share one lab: Terraform's inventory, bring-up, veri
 idempotence, GPU-less and forced-GPU rendering, the health gate. replace_node.yml runs
 in test_selfheal.py, as the remediation service runs it for a lost worker (scenario (a) asserts
 what the playbook may touch).
+
+Over 400 lines because its tests are stages on one lab, run in file order (bring-up, then
+verification, then idempotence): split across files, the order would hang on file names.
 """
 
 from __future__ import annotations

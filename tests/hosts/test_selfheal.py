@@ -19,6 +19,9 @@ The faults, in order: (a) worker1's machine is killed; (b) worker2's GPU reports
 fake DCGM exporter: the service drains the node, then replace_node.yml re-provisions it in place,
 as for a bare-metal node); (c) worker2 gets a spot notice and is reclaimed at its deadline; then
 worker2 fails again and the service halts for it.
+
+Over 400 lines because each test is a stage of the one training run the faults go through,
+and the run's and the service's helpers serve every stage.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Checkpoints on S3 against a real S3 HTTP server (moto_server) on 127.0.0.1."""
+"""Checkpoints on S3 against a real S3 HTTP server (moto_server) on 127.0.0.1.
+
+Over 400 lines because its tests share the killable moto server and the outage helpers defined
+here (kill, pause, refuse, throttle); splitting it means moving those to tests/support first."""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ add a spot pool in one apply, destroy and find nothing left. EC2 launch rules th
 moto does not enforce are checked here against the EC2 API reference
 (`ec2_launch_violations`). Runs only with an AWS provider in a filesystem
 mirror (TF_PLUGIN_DIR, default /opt/tf-plugins): nothing is downloaded.
+
+Over 400 lines because it is one scenario on one applied cluster, in file order: split across
+files, each part would apply and destroy the example again (minutes each on 2 cores).
 """
 
 from __future__ import annotations

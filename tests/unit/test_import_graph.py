@@ -1,8 +1,8 @@
 """The runtime package's structure: imports only run down the layers docs/architecture.md
 declares (the driver side, ``runtime.launch``, above the per-worker loop, ``runtime.train``), no
 import cycles, one module that builds storage paths, no module that imports another's private
-names, no module over 400 lines without its docstring saying why, and ``Trainer.fit`` short
-enough to read at a glance.
+names, no module over 400 lines without its docstring saying why (test files under tests/ too),
+and ``Trainer.fit`` short enough to read at a glance.
 
 The checks read the source with ast (nothing is imported, so no import side effects).
 Imports inside functions count too: a lazy import that closes a cycle hides it, it does not
@@ -162,6 +162,12 @@ def long_without_reason(package: Path) -> list[str]:
 def test_runtime_modules_over_400_lines_say_why() -> None:
     found = long_without_reason(ROOT / "runtime")
     assert not found, "split these modules or say in their docstring why they are long:\n" + "\n".join(found)
+
+
+def test_test_files_over_400_lines_say_why() -> None:
+    """The same rule for tests/: a test file that grows past 400 lines is split or says why."""
+    found = long_without_reason(ROOT / "tests")
+    assert not found, "split these test files or say in their docstring why they are long:\n" + "\n".join(found)
 
 
 def test_size_check_flags_a_long_module_only_without_its_reason(tmp_path: Path) -> None:
