@@ -17,6 +17,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from runtime.config import DataConfig
 from runtime.data.base import DataBundle
+from runtime.data.images import sample_rng
 from runtime.errors import ConfigError
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -52,21 +53,27 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 class AugmentedTensors(Dataset[tuple[torch.Tensor, int]]):
-    """uint8 images with optional random crop (pad 4) and horizontal flip; the device normalises."""
+    """uint8 images with optional random crop (pad 4) and horizontal flip; the device normalises.
+
+    Indexed by ``(epoch, i)`` (the training sampler's ``with_epoch``) or ``i``: each sample's
+    draws come from a generator seeded by (seed, epoch, i), so a crop is the same in any loader
+    worker, at any world size and after any resume.
+    """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, image_size: int, augment: bool, seed: int) -> None:
-        self.x, self.y, self.augment, self.image_size = x, y, augment, image_size
-        self.g = torch.Generator().manual_seed(seed)
+        self.x, self.y, self.augment, self.image_size, self.seed = x, y, augment, image_size, seed
 
     def __len__(self) -> int:
         return len(self.y)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, i = key if isinstance(key, tuple) else (0, key)
         img = self.x[i]
         if self.augment:
-            ox, oy = torch.randint(0, 9, (2,), generator=self.g).tolist()
+            rng = sample_rng(self.seed, epoch, i)
+            ox, oy = rng.randrange(9), rng.randrange(9)
             img = F.pad(img, (4, 4, 4, 4))[:, oy : oy + img.shape[1], ox : ox + img.shape[2]]
-            if torch.rand(1, generator=self.g).item() < 0.5:
+            if rng.random() < 0.5:
                 img = img.flip(-1)
         if img.shape[-1] != self.image_size:
             img = F.interpolate(img[None].float(), size=self.image_size, mode="bilinear", align_corners=False)[0]

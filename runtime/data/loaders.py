@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from runtime.config import DataConfig
 from runtime.data.base import DataBundle, Loaders
 from runtime.data.batches import Batches, loader_workers, recipes, use_gpu_decode
-from runtime.data.builtin import build_builtin
+from runtime.data.builtin import AugmentedTensors, build_builtin
 from runtime.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -142,7 +142,8 @@ def file_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool, unit: int
         bundle = build_builtin(cfg)
     images = cfg.source == "imagefolder"
     unit = unit or world * cfg.batch_size
-    sampler = ResumableSampler(bundle.train, world, rank, shuffle=True, seed=cfg.seed, with_epoch=images, unit=unit)
+    seeded = images or isinstance(bundle.train, AugmentedTensors)  # crops drawn per (epoch, sample)
+    sampler = ResumableSampler(bundle.train, world, rank, shuffle=True, seed=cfg.seed, with_epoch=seeded, unit=unit)
     common: dict[str, Any] = {"batch_size": cfg.batch_size, "num_workers": n_workers, "pin_memory": on_gpu,
                               "collate_fn": collate}
     if n_workers:

@@ -5,6 +5,7 @@ in the uninterrupted run's order (runtime.data.order, TrainState's position, hos
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from runtime.config import JobConfig
-from runtime.data import ResumableSampler, build_loaders
+from runtime.data import ResumableSampler, build_loaders, write_tiny_cifar10
 from runtime.data.order import epoch_permutation
 from runtime.errors import ConfigError
 from runtime.train.device_input import Position, host_batches
@@ -148,3 +149,23 @@ def test_a_data_set_smaller_than_one_global_batch_is_refused_in_one_line() -> No
                     train={"grad_accum_steps": 8}, distributed={"num_workers": 2})
     with pytest.raises(ConfigError, match=r"^data: 1438 training samples are fewer than one global batch of 1600"):
         build_loaders(cfg, 2, 0, CPU)
+
+
+def _cifar_epoch(root: Path, world: int, loader_workers: int, start: int) -> list[torch.Tensor]:
+    """Epoch 0's training images from per-rank batch ``start`` on, in the epoch's order."""
+    cfg = JobConfig(name="x", model={"name": "mlp"}, distributed={"num_workers": world},
+                    data={"source": "cifar10", "path": str(root), "batch_size": 4, "loader_workers": loader_workers})
+    ranks = []
+    for r in range(world):
+        train = build_loaders(cfg, world, r, CPU)[0].train
+        train.set_position(0, start)
+        ranks.append([x for batch, _ in train for x in batch])
+    return [ranks[r][i] for i in range(len(ranks[0])) for r in range(world)]
+
+
+def test_cifar_crops_are_the_same_after_a_resume_at_another_size_with_loader_workers(tmp_path: Path) -> None:
+    write_tiny_cifar10(tmp_path, n_train=48, n_test=4)
+    whole = _cifar_epoch(tmp_path, 1, 0, 0)
+    resumed = _cifar_epoch(tmp_path, 2, 2, 3)  # 3 batches x 4 x 2 ranks = 24 samples were used
+    assert len(whole) == 48 and len(resumed) == 24
+    assert all(torch.equal(a, b) for a, b in zip(whole[24:], resumed, strict=True))  # pad-crop and flip too

@@ -5,8 +5,10 @@ Resume (``set_position(epoch, b)``): batches b, b+1... are exactly those of an
 uninterrupted run: nothing is repeated or skipped. Each worker re-reads, without
 decoding, the tar bytes from the oldest sample still in its shuffle buffer at batch b
 (about one buffer's worth) and, for S3, from the start of the shard it resumes in.
-Exactness needs the same world size and data.loader_workers; with others the epoch
-goes on from batch b of the new plan. Unreadable samples (corrupt image, missing
+Exactness needs the same world size and data.loader_workers: the plan gives each rank a
+contiguous run, so unlike the map-style sources (runtime/data/order.py) its order depends on
+both, and after a resize the epoch goes on from the same count of global samples in the new
+plan, which may repeat or miss samples of that epoch (docs/data.md). Unreadable samples (corrupt image, missing
 member, truncated shard) are dropped from their batch, counted and named.
 """
 
