@@ -635,22 +635,25 @@ class JobConfig(Strict):
         d = self.distributed
         if d.is_elastic and d.elastic.keep == "global_batch":
             bad = [w for w in self.distributed.sizes()
-                   if self.global_batch_size() % (w * self.data.batch_size)]
+                   if self.global_batch_size() % (w // d.tp_size * self.data.batch_size)]
             if bad:
+                ranks = range(d.sizes().start // d.tp_size, d.max_workers // d.tp_size + 1)  # data-parallel sizes
                 raise ValueError(
                     f"distributed.num_workers={{min: {d.min_workers}, max: {d.max_workers}}} with "
-                    f"distributed.elastic.keep=global_batch: the global batch {d.max_workers} x "
+                    f"distributed.elastic.keep=global_batch: the global batch {d.max_workers // d.tp_size} x "
                     f"{self.data.batch_size} x {self.train.grad_accum_steps} = {self.global_batch_size()} is not "
                     f"a whole number of {self.data.batch_size}-sample micro-batches per worker at "
                     f"{', '.join(map(str, bad))} worker(s); make train.grad_accum_steps a multiple of "
-                    f"{_lcm_for(d.sizes(), d.max_workers)}, narrow the range, or set "
+                    f"{_lcm_for(ranks, d.max_workers // d.tp_size)}, narrow the range, or set "
                     "distributed.elastic.keep=per_worker_batch")
         return self
 
     def global_batch_size(self) -> int:
-        # workers x per-worker micro-batch x accumulation steps = samples per optimizer step;
-        # elastic runs state it at max workers (what keep=global_batch holds at every size).
-        return self.distributed.max_workers * self.data.batch_size * self.train.grad_accum_steps
+        # data-parallel ranks x per-rank micro-batch x accumulation steps = samples per optimizer
+        # step, where a tensor-parallel group of tp_size workers is one data-parallel rank; elastic
+        # runs state it at max workers (what keep=global_batch holds at every size).
+        d = self.distributed
+        return d.max_workers // d.tp_size * self.data.batch_size * self.train.grad_accum_steps
 
     def config_hash(self) -> str:
         """The hash of the resolved values (MLflow tag, checkpoint meta), computed by base.config_hash."""
