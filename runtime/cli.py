@@ -3,6 +3,7 @@
     python -m runtime train jobs/resnet50.yaml --set optimizer.lr=0.05
     python -m runtime tune jobs/digits_tune.yaml [--resume]
     python -m runtime validate resnet50 [--show]     # every check train/tune make; nothing starts
+    python -m runtime validate gpt_10b --gpu-memory-gb 80   # ... and the per-GPU memory budget
     python -m runtime checkpoints list|verify|prune <storage>
     python -m runtime data pack|inspect ...
     python -m runtime cluster up|down|status
@@ -19,7 +20,9 @@ cluster; MLflow unreachable with tracking.required, or for ``report --sync``), 4
 reached cost.budget_usd and stopped or paused at a committed checkpoint (docs/cost.md; raise the
 budget and run again with the same --run-name to continue), 5 train: the run ended past its newest
 committed checkpoint (its final save failed: the summary names the steps not committed), 6 train:
-another driver holds the run (its lock names it; --take-over for a lock another host left), 130
+another driver holds the run (its lock names it; --take-over for a lock another host left), 7
+validate --gpu-memory-gb: the job's per-GPU memory budget is over what a GPU of that size leaves
+usable (the line names the budget, its largest term and the size; docs/fsdp.md), 130
 interrupted: tune's search (resume with --resume), train's run by Ctrl+C at a committed checkpoint
 (resume with the same --run-name).
 """
@@ -41,6 +44,7 @@ EXIT_NO_CLUSTER = 3
 EXIT_BUDGET = 4
 EXIT_UNCOMMITTED = 5
 EXIT_RUN_LOCKED = 6
+EXIT_NO_FIT = 7
 EXIT_INTERRUPTED = 130
 MAX_LINE = 1000  # characters of one error line: a value echoed in it is cut, never megabytes of it
 
@@ -66,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
         if name == "validate":
             s.add_argument("--show", action="store_true",
                            help="print the resolved configuration and the overrides that were applied")
+            s.add_argument("--gpu-memory-gb", type=_gigabytes, default=None, metavar="G",
+                           help="also check that a model.name=gpt job's per-GPU memory budget (parameters, "
+                                "gradients, optimizer state, gathered blocks, activations; docs/fsdp.md) fits "
+                                "a GPU of G GB (1e9 bytes); exit 7 when it does not")
         if name in ("train", "tune"):
             s.add_argument("--run-name", help="name of the run; reuse one to resume it")
             s.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
@@ -94,6 +102,17 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("--no-prometheus", action="store_true")
     cl.add_argument("--nodes", type=int, default=1, help="up: raylets on this machine, head included (elastic tests)")
     return p
+
+
+def _gigabytes(value: str) -> float:
+    """``--gpu-memory-gb``: a positive number of GB (argparse turns the ValueError into one line, exit 2)."""
+    try:
+        gb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GB, e.g. 80, got {value!r}") from None
+    if not 0 < gb <= 100_000:
+        raise argparse.ArgumentTypeError(f"expected GB in (0, 100000], got {value}")
+    return gb
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -162,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = _checked_job(args)
         if args.command == "validate":
-            return 0
+            return 0 if args.gpu_memory_gb is None else _check_memory(cfg, args.job, args.gpu_memory_gb)
         if args.command == "tune":
             from runtime.tune import parse_tune
 
@@ -232,13 +251,39 @@ def _checked_job(args: argparse.Namespace) -> Any:
     return cfg
 
 
+def _check_memory(cfg: Any, job: str, gpu_gb: float) -> int:
+    """``validate --gpu-memory-gb G``: the per-GPU budget of the job at its smallest size (fewest
+    data-parallel shards), one line either way; EXIT_NO_FIT when it is over what G leaves usable."""
+    from runtime.parallelism.memory import GB, GPTShape, check_fits, memory_budget
+
+    if cfg.model.name != "gpt":
+        raise ConfigError(f"--gpu-memory-gb: the memory budget is worked out for model.name=gpt (got "
+                          f"{cfg.model.name}); drop the flag for this job")
+    d, t = cfg.distributed, cfg.model.transformer
+    tp = d.tp_size
+    dp = d.min_workers // tp
+    # A tensor-parallel group computes one data-parallel rank's micro-batch together.
+    micro = cfg.data.micro_batch if isinstance(cfg.data.micro_batch, int) else cfg.data.batch_size
+    budget = memory_budget(GPTShape(layers=t.layers, dim=t.dim, heads=t.heads, seq_len=t.seq_len,
+                                    vocab_size=t.vocab_size),
+                           dp=dp, tp=tp, micro_batch=micro, checkpointed=cfg.model.gradient_checkpointing)
+    gpu = int(gpu_gb * GB)
+    why = check_fits(budget, gpu, job)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return EXIT_NO_FIT
+    terms = ", ".join(f"{k} {v / GB:.1f}" for k, v in budget.terms().items())
+    print(f"{job}: fits: {budget.total / GB:.1f} GB per GPU ({terms}) at dp={dp} x tp={tp} on a {gpu_gb:g} GB GPU")
+    return 0
+
+
 def _before_ray(cfg: Any) -> None:
     """What the driver and the workers would refuse only after Ray started, refused for `validate`,
     `train` and `tune` alike: the price table and instance type, the S3 encryption settings, a
     local shard set's index."""
     from runtime.config.base import short
     from runtime.config.values import parse_storage
-    from runtime.observe.prices import price_source
+    from runtime.observe.cost.prices import price_source
 
     price_source(cfg.cost)  # an unreadable table or an instance type it lacks: ConfigError naming the field
     sse, kms = os.environ.get("RT_S3_SSE"), os.environ.get("RT_S3_SSE_KMS_KEY_ID")
@@ -263,9 +308,7 @@ def _before_ray(cfg: Any) -> None:
 
 
 def _train(cfg: Any, args: argparse.Namespace) -> int:
-    from runtime.cluster import ClusterError, use_cluster_auth
-
-    use_cluster_auth()  # before Ray is imported: it reads RAY_AUTH_MODE once
+    from runtime.cluster import ClusterError
     from runtime.launch.driver import outcome_summary, train
     from runtime.launch.runlock import RunLocked
     from runtime.run import StopKind
@@ -308,11 +351,10 @@ def _tune(cfg: Any, args: argparse.Namespace) -> int:
     (resume with --resume), 3 no cluster. Bad input raises ConfigError (exit 2)."""
     from pathlib import Path
 
-    from runtime.cluster import ClusterError, use_cluster_auth
+    from runtime.cluster import ClusterError
     from runtime.tune import parse_tune, tune
 
     parse_tune(cfg)  # bad spaces fail here, before Ray is touched
-    use_cluster_auth()
     try:
         out = tune(cfg, args.run_name, job=args.job, resume=args.resume, show_progress=not args.no_progress)
     except ClusterError as e:
