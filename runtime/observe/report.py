@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.layout import LOCAL_RUNS
-from runtime.observe.cost import LEDGER_FILE, CostLedger
+from runtime.observe.cost.meter import LEDGER_FILE, CostLedger
 from runtime.observe.history import CURVES_FILE, HISTORY_FILE, HistoryLog, ReportError, load_history, read_history
 from runtime.observe.mlflow_http import first_line
 

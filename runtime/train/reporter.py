@@ -122,7 +122,7 @@ class Reporter:
 
     def _export_cost(self) -> None:
         try:
-            from runtime.observe.cost import estimate_cost
+            from runtime.observe.cost.table import estimate_cost
 
             table = _price_table()
             secs = time.time() - self.run.started_at
@@ -136,7 +136,7 @@ class Reporter:
 @functools.cache
 def _price_table() -> dict[str, dict[str, float]]:
     """Parsed once per process: the cost gauge is refreshed at every report, on the boundary's clock."""
-    from runtime.observe.cost import load_price_table
+    from runtime.observe.cost.table import load_price_table
 
     return load_price_table(PRICES)
 

@@ -38,6 +38,7 @@ from torch import nn
 from runtime.config import JobConfig
 from runtime.data import DEVICE_RESIDENT, build_loaders
 from runtime.errors import ConfigError
+from runtime.observe.cost.watch import build_cost_watch
 from runtime.run import PREEMPTED, RunInfo, StopReason
 from runtime.train import drain
 from runtime.train.checkpointer import Checkpointer
@@ -74,7 +75,7 @@ from runtime.train.setup import (
 )
 from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats
-from runtime.train.stop_policy import StopPolicy, build_cost_watch, total_steps, watches_drains
+from runtime.train.stop_policy import StopPolicy, total_steps, watches_drains
 from runtime.train.timeline import worker_timeline
 
 log = logging.getLogger("runtime.train")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from runtime.launch.driver import train
-from runtime.observe.cost import LEDGER_FILE, PRICE_PAUSE_REASON, CostLedger
+from runtime.observe.cost.meter import LEDGER_FILE, PRICE_PAUSE_REASON, CostLedger
 from runtime.observe.history import HISTORY_FILE
 from runtime.observe.report import summary_table
 from tests.support import job, wait_for

@@ -1,4 +1,4 @@
-"""runtime.observe.cost: price table loading and cost estimates (pure functions)."""
+"""runtime.observe.cost.table: the price table loading and cost estimates (pure functions)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from runtime.observe.cost import (
+from runtime.observe.cost.table import (
     DEFAULT_PRICE_TABLE,
     PriceTableError,
     estimate_cost,

@@ -11,17 +11,19 @@ import pytest
 
 from runtime.config import load_job
 from runtime.config.schema import CostConfig
-from runtime.launch.spend import paused_for_price
-from runtime.observe.cost import (
+from runtime.observe.cost.meter import (
     BUDGET_REASON,
     PRICE_PAUSE_REASON,
     SpendMeter,
+    billed_nodes,
     budget_reached,
     eta_seconds,
 )
-from runtime.observe.prices import Quote
+from runtime.observe.cost.prices import Quote
+from runtime.observe.cost.spend import paused_for_price
+from runtime.observe.cost.watch import CostWatch, build_cost_watch
 from runtime.run import RunInfo
-from runtime.train.stop_policy import CostWatch, StopPolicy, billed_nodes, build_cost_watch
+from runtime.train.stop_policy import StopPolicy
 from tests.support import FakeClock
 
 

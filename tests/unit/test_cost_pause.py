@@ -1,4 +1,4 @@
-"""The driver's side of the cost rules (runtime.launch.spend) on a fake clock: the pause while the
+"""The driver's side of the cost rules (runtime.observe.cost.spend) on a fake clock: the pause while the
 spot price is high (polled, recorded, not billed), the spend and projection each report shows,
 the ledger across attempts, and what the CLI and ``runtime report`` make of a budget stop."""
 
@@ -12,9 +12,9 @@ import pytest
 
 from runtime.config import load_job
 from runtime.errors import ConfigError
-from runtime.launch.spend import DriverCosts
-from runtime.observe.cost import BUDGET_REASON, LEDGER_FILE, CostLedger
-from runtime.observe.prices import Quote
+from runtime.observe.cost.meter import BUDGET_REASON, LEDGER_FILE, CostLedger
+from runtime.observe.cost.prices import Quote
+from runtime.observe.cost.spend import DriverCosts
 from runtime.observe.progress import Progress
 from runtime.observe.report import summary_table
 from runtime.run import TrainOutcome

@@ -11,7 +11,7 @@ import pytest
 
 from runtime.config import load_job
 from runtime.errors import ConfigError
-from runtime.observe.prices import SpotPrices, TablePrices, price_source
+from runtime.observe.cost.prices import SpotPrices, TablePrices, price_source
 from tests.support import free_port
 from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
 

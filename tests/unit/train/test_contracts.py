@@ -10,8 +10,8 @@ from pathlib import Path
 
 import cloudpickle
 
-from runtime.launch.spend import paused_for_price
-from runtime.observe.cost import BUDGET_REASON, PRICE_PAUSE_REASON
+from runtime.observe.cost.meter import BUDGET_REASON, PRICE_PAUSE_REASON
+from runtime.observe.cost.spend import paused_for_price
 from runtime.run import CANCELLED, PREEMPTED, Report, StopKind, StopReason, TrainOutcome
 from tests.support.trainer import train_in_process
 from tests.unit.train.test_trainer import _cfg

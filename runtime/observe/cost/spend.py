@@ -1,7 +1,7 @@
 """The driver's side of the cost rules (docs/cost.md): the spend each report shows and logs, the
 run's ledger (``cost.json``), and the wait while the spot price is above ``cost.pause_above_usd_per_hour``.
 
-Rank 0 decides at its boundaries (runtime.train.stop_policy.CostWatch) to stop for the budget or
+Rank 0 decides at its boundaries (``watch.CostWatch``) to stop for the budget or
 to pause for the price; the driver then waits here, polling the price every ``cost.price_poll_s``,
 and starts the run again from its checkpoint. Both bill from the same ledger, attempt start
 (``RunInfo.started_at``) and price source, so the spend the console shows is the one the budget
@@ -18,10 +18,9 @@ from typing import Any
 
 from runtime.config import JobConfig
 from runtime.errors import ConfigError
-from runtime.observe.cost import PRICE_PAUSE_REASON, CostLedger, SpendMeter, eta_seconds
-from runtime.observe.prices import Quote, price_source
+from runtime.observe.cost.meter import PRICE_PAUSE_REASON, CostLedger, SpendMeter, billed_nodes, eta_seconds
+from runtime.observe.cost.prices import Quote, price_source
 from runtime.run import StopKind, StopReason
-from runtime.train.stop_policy import billed_nodes
 
 log = logging.getLogger("runtime.launch.driver")
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from runtime.config.schema import CostConfig
 from runtime.errors import ConfigError
-from runtime.observe.cost import DEFAULT_PRICE_TABLE, PriceTableError, hourly_price, load_price_table
+from runtime.observe.cost.table import DEFAULT_PRICE_TABLE, PriceTableError, hourly_price, load_price_table
 
 log = logging.getLogger("runtime.cost")
 # What DescribeSpotPriceHistory calls Linux spot capacity (in a VPC, and EC2-Classic's older name).
