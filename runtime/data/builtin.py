@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,18 +138,22 @@ def _digits(cfg: DataConfig) -> DataBundle:
     )
 
 
+# The in-memory sources read from files, by data.source.
+BUILTIN: dict[str, Callable[[DataConfig], DataBundle]] = {"cifar10": _cifar10, "digits": _digits}
+
+
 def build_builtin(cfg: DataConfig) -> DataBundle:
-    """The in-memory sources read from files (cifar10, digits).
+    """The in-memory sources read from files (``BUILTIN``: cifar10, digits).
 
     Synthetic images and tokens are made on the training device instead
     (runtime.data.synthetic, runtime.data.tokens).
     """
-    if cfg.source == "cifar10":
-        return _cifar10(cfg)
-    if cfg.source == "digits":
-        return _digits(cfg)
-    raise ConfigError(f"data.source={cfg.source} is made on the training device, not loaded from files "
-                      "(runtime.data.synthetic / runtime.data.tokens)")
+    opener = BUILTIN.get(cfg.source)
+    if opener is None:
+        raise ConfigError(f"data.source={cfg.source} is not an in-memory data set read from files "
+                          f"(those are {', '.join(sorted(BUILTIN))}; synthetic images and tokens are made on "
+                          "the training device)")
+    return opener(cfg)
 
 
 def write_digits_imagefolder(root: Path, pixels: int = 32, quality: int = 90) -> Path:

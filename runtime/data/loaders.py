@@ -4,7 +4,8 @@ resume mid-epoch, so a restarted run continues at the next batch, not the epoch'
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from runtime.config import DataConfig
 from runtime.data.base import DataBundle, Loaders
 from runtime.data.batches import Batches, loader_workers, recipes, use_gpu_decode
-from runtime.data.builtin import AugmentedTensors, build_builtin
+from runtime.data.builtin import BUILTIN, AugmentedTensors, build_builtin
 from runtime.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -115,32 +116,62 @@ def _imagefolder(cfg: DataConfig, gpu: bool) -> tuple[DataBundle, Any]:
     return bundle, _collate(cfg.image_size, gpu)
 
 
+@dataclass(frozen=True)
+class MapStyleSource:
+    """A source of map-style data sets read from files: ``open(cfg, gpu decode)`` returns the
+    data sets and the collate function (None: torch's default)."""
+
+    open: Callable[[DataConfig, bool], tuple[DataBundle, Any]]
+    images: bool = False  # image files: data.decode applies; crops are seeded per (epoch, sample)
+
+
+def _builtin(cfg: DataConfig, gpu: bool) -> tuple[DataBundle, Any]:
+    return build_builtin(cfg), None
+
+
+def _shards(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
+    from runtime.data.shards.stream import build_shard_loaders  # tar reading, only for runs that stream
+
+    return build_shard_loaders(cfg, world, rank, on_gpu)
+
+
+# Sources read from files, by data.source: map-style data sets, and streams that open their own loaders.
+MAP_STYLE: dict[str, MapStyleSource] = {
+    **{name: MapStyleSource(_builtin) for name in BUILTIN},
+    "imagefolder": MapStyleSource(_imagefolder, images=True),
+}
+STREAMED: dict[str, Callable[[DataConfig, int, int, bool], Loaders]] = {"shards": _shards}
+FILE_SOURCES = frozenset(MAP_STYLE) | frozenset(STREAMED)
+
+
+def _map_style(cfg: DataConfig) -> MapStyleSource:
+    source = MAP_STYLE.get(cfg.source)
+    if source is None:
+        raise ConfigError(f"data.source={cfg.source} is made on the training device, not read from files "
+                          f"(those are {', '.join(sorted(FILE_SOURCES))})")
+    return source
+
+
 def build_datasets(cfg: DataConfig) -> DataBundle:
     """The map-style data sets of a source (not shards: those are streamed, see file_loaders)."""
-    if cfg.source == "imagefolder":
-        return _imagefolder(cfg, gpu=False)[0]
-    if cfg.source == "shards":
-        raise ConfigError("data.source=shards is streamed: use file_loaders")
-    return build_builtin(cfg)
+    if cfg.source in STREAMED:
+        raise ConfigError(f"data.source={cfg.source} is streamed: use file_loaders")
+    return _map_style(cfg).open(cfg, False)[0]
 
 
 def file_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool, unit: int | None = None) -> Loaders:
-    """Sources read from files (cifar10, digits, imagefolder, shards): each rank reads its own
-    part of the data; batches stay on the host (pinned on GPU). ``unit``: an epoch is a whole
-    number of these samples (the global batch, ``order.epoch_unit``; default one loader step,
-    ``world`` x ``data.batch_size``); map-style sources only."""
-    if cfg.source == "shards":
-        from runtime.data.shards.stream import build_shard_loaders
-
-        return build_shard_loaders(cfg, world, rank, on_gpu)
+    """Sources read from files (``MAP_STYLE``: cifar10, digits, imagefolder; ``STREAMED``: shards): each
+    rank reads its own part of the data; batches stay on the host (pinned on GPU). ``unit``: an
+    epoch is a whole number of these samples (the global batch, ``order.epoch_unit``; default one
+    loader step, ``world`` x ``data.batch_size``); map-style sources only."""
+    streamed = STREAMED.get(cfg.source)
+    if streamed is not None:
+        return streamed(cfg, world, rank, on_gpu)
+    source = _map_style(cfg)
     n_workers = loader_workers(cfg, on_gpu)
-    gpu = cfg.source == "imagefolder" and use_gpu_decode(cfg, on_gpu)
-    collate: Any = None
-    if cfg.source == "imagefolder":
-        bundle, collate = _imagefolder(cfg, gpu)
-    else:
-        bundle = build_builtin(cfg)
-    images = cfg.source == "imagefolder"
+    images = source.images
+    gpu = images and use_gpu_decode(cfg, on_gpu)
+    bundle, collate = source.open(cfg, gpu)
     unit = unit or world * cfg.batch_size
     seeded = images or isinstance(bundle.train, AugmentedTensors)  # crops drawn per (epoch, sample)
     sampler = ResumableSampler(bundle.train, world, rank, shuffle=True, seed=cfg.seed, with_epoch=seeded, unit=unit)

@@ -15,10 +15,11 @@ import torch
 
 from runtime.config import JobConfig
 from runtime.data.base import Loaders, Stage
-from runtime.data.loaders import file_loaders
+from runtime.data.loaders import FILE_SOURCES, file_loaders
 from runtime.data.order import epoch_unit
 from runtime.data.synthetic import synthetic_loaders
 from runtime.data.tokens import token_loaders
+from runtime.errors import ConfigError
 
 Opened = tuple[Loaders, Stage | None, Stage | None]  # loaders, train stage, val stage
 Source = Callable[[JobConfig, int, int, torch.device], Opened]
@@ -39,6 +40,14 @@ def _synthetic(cfg: JobConfig, world: int, rank: int, device: torch.device) -> O
 DEVICE_RESIDENT: dict[str, Source] = {"synthetic": _synthetic, "tokens": token_loaders, "text": token_loaders}
 
 
+# Sources read from files (runtime.data.loaders: MAP_STYLE and STREAMED) share one opener.
+READ_FROM_FILES: dict[str, Source] = dict.fromkeys(sorted(FILE_SOURCES), _files)
+SOURCES: dict[str, Source] = {**DEVICE_RESIDENT, **READ_FROM_FILES}
+
+
 def build_loaders(cfg: JobConfig, world: int, rank: int, device: torch.device) -> Opened:
     """This rank's loaders for ``cfg.data.source`` and its train and val stages."""
-    return DEVICE_RESIDENT.get(cfg.data.source, _files)(cfg, world, rank, device)
+    source = SOURCES.get(cfg.data.source)
+    if source is None:  # the config's own check names the choices first; this guards a new name
+        raise ConfigError(f"data.source={cfg.data.source} has no loader (known: {', '.join(sorted(SOURCES))})")
+    return source(cfg, world, rank, device)

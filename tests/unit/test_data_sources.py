@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
+import pytest
 import torch
 
-from runtime.config import JobConfig
-from runtime.data import DEVICE_RESIDENT, build_loaders
+from runtime.config import DataConfig, JobConfig
+from runtime.data import DEVICE_RESIDENT, build_loaders, file_loaders
+from runtime.data.loaders import MAP_STYLE, STREAMED
+from runtime.data.sources import READ_FROM_FILES
+from runtime.errors import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -26,3 +32,16 @@ def test_a_source_read_from_files_yields_host_batches_for_the_trainers_own_stage
     assert train_stage is None and val_stage is None
     assert loaders.batches_per_epoch == 1438 // 2 // 8  # 1,438 digits over 2 ranks, 8 a batch
     assert "digits" not in DEVICE_RESIDENT and {"synthetic", "tokens", "text"} == set(DEVICE_RESIDENT)
+
+
+def test_every_source_the_config_accepts_has_exactly_one_opener() -> None:
+    accepted = set(get_args(DataConfig.model_fields["source"].annotation))
+    assert set(DEVICE_RESIDENT) | set(READ_FROM_FILES) == accepted
+    assert not set(DEVICE_RESIDENT) & set(READ_FROM_FILES) and not set(MAP_STYLE) & set(STREAMED)
+    assert set(READ_FROM_FILES) == {"cifar10", "digits", "imagefolder", "shards"}
+
+
+def test_a_device_made_source_asked_of_the_file_loaders_is_refused_naming_the_file_sources() -> None:
+    with pytest.raises(ConfigError, match=r"^data.source=synthetic is made on the training device, not read from "
+                                          r"files \(those are cifar10, digits, imagefolder, shards\)$"):
+        file_loaders(DataConfig(source="synthetic"), 1, 0, on_gpu=False)
