@@ -122,7 +122,7 @@ class MapStyleSource:
     data sets and the collate function (None: torch's default)."""
 
     open: Callable[[DataConfig, bool], tuple[DataBundle, Any]]
-    images: bool = False  # image files: data.decode applies; crops are seeded per (epoch, sample)
+    images: bool = False  # image files: data.decode applies, validation splits them without padding
 
 
 def _builtin(cfg: DataConfig, gpu: bool) -> tuple[DataBundle, Any]:
