@@ -24,9 +24,9 @@ def evaluate_module(module: nn.Module | Any, cfg: JobConfig) -> dict[str, float]
 
     In-memory sources (digits, cifar10) only: they are the ones small enough to score in the
     pipeline's own process; larger sets are scored by the trainer (val/* in the run's reports)."""
-    from runtime.data.builtin import build_builtin
+    from runtime.data.builtin import BUILTIN, build_builtin
 
-    if cfg.data.source not in ("digits", "cifar10") or cfg.model.name == "gpt":
+    if cfg.data.source not in BUILTIN or cfg.model.name == "gpt":
         raise ConfigError(f"evaluate: data.source={cfg.data.source} (model {cfg.model.name}) is scored by the "
                           "trainer (val/*), not here: use a digits or cifar10 job")
     bundle = build_builtin(cfg.data)

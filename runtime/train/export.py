@@ -77,9 +77,9 @@ def _network(cfg: JobConfig, classes: list[str] | None) -> tuple[nn.Module, np.n
         example = np.zeros((EXAMPLE_ROWS, seq), dtype=np.int64)
         inputs = {"dtype": "int64", "shape": [-1, seq], "kind": "token ids", "vocab_size": m.transformer.vocab_size}
         return build_model(m, 0, 0, 0), example, inputs
-    if d.source in ("digits", "cifar10"):
-        from runtime.data.builtin import build_builtin
+    from runtime.data.builtin import BUILTIN, build_builtin
 
+    if d.source in BUILTIN:
         bundle = build_builtin(d)
         x = normalised(torch.stack([bundle.val[i][0] for i in range(EXAMPLE_ROWS)]), bundle.mean, bundle.std)
         num_classes, channels, size, mean, std = (bundle.num_classes, bundle.in_channels, bundle.image_size,
