@@ -1,0 +1,207 @@
+"""What a Ray job on the booted head can reach of the services that hold keys there.
+
+Every Ray Jobs entrypoint runs on the head as `ray`. These tests run site.yml's own plays on the
+lab's head, as an operator would, and then do what such a job would: read the remediation
+service's replacement SSH key, its state and its process environment, signal it, and read the
+MLflow server's admin password and artifact-store key. Each attempt must be refused while root
+(and the service's own account) reads the same paths, so a change that opened any of them fails.
+
+They run after test_cluster.py (file order) on its lab and put the head back as site.yml left it
+(both services stopped and disabled) before test_selfheal.py runs the service on the controller.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+from collections.abc import Iterator
+
+import lab as labmod
+import pytest
+
+HEAD, WORKERS = labmod.HEAD, labmod.WORKERS
+REMEDIATION_KEY = "/etc/remediation/ssh-key"
+REMEDIATION_CREDENTIALS = "/run/credentials/remediation.service"
+REMEDIATION_PYTHON = "/opt/ray/venv/bin/python"  # the role's remediation_python
+MLFLOW_CREDENTIALS = "/run/credentials/mlflow.service"
+MLFLOW_ADMIN_PASSWORD = "lab-mlflow-admin-password"
+ARTIFACT_STORE_SECRET = "lab-artifact-store-secret-key"
+# MLflow's ~420 MB install is not in the lab's offline wheelhouse. This stand-in takes the unit's
+# ExecStart path: it starts only if the credential systemd hands over is readable by the server's
+# account, then holds the service up, so the unit's User=, EnvironmentFile= and LoadCredential=
+# take effect on a running process exactly as they would for the server.
+MLFLOW_STAND_IN = """#!/bin/sh
+read -r _ < "$AWS_SHARED_CREDENTIALS_FILE" || exit 3
+exec sleep infinity
+"""
+
+
+def _write_root_file(host, path: str, text: str, mode: str = "0600") -> None:
+    """Write a root-owned file on a node (as an operator places a key before the playbook runs)."""
+    encoded = base64.b64encode(text.encode()).decode()
+    host.check_output(f"umask 077 && echo {encoded} | base64 -d > {path} && chmod {mode} {path}")
+
+
+def _main_pid(host, unit: str) -> int:
+    pid = int(host.check_output(f"systemctl show -p MainPID --value {unit}"))
+    assert pid > 0, f"{unit} has no main process"
+    return pid
+
+
+def _as_ray(host, command: str):
+    """Run a command as the account every Ray job on the head runs as."""
+    return host.run(f"runuser -u ray -- {command}")
+
+
+def _refused(result) -> bool:
+    return result.rc != 0 and ("Permission denied" in result.stderr or "Operation not permitted" in result.stderr)
+
+
+def _environ(host, pid: int) -> dict[str, str]:
+    """The process's environment, read as root."""
+    raw = host.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
+    return dict(line.split("=", 1) for line in raw.splitlines() if "=" in line)
+
+
+def _in_the_service(host, pid: int, command: str):
+    """Run a shell command as the service runs: its account, its mount namespace (ProtectSystem=strict,
+    PrivateTmp, its credentials folder), its exact environment and working directory."""
+    environ = _environ(host, pid)
+    uid = host.check_output(f"stat -c %u /proc/{pid}")
+    gid = host.check_output(f"stat -c %g /proc/{pid}")
+    cwd = host.check_output(f"readlink /proc/{pid}/cwd")
+    env = " ".join(shlex.quote(f"{k}={v}") for k, v in environ.items())
+    return host.run(f"nsenter -t {pid} -m -S {uid} -G {gid} -- env -i {env} "
+                    f"/bin/sh -c {shlex.quote(f'cd {shlex.quote(cwd)} && {command}')}")
+
+
+@pytest.fixture(scope="module")
+def head_hosted_remediation(ansible, hosts, lab, site_run) -> Iterator[int]:
+    """site.yml's remediation play on the head (docs/operations.md's head-hosted mode), started.
+
+    The replacement key is the one the workers accept (the lab's own), root-owned 0600 at
+    remediation_ssh_key_file as the docs tell an operator. Yields the service's main PID.
+    """
+    head = hosts(HEAD)
+    head.check_output("install -d -m 0750 /etc/remediation")
+    _write_root_file(head, REMEDIATION_KEY, lab.ssh_key().read_text())
+    try:
+        ansible.playbook(
+            "site.yml", "--limit", HEAD, "--tags", "remediation_install,remediation_configure,remediation_run",
+            "-e", json.dumps({"remediation_enabled": True,
+                              "remediation_webhook_token": labmod.lab_secret(lab, "remediation"),
+                              "remediation_ssh_key_file": REMEDIATION_KEY}))
+        yield _main_pid(head, "remediation")
+    finally:
+        head.run("systemctl disable --now remediation")
+
+
+def test_a_ray_job_cannot_read_the_head_hosted_remediation_key_or_state(hosts, head_hosted_remediation):
+    head = hosts(HEAD)
+    assert head.service("remediation").is_running
+    secrets = [REMEDIATION_KEY, f"{REMEDIATION_CREDENTIALS}/ssh-key", f"{REMEDIATION_CREDENTIALS}/webhook-token",
+               "/etc/remediation/webhook-token", "/etc/remediation/alertmanager-password"]
+    key = head.check_output(f"cat {REMEDIATION_KEY}")
+    assert "PRIVATE KEY" in key
+    # systemd handed the service the same key, in its own credentials folder.
+    assert head.check_output(f"cat {REMEDIATION_CREDENTIALS}/ssh-key") == key
+    for path in secrets:
+        assert head.run(f"test -s {path}").rc == 0, f"root finds no {path}"
+        attempt = _as_ray(head, f"cat {path}")
+        assert _refused(attempt), f"ray read {path}: rc={attempt.rc} {attempt.stdout[:80]!r}"
+    # The service's home holds its state (budget, halts, replay memory), ~/.ansible and known_hosts.
+    assert head.check_output("stat -c %U:%a /var/lib/remediation") == "remediation:700"
+    for command in ["ls /var/lib/remediation", "cat /var/lib/remediation/state/state.json",
+                    "touch /var/lib/remediation/state/state.json"]:
+        assert _refused(_as_ray(head, command)), command
+
+
+def test_a_ray_job_cannot_read_the_remediation_environment_or_signal_it(hosts, head_hosted_remediation):
+    head, pid = hosts(HEAD), head_hosted_remediation
+    environ = _environ(head, pid)
+    assert environ["ANSIBLE_PRIVATE_KEY_FILE"] == f"{REMEDIATION_CREDENTIALS}/ssh-key"
+    assert _refused(_as_ray(head, f"cat /proc/{pid}/environ"))
+    assert _refused(_as_ray(head, f"kill -0 {pid}"))
+    # The attack itself: a kill -9 that landed would leave systemd restarting it under a new PID.
+    assert _refused(_as_ray(head, f"kill -KILL {pid}"))
+    assert _main_pid(head, "remediation") == pid
+    assert head.check_output("systemctl show -p NRestarts --value remediation") == "0"
+
+
+def test_the_head_hosted_service_reaches_a_worker_as_root_with_its_handed_over_key(hosts, lab,
+                                                                                    head_hosted_remediation):
+    # What its replacement playbook needs: run as the service's account, in its mount namespace
+    # (ProtectSystem=strict, its credentials) with its exact environment, ssh logs in to a worker
+    # as root with ANSIBLE_PRIVATE_KEY_FILE and records the worker's host key in the account's
+    # home, the one path the unit leaves writable; ansible-playbook keeps ~/.ansible under HOME,
+    # which must be that home (Ray's ray.env would make it /opt/ray, read-only there).
+    head, pid = hosts(HEAD), head_hosted_remediation
+    environ = _environ(head, pid)
+    assert environ["HOME"] == "/var/lib/remediation"
+    assert head.check_output(f"stat -c %U /proc/{pid}") == "remediation"
+    worker = labmod.node_address(lab, WORKERS[0])
+    login = _in_the_service(head, pid, (
+        'ssh -i "$ANSIBLE_PRIVATE_KEY_FILE" -o BatchMode=yes -o IdentitiesOnly=yes '
+        f'-o StrictHostKeyChecking=accept-new root@{worker} id -u'))
+    assert login.rc == 0 and login.stdout.strip() == "0", login.stderr
+    assert head.run(f"ssh-keygen -F {worker} -f /var/lib/remediation/.ssh/known_hosts").rc == 0
+
+
+def test_the_head_hosted_service_reads_ray_with_its_handed_over_token_alone(hosts, head_hosted_remediation):
+    # Ray's token file is ray's own; the service's account reaches Ray only through systemd's copy
+    # (RAY_AUTH_TOKEN_PATH), with the drain action's own GCS client.
+    head, pid = hosts(HEAD), head_hosted_remediation
+    assert _refused(head.run("runuser -u remediation -- cat /etc/ray/auth_token"))
+    probe = _in_the_service(head, pid, (
+        'timeout 300 ' + REMEDIATION_PYTHON + " -c "
+        + shlex.quote("from ops.remediation.actions import RayDrainer; "
+                      "print(sum(n.alive for n in RayDrainer('127.0.0.1:6379', 60, 1).nodes()))")))
+    assert probe.rc == 0, probe.stderr[-2000:]
+    assert probe.stdout.strip().splitlines()[-1] == "3"
+
+
+@pytest.fixture(scope="module")
+def mlflow_on_the_head(ansible, hosts, site_run) -> Iterator[int]:
+    """site.yml's MLflow configuration on the head with an S3 artifact store, its unit started.
+
+    The account is created as the role's install step creates it; the server binary is the
+    stand-in above. Yields the service's main PID.
+    """
+    head = hosts(HEAD)
+    head.check_output("id mlflow || useradd --system --home-dir /var/lib/mlflow --create-home "
+                      "--shell /usr/sbin/nologin mlflow")
+    head.check_output("install -d -m 0755 /opt/mlflow/venv/bin")
+    _write_root_file(head, "/opt/mlflow/venv/bin/mlflow", MLFLOW_STAND_IN, mode="0755")
+    try:
+        ansible.playbook(
+            "site.yml", "--limit", HEAD, "--tags", "mlflow_configure",
+            "-e", json.dumps({"mlflow_enabled": True,
+                              "mlflow_auth_admin_password": MLFLOW_ADMIN_PASSWORD,
+                              "mlflow_artifact_root": "s3://lab-artifacts/mlflow",
+                              "mlflow_artifact_store_access_key_id": "AKIALABMLFLOWSTORE",
+                              "mlflow_artifact_store_secret_access_key": ARTIFACT_STORE_SECRET}))
+        head.check_output("systemctl start mlflow")
+        yield _main_pid(head, "mlflow")
+    finally:
+        head.run("systemctl disable --now mlflow")
+
+
+def test_a_ray_job_cannot_read_the_mlflow_servers_credentials(hosts, mlflow_on_the_head):
+    head, pid = hosts(HEAD), mlflow_on_the_head
+    assert head.service("mlflow").is_running  # the stand-in read its handed-over key
+    # Where each secret lives, and what root finds there (so a refusal below is of a real secret).
+    holders = {"/etc/default/mlflow": MLFLOW_ADMIN_PASSWORD,
+               "/etc/mlflow/artifact-store-credentials": ARTIFACT_STORE_SECRET,
+               f"{MLFLOW_CREDENTIALS}/artifact-store": ARTIFACT_STORE_SECRET,
+               f"/proc/{pid}/environ": MLFLOW_ADMIN_PASSWORD,
+               "/etc/default/mlflow-secret-key": "MLFLOW_FLASK_SERVER_SECRET_KEY="}
+    for path, secret in holders.items():
+        assert secret in head.check_output(f"cat {path}"), path
+        attempt = _as_ray(head, f"cat {path}")
+        assert _refused(attempt), f"ray read {path}: rc={attempt.rc} {attempt.stdout[:80]!r}"
+    # The server's own account reads the key systemd handed it, and nothing of root's.
+    assert ARTIFACT_STORE_SECRET in head.check_output(
+        f"runuser -u mlflow -- cat {MLFLOW_CREDENTIALS}/artifact-store")
+    assert _refused(head.run("runuser -u mlflow -- cat /etc/mlflow/artifact-store-credentials"))
+    assert _refused(_as_ray(head, f"kill -0 {pid}"))
