@@ -15,10 +15,18 @@ from __future__ import annotations
 import base64
 import json
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import lab as labmod
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import Ansible
+    from testinfra.backend.base import CommandResult
+    from testinfra.host import Host
+
+    Hosts = Callable[[str], Host]
 
 HEAD, WORKERS = labmod.HEAD, labmod.WORKERS
 REMEDIATION_KEY = "/etc/remediation/ssh-key"
@@ -37,34 +45,34 @@ exec sleep infinity
 """
 
 
-def _write_root_file(host, path: str, text: str, mode: str = "0600") -> None:
+def _write_root_file(host: Host, path: str, text: str, mode: str = "0600") -> None:
     """Write a root-owned file on a node (as an operator places a key before the playbook runs)."""
     encoded = base64.b64encode(text.encode()).decode()
     host.check_output(f"umask 077 && echo {encoded} | base64 -d > {path} && chmod {mode} {path}")
 
 
-def _main_pid(host, unit: str) -> int:
+def _main_pid(host: Host, unit: str) -> int:
     pid = int(host.check_output(f"systemctl show -p MainPID --value {unit}"))
     assert pid > 0, f"{unit} has no main process"
     return pid
 
 
-def _as_ray(host, command: str):
+def _as_ray(host: Host, command: str) -> CommandResult:
     """Run a command as the account every Ray job on the head runs as."""
     return host.run(f"runuser -u ray -- {command}")
 
 
-def _refused(result) -> bool:
+def _refused(result: CommandResult) -> bool:
     return result.rc != 0 and ("Permission denied" in result.stderr or "Operation not permitted" in result.stderr)
 
 
-def _environ(host, pid: int) -> dict[str, str]:
+def _environ(host: Host, pid: int) -> dict[str, str]:
     """The process's environment, read as root."""
     raw = host.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
     return dict(line.split("=", 1) for line in raw.splitlines() if "=" in line)
 
 
-def _in_the_service(host, pid: int, command: str):
+def _in_the_service(host: Host, pid: int, command: str) -> CommandResult:
     """Run a shell command as the service runs: its account, its mount namespace (ProtectSystem=strict,
     PrivateTmp, its credentials folder), its exact environment and working directory."""
     environ = _environ(host, pid)
@@ -77,7 +85,7 @@ def _in_the_service(host, pid: int, command: str):
 
 
 @pytest.fixture(scope="module")
-def head_hosted_remediation(ansible, hosts, lab, site_run) -> Iterator[int]:
+def head_hosted_remediation(ansible: Ansible, hosts: Hosts, lab: labmod.Lab, site_run: object) -> Iterator[int]:
     """site.yml's remediation play on the head (docs/operations.md's head-hosted mode), started.
 
     The replacement key is the one the workers accept (the lab's own), root-owned 0600 at
@@ -97,7 +105,8 @@ def head_hosted_remediation(ansible, hosts, lab, site_run) -> Iterator[int]:
         head.run("systemctl disable --now remediation")
 
 
-def test_a_ray_job_cannot_read_the_head_hosted_remediation_key_or_state(hosts, head_hosted_remediation):
+def test_a_ray_job_cannot_read_the_head_hosted_remediation_key_or_state(
+        hosts: Hosts, head_hosted_remediation: int) -> None:
     head = hosts(HEAD)
     assert head.service("remediation").is_running
     secrets = [REMEDIATION_KEY, f"{REMEDIATION_CREDENTIALS}/ssh-key", f"{REMEDIATION_CREDENTIALS}/webhook-token",
@@ -117,7 +126,8 @@ def test_a_ray_job_cannot_read_the_head_hosted_remediation_key_or_state(hosts, h
         assert _refused(_as_ray(head, command)), command
 
 
-def test_a_ray_job_cannot_read_the_remediation_environment_or_signal_it(hosts, head_hosted_remediation):
+def test_a_ray_job_cannot_read_the_remediation_environment_or_signal_it(
+        hosts: Hosts, head_hosted_remediation: int) -> None:
     head, pid = hosts(HEAD), head_hosted_remediation
     environ = _environ(head, pid)
     assert environ["ANSIBLE_PRIVATE_KEY_FILE"] == f"{REMEDIATION_CREDENTIALS}/ssh-key"
@@ -129,8 +139,8 @@ def test_a_ray_job_cannot_read_the_remediation_environment_or_signal_it(hosts, h
     assert head.check_output("systemctl show -p NRestarts --value remediation") == "0"
 
 
-def test_the_head_hosted_service_reaches_a_worker_as_root_with_its_handed_over_key(hosts, lab,
-                                                                                    head_hosted_remediation):
+def test_the_head_hosted_service_reaches_a_worker_as_root_with_its_handed_over_key(
+        hosts: Hosts, lab: labmod.Lab, head_hosted_remediation: int) -> None:
     # What its replacement playbook needs: run as the service's account, in its mount namespace
     # (ProtectSystem=strict, its credentials) with its exact environment, ssh logs in to a worker
     # as root with ANSIBLE_PRIVATE_KEY_FILE and records the worker's host key in the account's
@@ -148,7 +158,8 @@ def test_the_head_hosted_service_reaches_a_worker_as_root_with_its_handed_over_k
     assert head.run(f"ssh-keygen -F {worker} -f /var/lib/remediation/.ssh/known_hosts").rc == 0
 
 
-def test_the_head_hosted_service_reads_ray_with_its_handed_over_token_alone(hosts, head_hosted_remediation):
+def test_the_head_hosted_service_reads_ray_with_its_handed_over_token_alone(
+        hosts: Hosts, head_hosted_remediation: int) -> None:
     # Ray's token file is ray's own; the service's account reaches Ray only through systemd's copy
     # (RAY_AUTH_TOKEN_PATH), with the drain action's own GCS client.
     head, pid = hosts(HEAD), head_hosted_remediation
@@ -162,7 +173,7 @@ def test_the_head_hosted_service_reads_ray_with_its_handed_over_token_alone(host
 
 
 @pytest.fixture(scope="module")
-def mlflow_on_the_head(ansible, hosts, site_run) -> Iterator[int]:
+def mlflow_on_the_head(ansible: Ansible, hosts: Hosts, site_run: object) -> Iterator[int]:
     """site.yml's MLflow configuration on the head with an S3 artifact store, its unit started.
 
     The account is created as the role's install step creates it; the server binary is the
@@ -187,7 +198,7 @@ def mlflow_on_the_head(ansible, hosts, site_run) -> Iterator[int]:
         head.run("systemctl disable --now mlflow")
 
 
-def test_a_ray_job_cannot_read_the_mlflow_servers_credentials(hosts, mlflow_on_the_head):
+def test_a_ray_job_cannot_read_the_mlflow_servers_credentials(hosts: Hosts, mlflow_on_the_head: int) -> None:
     head, pid = hosts(HEAD), mlflow_on_the_head
     assert head.service("mlflow").is_running  # the stand-in read its handed-over key
     # Where each secret lives, and what root finds there (so a refusal below is of a real secret).
