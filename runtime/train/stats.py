@@ -13,6 +13,8 @@ slower than its peers (runtime.observe.stragglers) without a collective of its o
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +24,10 @@ import torch
 import torch.distributed as dist
 
 from runtime.observe.stragglers import Host
+
+# Tests only: "RANK@FIRST-LAST:SECONDS" makes that rank sleep SECONDS in the local part of steps
+# FIRST..LAST, a straggler at a known step (tests/unit/train/test_stragglers_trainer.py).
+SLOW_RANK_ENV = "RUNTIME_TEST_SLOW_RANK"
 
 
 @dataclass
@@ -54,6 +60,7 @@ class StepStats:
         self.crossed_at = torch.zeros((), device=device)
         self._reset_window()
         self.first_step_s: float | None = None  # the first step of this process (compile, autotune, warm-up)
+        self.slowed = _slowed_steps(rank)
 
     def state_dict(self) -> dict[str, int]:
         """The non-finite counters a resume continues (read from the device: a checkpoint syncs anyway)."""
@@ -77,13 +84,15 @@ class StepStats:
         self._local_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._local_t0: float | torch.cuda.Event | None = None
 
-    def local_begin(self) -> None:
-        """A step starts: what follows until :meth:`local_end` is this rank's own work."""
+    def local_begin(self, step: int = 0) -> None:
+        """Step ``step`` starts: what follows until :meth:`local_end` is this rank's own work."""
         if self.device.type == "cuda":  # device time: the host runs ahead of the device
             self._local_t0 = torch.cuda.Event(enable_timing=True)
             self._local_t0.record()
         else:
             self._local_t0 = time.perf_counter()
+        if self.slowed is not None and self.slowed[0] <= step <= self.slowed[1]:
+            time.sleep(self.slowed[2])
 
     def local_end(self) -> None:
         """The step reaches its first collective with the other ranks (the synced backward).
@@ -194,3 +203,15 @@ def gather_hosts(distributed: bool, world: int) -> list[Host]:
     hosts: list[Any] = [None] * world
     dist.all_gather_object(hosts, me)
     return hosts
+
+
+def _slowed_steps(rank: int) -> tuple[int, int, float] | None:
+    """(first, last, seconds) when ``SLOW_RANK_ENV`` slows this rank; None otherwise."""
+    value = os.environ.get(SLOW_RANK_ENV)
+    if not value:
+        return None
+    m = re.fullmatch(r"(\d+)@(\d+)-(\d+):(\d+(?:\.\d+)?)", value)
+    if m is None:
+        raise ValueError(f"{SLOW_RANK_ENV}={value!r}: expected RANK@FIRST-LAST:SECONDS, e.g. 1@7-16:0.08")
+    who, first, last, seconds = m.groups()
+    return (int(first), int(last), float(seconds)) if int(who) == rank else None

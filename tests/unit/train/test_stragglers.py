@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.observe.stragglers import Host, StragglerDetector
-from runtime.train.stats import StepStats, gather_hosts
+from runtime.train.stats import SLOW_RANK_ENV, StepStats, gather_hosts
 from tests.support.ranks import spawn_ranks
 
 HOSTS = [Host("gpu-1", "10.0.0.1"), Host("gpu-2", "10.0.0.2"), Host("gpu-3", "10.0.0.3"), Host("gpu-4", "10.0.0.4")]
@@ -105,7 +105,7 @@ def _train_with_one_slow_rank(rank: int, world: int, out: str) -> None:
     d = StragglerDetector(hosts, threshold=1.5, windows=3)
     events = []
     for step in range(1, STEPS + 1):
-        stats.local_begin()
+        stats.local_begin(step)
         slow = rank == 1 and SLOW_FROM <= step <= SLOW_UNTIL
         time.sleep(SLOW_S if slow else BASE_S)
         loss = model(torch.randn(4, 8)).pow(2).mean()
@@ -133,3 +133,25 @@ def test_a_slowed_gloo_rank_is_named_after_three_reports_and_cleared_after_three
         (12, f"straggler: rank 1 on host {host}"),
         (22, f"straggler cleared: rank 1 on host {host}"),
     ]
+
+
+def test_a_malformed_slow_rank_setting_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SLOW_RANK_ENV, "1@7:0.5")
+    with pytest.raises(ValueError, match=f"{SLOW_RANK_ENV}='1@7:0.5': expected RANK@FIRST-LAST:SECONDS"):
+        StepStats(torch.device("cpu"), rank=1)
+
+
+def test_the_slow_rank_setting_slows_only_that_rank_in_the_local_part_of_the_named_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SLOW_RANK_ENV, "1@2-3:0.05")
+    slowed, other = StepStats(torch.device("cpu"), rank=1), StepStats(torch.device("cpu"), rank=0)
+    assert (slowed.slowed, other.slowed) == ((2, 3, 0.05), None)
+    for step in (1, 2, 3, 4):
+        slowed.local_begin(step)
+        slowed.local_end()
+    assert slowed.local_steps == 4 and slowed.local_s >= 2 * 0.05  # time.sleep never returns early
+    slowed.add(torch.tensor(1.0), torch.tensor(0.0), torch.tensor(1.0), torch.tensor(0.0), 1, 1, 4, 5)
+    b = slowed.exchange((False, False, False), distributed=False, world=2, want_metrics=True)
+    assert b.rank_local_s[0] == 0.0  # rank 0's slot is rank 0's to fill
+    assert b.rank_local_s[1] >= 2 * 0.05 / 4  # rank 1's: its local seconds per step (4 steps, 2 slowed)
+    assert slowed.local_steps == 0  # the window was reset with the metrics
