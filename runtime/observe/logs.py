@@ -2,6 +2,7 @@
 
     python -m runtime logs digits_smoke-20261128-183124 --rank 1 --tail 100
     python -m runtime logs runs/x --since 10m --grep 'Traceback|error' --attempt 2
+    python -m runtime logs digits_smoke-20261128-183124 --follow    # until the final report; Ctrl+C ends it
 
 Why one command: a run's lines are scattered over its run folder, Ray's session folder on each node
 (gone with the node) and, on a cluster, the head's copy of every node's files. This merges:
@@ -21,7 +22,11 @@ A run's attempt is the number of worker-group starts in ``timeline.jsonl`` up to
 step is the last step the driver had received a report for then (``~step``).
 
 Over 400 lines because the three sources' formats (JSON lines, Ray's plain and JSON worker output,
-rsyslog's file format) are only useful joined (job, worker and rank, attempt, step): one module.
+rsyslog's file format) are only useful joined (job, worker and rank, attempt, step), and ``--follow``
+joins them again as they grow: one module.
+
+``--follow`` prints the lines as the sources grow (every FOLLOW_POLL_S) and stops once the run's
+final report is in ``history.jsonl``, or at Ctrl+C (exit 0 either way).
 
 Exit codes: 0 the lines were printed (none matching is said on stderr), 2 bad input (no such run,
 a bad time, rank or pattern: one line saying what was expected), 7 a source could not be read (each
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -60,6 +66,7 @@ _RAY_MARKERS = (":job_id:", ":actor_name:", ":task_name:")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _TEXT_MAX = 2000  # characters of one shown line: a megabyte-long line is cut, never floods the terminal
+FOLLOW_POLL_S = 1.0  # --follow reads the sources again this often
 
 
 class LogsError(ValueError):
@@ -362,6 +369,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--until", help="up to this time (same forms)")
     p.add_argument("--grep", help="only lines matching this regular expression")
     p.add_argument("--tail", help="only the last N lines (after the other filters)")
+    p.add_argument("--follow", action="store_true",
+                   help="keep printing new lines as they are written, until the run's final report (or Ctrl+C)")
     p.add_argument("--ray-logs", action="append", metavar="DIR",
                    help="a Ray temp dir with session_*/logs (repeatable; default: the local cluster's, /tmp/ray)")
     p.add_argument("--shipped", default=str(SHIPPED_DIR), metavar="DIR",
@@ -411,7 +420,10 @@ def main(argv: list[str], runs_root: Path | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     ray_logs = [Path(d) for d in args.ray_logs] if args.ray_logs else default_ray_logs()
-    lines, unreadable = collect(run_dir.name, Sources(run_dir, ray_logs, Path(args.shipped)))
+    sources = Sources(run_dir, ray_logs, Path(args.shipped))
+    if args.follow:
+        return follow(run_dir.name, sources, f)
+    lines, unreadable = collect(run_dir.name, sources)
     shown = select(lines, f)
     for ln in shown:
         print(render(ln))
@@ -420,3 +432,49 @@ def main(argv: list[str], runs_root: Path | None = None) -> int:
     if not shown:
         print(f"no lines of run {run_dir.name} match ({len(lines)} lines found in all)", file=sys.stderr)
     return EXIT_UNREADABLE if unreadable else EXIT_OK
+
+
+def _finished(lines: list[Line]) -> bool:
+    """The driver received the run's final report (``final=True`` in ``history.jsonl``)."""
+    return any(ln.source == HISTORY_FILE and "final=True" in ln.text.split() for ln in lines)
+
+
+def follow(run: str, sources: Sources, f: Filters) -> int:
+    """``--follow``: the matching lines (``--tail`` of them first), then each new one as the sources
+    grow, until the final report is shown; Ctrl+C ends it with exit 0. A line is new by its source
+    and text (counted), not its time: an untimed line's time may move as its file grows."""
+    import time
+    from collections import Counter
+
+    printed: Counter[tuple[str, str, str]] = Counter()
+    warned: set[str] = set()
+    first = True
+    try:
+        while True:
+            lines, unreadable = collect(run, sources)
+            seen: Counter[tuple[str, str, str]] = Counter()
+            fresh: list[Line] = []
+            for ln in select(lines, dataclasses.replace(f, tail=None)):
+                key = (ln.host, ln.source, ln.text)
+                seen[key] += 1
+                if seen[key] > printed[key]:
+                    fresh.append(ln)
+            if first and f.tail:  # the initial view honours --tail; what follows is every new line
+                for ln in fresh[:-f.tail]:
+                    printed[(ln.host, ln.source, ln.text)] += 1
+                fresh = fresh[-f.tail:]
+            for ln in fresh:
+                printed[(ln.host, ln.source, ln.text)] += 1
+                print(render(ln), flush=True)
+            for why in unreadable:
+                if why not in warned:
+                    warned.add(why)
+                    print(f"warning: {why}", file=sys.stderr, flush=True)
+            first = False
+            if _finished(lines):
+                return EXIT_OK
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:  # Ctrl+C is how a follow ends before the run does
+        return EXIT_OK
+    except BrokenPipeError:  # `logs --follow | head`: the reader left
+        return EXIT_OK
