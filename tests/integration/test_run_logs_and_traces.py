@@ -129,3 +129,47 @@ def test_a_runs_spans_reach_mlflow_with_its_name_attempt_and_rays_actors(traced:
     assert root.attributes.get("rt.run") == RUN and int(root.attributes.get("rt.attempt")) == 1
     assert ids[0] in root.trace_id  # MLflow's id of an OpenTelemetry trace: tr-<its hex id>
     assert any("RayTrainWorker" in name for name in spans), sorted(spans)
+
+
+def span_tree(spans: list[Any], root: Any) -> list[str]:
+    """The root's children (and theirs), by start, as ``docs/operations.md`` shows a traced failure."""
+    children: dict[str | None, list[Any]] = {}
+    for s in spans:
+        if not s.name.startswith("_QueueActor"):  # the driver polling its report queue, twice a second
+            children.setdefault(s.parent_id, []).append(s)
+    t0 = root.start_time_ns
+    out: list[str] = []
+
+    def walk(span: Any, depth: int) -> None:
+        attrs = " ".join(f"{k}={span.attributes[k]}" for k in ("rt.rank", "rt.step") if k in span.attributes)
+        out.append(f"{'  ' * depth}{span.name:<{40 - 2 * depth}} +{(span.start_time_ns - t0) / 1e9:7.3f}s "
+                   f"{(span.end_time_ns - span.start_time_ns) / 1e9:7.3f}s {attrs}".rstrip())
+        for child in sorted(children.get(span.span_id, []), key=lambda s: s.start_time_ns):
+            if depth < 1 or not child.name.startswith(("RayTrain", "TrainController", "Synchronization")):
+                walk(child, depth + 1)
+
+    walk(root, 0)
+    return out
+
+
+def test_the_restart_after_the_kill_is_phase_spans_under_the_attempts_root_span(traced: dict[str, Any]) -> None:
+    import mlflow
+
+    root_id = traces.attempt_context(traced["run_dir"])
+    assert root_id is not None
+    mlflow.set_tracking_uri(traced["url"])
+    found = mlflow.search_traces(locations=[traced["experiment"]], return_type="list")
+    spans = [s for t in found for s in t.data.spans]
+    root = next(s for s in spans if s.name == f"run {RUN}")
+    phases = [s for s in spans if s.parent_id == root.span_id and s.name in
+              ("worker group start", "teardown", "restart", "resize", "restore", "first step", "save")]
+    named = sorted(s.name for s in phases)
+    print("\n".join(span_tree(spans, root)))  # what docs/operations.md pastes
+    # Two worker groups (the first, and the one after the kill), each of 2 ranks restoring.
+    assert named.count("worker group start") == 2 and named.count("restart") == 1, named
+    assert sorted(s.attributes["rt.rank"] for s in phases if s.name == "restore") == [0, 0, 1, 1], named
+    restart = next(s for s in phases if s.name == "restart")
+    second = max((s for s in phases if s.name == "worker group start"), key=lambda s: s.start_time_ns)
+    assert restart.end_time_ns == second.end_time_ns  # the restart ends when the new group is ready
+    late = [s for s in phases if s.name == "restore" and s.start_time_ns >= restart.end_time_ns]
+    assert len(late) == 2, "both ranks of the new group restored after the restart"
