@@ -9,6 +9,8 @@ missed of the run (runtime.observe.mlflow_sync.sync).
 
 from __future__ import annotations
 
+import json
+import shlex
 import stat
 import statistics
 import sys
@@ -31,7 +33,8 @@ METRICS = (("train/loss", "train loss", min), ("train/accuracy", "train accuracy
 EXIT_BAD_INPUT = 2
 EXIT_NO_SERVICE = 3  # --sync: MLflow unreachable (the CLI's "no cluster/service")
 
-__all__ = ["CURVES_FILE", "HISTORY_FILE", "HistoryLog", "ReportError", "find_run", "main", "read_history", "report"]
+__all__ = ["CURVES_FILE", "HISTORY_FILE", "HistoryLog", "ReportError", "find_run", "logs_command", "main",
+           "read_history", "report"]
 
 
 def find_run(run: str, runs_root: Path = LOCAL_RUNS) -> Path:
@@ -41,6 +44,37 @@ def find_run(run: str, runs_root: Path = LOCAL_RUNS) -> Path:
             return candidate.resolve()
     raise ReportError(f"no run folder {run!r}: give a run folder (the summary's `run folder:` line) "
                       f"or the name of a run under {runs_root.resolve()}")
+
+
+def failing_rank(error: BaseException | None) -> int | None:
+    """The rank whose lines say why Ray Train's run failed: a worker that died (its peers' errors
+    follow from it), else the lowest rank that raised; None when the error names no rank."""
+    failures = getattr(error, "worker_failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    died = [r for r, e in failures.items() if isinstance(e, (WorkerHealthCheckFailedError, RayActorError))]
+    return min(died or failures)
+
+
+def logs_command(run_dir: Path, error: BaseException | None = None, runs_root: Path = LOCAL_RUNS) -> str:
+    """The ``make logs`` line that shows a failed run's last lines: of its failing rank (from the
+    error) in its last attempt (the worker-group starts in ``timeline.jsonl``) when known."""
+    under_root = (runs_root / run_dir.name).resolve() == run_dir.resolve()
+    parts = [f"RUN={shlex.quote(run_dir.name if under_root else str(run_dir))}"]
+    rank = failing_rank(error)
+    if rank is not None:
+        parts.append(f"RANK={rank}")
+    try:
+        starts = sum(1 for raw in (run_dir / "timeline.jsonl").read_text().splitlines()
+                     if '"group_start"' in raw and json.loads(raw).get("event") == "group_start")
+    except (OSError, ValueError):
+        starts = 0
+    if starts:
+        parts.append(f"ATTEMPT={starts}")
+    return "make logs " + " ".join([*parts, "TAIL=100"])
 
 
 def _fmt(v: float) -> str:
