@@ -5,7 +5,8 @@ round by round (A B A B ...) so drift hits all, each throughput the median of st
 windows (warm-up and compilation left out), each with the peak GPU memory of its process:
 
 - ``synthetic``: ResNet-50 224x224, batch 256, bf16 autocast, channels_last, data made once on
-  the device: bare eager, bare ``torch.compile``, the runtime through Ray with 1 GPU worker
+  the device: bare eager, bare ``torch.compile``, the bare loop under DDP on a one-rank group
+  (DDP's own cost, which every runtime run pays), the runtime through Ray with 1 GPU worker
   (eager), and the same with ``model.compile=true``. Goal: runtime/bare >= 0.97 both ways,
   runtime peak memory within 5% of bare.
 - ``fsdp``: the runtime's ResNet-50 under FSDP2 against DDP on the same GPU. Goal: >= 0.95.
@@ -13,7 +14,12 @@ windows (warm-up and compilation left out), each with the peak GPU memory of its
   with nvJPEG decode on the device and with Pillow decode in loader workers. Goal: GPU
   decode >= 3,000 images/s.
 - ``gpt``: ``gpt_small`` scaled to a GPU (12 layers, width 768, 1,024 tokens of context),
-  eager and compiled: tokens/s and model FLOPs utilisation.
+  eager and compiled, under DDP (plain) and FSDP2, beside the bare loop (eager and compiled)
+  over the same model: tokens/s and model FLOPs utilisation. Goals: runtime/bare compiled
+  >= 0.97, FSDP/plain >= 0.95.
+- ``microbatch``: the runtime's ResNet-50 (eager) with ``data.micro_batch`` equal to the batch
+  (one micro-step, guarded against running out of memory) against the unguarded step: the
+  guard's per-step cost. Goal: >= 0.97.
 
 Both sides are timed the same way: the device is synced before the clock is read at the edges
 of every window (the runtime's boundary does the same). A ratio above ``SUSPECT_RATIO`` is
@@ -21,7 +27,11 @@ flagged in the JSON as a measurement error to explain, not a result.
 
 Results merge into ``benchmarks/results/gpu/<device>.json`` (so parts run in separate calls
 add up) and a Markdown table beside it. Without CUDA it writes a JSON that says it skipped.
-``BENCH_GPU_*`` variables shrink the run (model, image size, batch, steps, rounds).
+``BENCH_GPU_*`` variables shrink the run (model, image size, batch, steps, rounds);
+``BENCH_GPU_DEVICE=cpu`` runs every part small on the CPU (plumbing, not figures).
+
+Over 400 lines because each part's variants, bare baselines and ratios sit beside each other, so
+what a ratio compares is read in one place.
 """
 
 from __future__ import annotations
@@ -47,11 +57,13 @@ STEPS = int(os.environ.get("BENCH_GPU_STEPS", "60"))  # measured steps a variant
 WARMUP = int(os.environ.get("BENCH_GPU_WARMUP", "15"))
 ROUNDS = int(os.environ.get("BENCH_GPU_ROUNDS", "2"))
 JPEGS = int(os.environ.get("BENCH_GPU_JPEGS", "2048"))
-PARTS = ("synthetic", "fsdp", "jpeg", "gpt")
+PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch")
 CLASSES = 1000
 LOG_EVERY = 10
 SUSPECT_RATIO = 1.02  # the runtime does the bare loop's work plus its own: above this, timing is wrong
 GPT = {"layers": 12, "dim": 768, "heads": 12, "seq_len": 1024, "vocab_size": 256}
+GPT_CPU = {"layers": 2, "dim": 64, "heads": 2, "seq_len": 32, "vocab_size": 256}  # plumbing size
+GPT_BATCH = 16
 
 
 def _sync(device: torch.device) -> None:
@@ -82,24 +94,26 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def bare(compiled: bool, device: torch.device, fsdp: bool = False, profile: Path | None = None,
+def bare(compiled: bool, device: torch.device, fsdp: bool = False, profile: Path | None = None, ddp: bool = False,
          **sizes: int) -> dict[str, float]:
     """The bare loop (``sizes``: its ``warmup``/``steps``), then its cached memory and compiled graphs
     given back (its locals are gone by then)."""
-    with one_rank_group(device) if fsdp else contextlib.nullcontext():
-        result = bare_loop(compiled, device, fsdp=fsdp, profile=profile, **sizes)
+    with one_rank_group(device) if fsdp or ddp else contextlib.nullcontext():
+        result = bare_loop(compiled, device, fsdp=fsdp, profile=profile, ddp=ddp, **sizes)
     _release(device)
     return result
 
 
 def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False, profile: Path | None = None, *,
-              warmup: int = WARMUP, steps: int = STEPS) -> dict[str, float]:
+              ddp: bool = False, warmup: int = WARMUP, steps: int = STEPS) -> dict[str, float]:
     """The baseline a user would write: data made once on the device, autocast, fused SGD.
 
     ``fsdp``: the same loop with the runtime's ``apply_fsdp`` on a one-rank group and torch's
     SGD as a user would write it (foreach on DTensors: torch has no DTensor rule for fused SGD):
     FSDP2's own cost. The runtime steps the local shards with the fused kernel (``ShardedSGD``),
     so it may run faster than this loop; ``fsdp_over_ddp`` is the ratio that carries the goal.
+    ``ddp``: the same loop wrapped in DDP on a one-rank group, as the runtime wraps every model:
+    DDP's own cost (its hooks and bucket copies; the all-reduce of one rank is a no-op on the wire).
     ``profile``: a torch.profiler table of three more steps written there, which says
     whether a slow step waits on the GPU or on Python (per-op DTensor dispatch, FSDP hooks).
     """
@@ -112,6 +126,8 @@ def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False, profile:
     cuda = device.type == "cuda"
     if fsdp:
         model = apply_fsdp(model, FSDPConfig(), torch.bfloat16 if cuda else None, device, 1)
+    elif ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-5,
                           fused=not fsdp)
     x = torch.randn(BATCH, 3, IMAGE, IMAGE, device=device).contiguous(memory_format=torch.channels_last)
@@ -127,6 +143,17 @@ def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False, profile:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    result = _timed(step, device, BATCH, warmup, steps)
+    if profile is not None:
+        write_profile(step, device, profile)
+    return {"images_per_s": result["rate"], "warmup_s": result["warmup_s"],
+            "peak_memory_bytes": result["peak_memory_bytes"]}
+
+
+def _timed(step: Callable[[], None], device: torch.device, per_step: int, warmup: int = WARMUP,
+           steps: int = STEPS) -> dict[str, float]:
+    """Warm-up steps, then the median rate (``per_step`` samples or tokens a step) of LOG_EVERY-step
+    windows, the device synced before each clock read; peak memory since the caller's reset."""
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
@@ -139,11 +166,38 @@ def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False, profile:
         for _ in range(LOG_EVERY):
             step()
         _sync(device)
-        windows.append(BATCH * LOG_EVERY / (time.perf_counter() - t))
-    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-    if profile is not None:
-        write_profile(step, device, profile)
-    return {"images_per_s": statistics.median(windows), "warmup_s": warm, "peak_memory_bytes": float(peak)}
+        windows.append(per_step * LOG_EVERY / (time.perf_counter() - t))
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return {"rate": statistics.median(windows), "warmup_s": warm, "peak_memory_bytes": float(peak)}
+
+
+def bare_gpt(compiled: bool, device: torch.device, size: dict[str, int]) -> dict[str, float]:
+    """The bare loop a user would write for the runtime's GPT: tokens made once on the device, bf16
+    autocast, fused AdamW (the runtime's settings: lr 1e-3, betas 0.9/0.95, weight decay 0.1), no DDP.
+    ``rate``: tokens/s, counted as the runtime counts them (batch x seq_len a step)."""
+    from runtime.config import ModelConfig
+    from runtime.config.schema import TransformerConfig
+    from runtime.train.models import build_model
+
+    torch.manual_seed(0)
+    cuda = device.type == "cuda"
+    model = build_model(ModelConfig(name="gpt", transformer=TransformerConfig(**size)), 0, 0, 0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    tokens = torch.randint(size["vocab_size"], (GPT_BATCH, size["seq_len"] + 1), device=device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    step_model = torch.compile(model) if compiled else model
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = step_model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _timed(step, device, GPT_BATCH * size["seq_len"])
 
 
 def write_profile(step: Callable[[], None], device: torch.device, path: Path) -> None:
@@ -217,6 +271,7 @@ def part_synthetic(device: torch.device, storage: str, use_gpu: bool) -> dict[st
     rounds = _interleave({
         "bare_eager": lambda: bare(False, device),
         "bare_compiled": lambda: bare(True, device),
+        "bare_ddp": lambda: bare(False, device, ddp=True),
         "runtime_eager": lambda: runtime_run("resnet50", _image_sets(False), storage, use_gpu),
         "runtime_compiled": lambda: runtime_run("resnet50", _image_sets(True), storage, use_gpu),
     })
@@ -228,7 +283,8 @@ def part_synthetic(device: torch.device, storage: str, use_gpu: bool) -> dict[st
         "images_per_s_median": {n: round(v, 1) for n, v in rate.items()},
         "ratio": {"runtime_over_bare_eager": round(rate["runtime_eager"] / rate["bare_eager"], 4),
                   "runtime_over_bare_compiled": round(rate["runtime_compiled"] / rate["bare_compiled"], 4),
-                  "bare_compiled_over_bare_eager": round(rate["bare_compiled"] / rate["bare_eager"], 4)},
+                  "bare_compiled_over_bare_eager": round(rate["bare_compiled"] / rate["bare_eager"], 4),
+                  "bare_ddp_over_bare_eager": round(rate["bare_ddp"] / rate["bare_eager"], 4)},
         "peak_memory_bytes": mem, "rounds": rounds,
         "goal": "runtime/bare >= 0.97 eager and compiled (>= 5,200 img/s compiled on an H100); "
                 "runtime peak memory within 5% of bare",
@@ -300,24 +356,73 @@ def part_jpeg(device: torch.device, storage: str, use_gpu: bool, results_dir: Pa
             "rounds": rounds, "data": facts, "goal": "gpu decode >= 3,000 images/s on an H100"}
 
 
+def _bare_mfu(rate: dict[str, float], size: dict[str, int], device: torch.device) -> dict[str, float]:
+    """The bare GPT loop's MFU by the runtime's own formula (runtime.train.metrics_assembler)."""
+    from runtime.config import JobConfig
+    from runtime.train.metrics_assembler import language_model_rates
+
+    cfg = JobConfig.model_validate({"name": "bare", "model": {"name": "gpt", "transformer": size},
+                                    "data": {"source": "tokens"}})
+    mfu = language_model_rates(cfg, rate["rate"] / size["seq_len"], device, 1).get("train/mfu")
+    return {**rate, **({"mfu": mfu} if mfu is not None else {})}
+
+
 def part_gpt(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
-    size = GPT if use_gpu else {"layers": 2, "dim": 64, "heads": 2, "seq_len": 32, "vocab_size": 256}
+    size = GPT if use_gpu else GPT_CPU
 
-    def variant(compiled: bool) -> dict[str, float]:
+    def variant(compiled: bool, strategy: str = "ddp") -> dict[str, float]:
         sets = [f"model.transformer.{k}={v}" for k, v in size.items()]
-        sets += [f"model.compile={str(compiled).lower()}", "distributed.strategy=ddp", "data.source=tokens",
+        sets += [f"model.compile={str(compiled).lower()}", f"distributed.strategy={strategy}", "data.source=tokens",
                  "optimizer.weight_decay=0.1"]
-        return runtime_run("gpt_small", sets, storage, use_gpu, batch=16, rate="train/tokens_per_s")
+        return runtime_run("gpt_small", sets, storage, use_gpu, batch=GPT_BATCH, rate="train/tokens_per_s")
 
-    rounds = _interleave({"eager": lambda: variant(False), "compiled": lambda: variant(True)} if use_gpu
-                         else {"eager": lambda: variant(False)})  # CPU compile: minutes for a plumbing check
+    def bare_arm(compiled: bool) -> dict[str, float]:
+        result = bare_gpt(compiled, device, size)
+        _release(device)  # after its locals are gone, as bare() does
+        return _bare_mfu(result, size, device)
+
+    # Compiled on a GPU (what FSDP and the bare comparison are for); eager only on a CPU, whose
+    # compile takes minutes for a plumbing check.
+    mode = "compiled" if use_gpu else "eager"
+    variants: dict[str, Callable[[], dict[str, float]]] = {"eager": lambda: variant(False)}
+    if use_gpu:
+        variants["compiled"] = lambda: variant(True)
+    variants[f"fsdp_{mode}"] = lambda: variant(use_gpu, "fsdp")
+    variants["bare_eager"] = lambda: bare_arm(False)
+    if use_gpu:
+        variants["bare_compiled"] = lambda: bare_arm(True)
+    rounds = _interleave(variants)
+    rate = {n: _median(r, "rate") for n, r in rounds.items()}
+    ratio = {"runtime_over_bare_eager": round(rate["eager"] / rate["bare_eager"], 4),
+             f"fsdp_{mode}_over_ddp": round(rate[f"fsdp_{mode}"] / rate[mode], 4)}
+    if use_gpu:
+        ratio["runtime_over_bare_compiled"] = round(rate["compiled"] / rate["bare_compiled"], 4)
     return {"description": "gpt_small scaled up (" + ", ".join(f"{k} {v}" for k, v in size.items())
-                           + "), batch 16, bf16, AdamW, 1 GPU worker",
-            "tokens_per_s_median": {n: round(_median(r, "rate"), 1) for n, r in rounds.items()},
+                           + f"), batch {GPT_BATCH}, bf16, AdamW, 1 GPU worker; eager/compiled = the runtime "
+                           "under DDP (plain), fsdp_* under FSDP2, bare_* the bare loop over the same model",
+            "tokens_per_s_median": {n: round(v, 1) for n, v in rate.items()},
             "mfu_median": {n: round(_median(r, "mfu"), 4) if all("mfu" in x for x in r) else None
                            for n, r in rounds.items()},
+            "ratio": ratio,
             "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
-            "rounds": rounds}
+            "rounds": rounds, "goal": "runtime/bare compiled >= 0.97, fsdp/ddp >= 0.95, MFU >= 45%"}
+
+
+def part_microbatch(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
+    """The out-of-memory guard's cost: ``data.micro_batch`` = the batch (one micro-step, guarded)
+    against no micro_batch (unguarded), the runtime's eager ResNet-50 on 1 GPU worker."""
+    rounds = _interleave({
+        "unguarded": lambda: runtime_run("resnet50", _image_sets(False), storage, use_gpu),
+        "guarded": lambda: runtime_run("resnet50", [*_image_sets(False), f"data.micro_batch={BATCH}"], storage,
+                                       use_gpu),
+    })
+    rate = {n: _median(r, "rate") for n, r in rounds.items()}
+    return {"description": f"{MODEL} {IMAGE}x{IMAGE}, batch {BATCH}, eager, 1 GPU worker: data.micro_batch={BATCH} "
+                           "(guarded: a step out of memory halves the micro-batch and is redone) against none",
+            "images_per_s_median": {n: round(v, 1) for n, v in rate.items()},
+            "ratio": {"guarded_over_unguarded": round(rate["guarded"] / rate["unguarded"], 4)},
+            "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
+            "rounds": rounds, "goal": "guarded/unguarded >= 0.97"}
 
 
 def suspect_ratios(result: dict[str, Any]) -> list[str]:
@@ -384,7 +489,8 @@ def run(results_dir: Path) -> dict[str, Any]:
         if part in ("jpeg", "fsdp"):
             result[part] = {"jpeg": part_jpeg, "fsdp": part_fsdp}[part](device, storage, use_gpu, results_dir)
         else:
-            result[part] = {"synthetic": part_synthetic, "gpt": part_gpt}[part](device, storage, use_gpu)
+            result[part] = {"synthetic": part_synthetic, "gpt": part_gpt,
+                            "microbatch": part_microbatch}[part](device, storage, use_gpu)
         result[part]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"{part}: {json.dumps({k: v for k, v in result[part].items() if k != 'rounds'})}", flush=True)
         result["suspect"] = suspect_ratios(result)

@@ -1,0 +1,54 @@
+"""The bare arms of ``make bench BENCH=gpu`` run on a CPU (``BENCH_GPU_DEVICE=cpu`` plumbing): the
+loop under DDP on a one-rank group (DDP's own cost) and the bare GPT loop the runtime's GPT is
+compared with. Shrunk to a few small steps; a gloo group, so run under ``flock /tmp/ray-tests.lock``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks import bench_gpu
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's sizes shrunk to a CPU's: ResNet-18 on 32x32 images, batches of 4."""
+    for name, value in {"MODEL": "resnet18", "IMAGE": 32, "BATCH": 4, "LOG_EVERY": 2}.items():
+        monkeypatch.setattr(bench_gpu, name, value)
+    monkeypatch.setattr(bench_gpu, "GPT_BATCH", 2)
+
+
+def test_bare_ddp_arm_trains_under_ddp_and_gives_its_one_rank_group_back(
+        small: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[type] = []
+    original = bench_gpu._timed
+
+    def spy(step, device, per_step, warmup, steps):  # type: ignore[no-untyped-def]
+        # The model the step closes over is the one being timed.
+        timed.extend(type(c.cell_contents) for c in step.__closure__ or ()
+                     if isinstance(c.cell_contents, torch.nn.Module))
+        return original(step, device, per_step, warmup, steps)
+
+    monkeypatch.setattr(bench_gpu, "_timed", spy)
+    result = bench_gpu.bare(False, CPU, ddp=True, warmup=1, steps=4)
+    assert timed == [torch.nn.parallel.DistributedDataParallel]
+    assert result["images_per_s"] > 0 and result["peak_memory_bytes"] == 0.0
+    assert not dist.is_initialized()
+
+
+def test_bare_gpt_arm_counts_tokens_as_the_runtime_does(small: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    steps: list[int] = []
+    original = bench_gpu._timed
+
+    def spy(step, device, per_step):  # type: ignore[no-untyped-def]
+        steps.append(per_step)
+        return original(step, device, per_step, 1, 4)
+
+    monkeypatch.setattr(bench_gpu, "_timed", spy)
+    result = bench_gpu._bare_mfu(bench_gpu.bare_gpt(False, CPU, bench_gpu.GPT_CPU), bench_gpu.GPT_CPU, CPU)
+    assert steps == [2 * bench_gpu.GPT_CPU["seq_len"]]  # batch x seq_len a step, as train/tokens_per_s
+    assert result["rate"] > 0 and "mfu" not in result  # MFU needs a GPU in the peak table
