@@ -1,5 +1,5 @@
 """WebDataset-layout tar shards (``train/000000.tar`` with ``<key>.jpg`` + ``<key>.cls``),
-read from a folder or streamed from ``s3://bucket/prefix``, never staged.
+read from a folder or streamed from an object store (``s3://``, ``gs://``, ``az://``), never staged.
 
 Layout written by ``python -m runtime data pack``::
 
@@ -9,7 +9,7 @@ Layout written by ``python -m runtime data pack``::
 
 One module per job, each importing only those listed before it:
 
-- ``store``: the bytes of a data set, in a folder or under ``s3://`` (list, read the index, open a shard);
+- ``store``: the bytes of a data set, in a folder or on an object store (list, read the index, open a shard);
 - ``plan``: which samples each rank's loader workers read in an epoch, in which order (pure arithmetic);
 - ``stream``: reading tars, the shard index, and the per-rank dataset and loader that resume mid-epoch;
 - ``tools``: ``data pack``, verify and ``data inspect``.

@@ -1,6 +1,7 @@
-"""Where a shard set's bytes live: a folder (local disk or a shared filesystem) or
-``s3://bucket/prefix``, streamed with GetObject and never staged. Stores list tars, read
-index.json and open a shard; what the bytes mean is the stream module's business.
+"""Where a shard set's bytes live: a folder (local disk or a shared filesystem), ``s3://bucket/prefix``
+(boto3, streamed with GetObject) or any other registered object store (``gs://``, ``az://``: through
+the pyarrow filesystem its ``runtime.config.storage`` module gives), streamed and never staged.
+Stores list tars, read index.json and open a shard; what the bytes mean is the stream module's business.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import tarfile
 from pathlib import Path
 from typing import IO, Any
 
-from runtime.config.storage import S3Location, parse_storage
+from runtime.config.storage import ObjectLocation, S3Location, parse_storage
 from runtime.errors import ConfigError
 
 INDEX = "index.json"
@@ -114,7 +115,79 @@ class S3Store:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"], False
 
 
-Store = LocalStore | S3Store
+class FsStore:
+    """Shards on an object store reached through its pyarrow filesystem (``location.filesystem``):
+    each shard is one streaming download, read front to back as on S3 (a seekable pyarrow file
+    would make every tar header its own ranged request)."""
+
+    def __init__(self, location: ObjectLocation, endpoint_url: str | None) -> None:
+        self.location, self.endpoint_url = location, endpoint_url
+        self.where = location.uri
+        self._fs: Any = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None, "_pid": -1}  # a filesystem's connections stay in its process
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None or self._pid != os.getpid():
+            try:
+                self._fs = self.location.filesystem(self.endpoint_url)
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"data.path: {self.where}: {_first_line(e)}") from None
+            self._pid = os.getpid()
+        return self._fs
+
+    def _path(self, name: str) -> str:
+        return f"{self.location.fs_path}/{name}"
+
+    def _missing_bucket(self) -> ConfigError | None:
+        """A missing bucket lists as empty and its objects as absent: name it instead of "no shards"."""
+        import pyarrow.fs as pafs
+
+        if self.fs.get_file_info(self.location.bucket).type == pafs.FileType.NotFound:
+            loc = self.location
+            return ConfigError(f"data.path: {self.where}: {loc.bucket_word} {loc.bucket} does not exist")
+        return None
+
+    def list_tars(self, split: str) -> list[str]:
+        import pyarrow.fs as pafs
+
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self._path(split), allow_not_found=True))
+            names = sorted(f"{split}/{i.base_name}" for i in infos
+                           if i.type == pafs.FileType.File and i.base_name.endswith(".tar"))
+            missing = None if names else self._missing_bucket()
+        except OSError as e:
+            raise ConfigError(f"data.path: cannot list {self.where}/{split}/ ({_first_line(e)})") from None
+        if missing:
+            raise missing
+        return names
+
+    def read_index(self) -> bytes | None:
+        try:
+            try:
+                with self.fs.open_input_stream(self._path(INDEX)) as f:
+                    return bytes(f.readall())
+            except FileNotFoundError:
+                missing = self._missing_bucket()
+        except OSError as e:
+            raise ConfigError(f"data.path: cannot reach {self.where} ({_first_line(e)})") from None
+        if missing:
+            raise missing
+        return None
+
+    def open(self, name: str) -> tuple[IO[bytes], bool]:
+        return self.fs.open_input_stream(self._path(name)), False
+
+
+def _first_line(exc: BaseException) -> str:
+    """pyarrow's messages carry the cloud SDK's multi-line detail: the first line says what failed."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+Store = LocalStore | S3Store | FsStore
 
 
 def open_store(path: str, endpoint_url: str | None = None) -> Store:
@@ -123,9 +196,8 @@ def open_store(path: str, endpoint_url: str | None = None) -> Store:
         where = parse_storage(path)
     except ValueError as e:
         raise ConfigError(f"data.path: {path!r} {e}") from None
-    if isinstance(where, S3Location):
+    if isinstance(where, S3Location):  # boto3, as S3 checkpoints: its retry and endpoint conventions
         return S3Store(where, endpoint_url)
-    if where.remote:
-        raise ConfigError(f"data.path: {where.uri}: shard sets are read from a folder or s3://bucket/prefix "
-                          "(checkpoints reach every registered store; shards only these two)")
+    if isinstance(where, ObjectLocation):
+        return FsStore(where, endpoint_url)
     return LocalStore(path)

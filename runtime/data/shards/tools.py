@@ -150,7 +150,8 @@ def inspect(path: str, samples: int = 4, endpoint_url: str | None = None, max_sh
     local = Path(path).expanduser()
     remote = parse_storage(path).remote
     if not remote and not local.is_dir():
-        raise ConfigError(f"{path} is not a folder (expected an ImageFolder tree, a shard folder or s3://...)")
+        raise ConfigError(f"{path} is not a folder (expected an ImageFolder tree, a shard folder or an "
+                          "object-store prefix such as s3://bucket/prefix)")
     is_folder = not remote and local.is_dir() and not (local / INDEX).is_file() and not any(
         (local / s).is_dir() and any(p.suffix == ".tar" for p in (local / s).iterdir()) for s in SPLITS)
     t0 = time.perf_counter()
