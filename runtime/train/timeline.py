@@ -18,9 +18,10 @@ their medians, docs/performance.md the tables.
 
 With traces on (runtime.observe.traces), the same stamps become spans under the attempt's root span,
 made here and nowhere else: the controller's as it stamps them (``worker group start``,
-``teardown``, ``restart``, ``resize``), the workers' as the loop hands them over (``restore``,
-``first step``, ``save``: a checkpoint's write and commit). With traces off each stamp costs one
-flag check; spans are made from stamps after the fact, so none is open while the loop runs.
+``teardown``, ``restart``, ``resize``, ``drain``: a restart that a node's drain caused), the
+workers' as the loop hands them over (``restore``, ``first step``, ``save``: a checkpoint's write
+and commit). With traces off each stamp costs one flag check; spans are made from stamps after the
+fact, so none is open while the loop runs.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def committed(step: int, seconds: float, when: float) -> None:
 # Controller moments that open a span, and the span each closing moment ends.
 _OPENS = {"group_start": "worker group start", "shutdown_start": "teardown",
           "state:RestartingState": "restart", "state:ReschedulingState": "restart", "state:ResizingState": "resize"}
-_CLOSES = {"group_ready": ("worker group start", "restart", "resize"), "shutdown_end": ("teardown",)}
+_CLOSES = {"group_ready": ("worker group start", "restart", "resize", "drain"), "shutdown_end": ("teardown",)}
 
 
 class PhaseClock(ControllerCallback, WorkerGroupCallback, WorkerCallback):
@@ -156,10 +157,10 @@ class PhaseClock(ControllerCallback, WorkerGroupCallback, WorkerCallback):
                 self._parent = traces.attempt_context(Path(self.path).parent) or context.get_current()
         return self._parent
 
-    def _stamp(self, event: str) -> None:
+    def _stamp(self, event: str, opens: str | None = None) -> None:
         now = time.time()
         if self._traced_parent() is not None:
-            self._span(event, now)
+            self._span(event, now, opens)
         if self.broken:
             return
         try:
@@ -169,9 +170,9 @@ class PhaseClock(ControllerCallback, WorkerGroupCallback, WorkerCallback):
             self.broken = True
             log.warning("%s: restart timeline not written: %s", self.path, e.strerror or e)
 
-    def _span(self, event: str, now: float) -> None:
-        if event in _OPENS:
-            self._open.setdefault(_OPENS[event], now)  # a restart's first moment counts, not its retries
+    def _span(self, event: str, now: float, opens: str | None) -> None:
+        if opens or event in _OPENS:
+            self._open.setdefault(opens or _OPENS[event], now)  # a restart's first moment counts, not its retries
         for name in _CLOSES.get(event, ()):
             start = self._open.pop(name, None)
             if start is not None:
@@ -198,7 +199,9 @@ class PhaseClock(ControllerCallback, WorkerGroupCallback, WorkerCallback):
         name = type(current_state).__name__
         if name != self.state:
             self.state = name
-            self._stamp(f"state:{name}")
+            # A restart because a node is being drained (Ray's preemption notice) is the drain's span.
+            error = getattr(current_state, "training_failed_error", None)
+            self._stamp(f"state:{name}", "drain" if getattr(error, "preemption_info", None) else None)
 
     def before_worker_group_start(self, worker_group_context: Any) -> None:
         self._stamp("group_start")

@@ -94,6 +94,30 @@ def test_each_phase_is_a_child_of_the_attempts_root_span(tmp_path: Path, exporte
     assert recorded == [{"attempt": 1, "trace_id": trace_id, "span_id": f"{root.context.span_id:016x}"}]
 
 
+class DrainError:  # what Ray Train's failure carries when a node of the group is being drained
+    preemption_info = {"node-1": "drain notice"}
+
+
+class DrainedRestart(RestartingState):
+    training_failed_error = DrainError()
+
+
+DrainedRestart.__name__ = "RestartingState"  # the controller knows its states by class name
+
+
+def test_a_restart_that_a_drain_caused_is_a_drain_span(tmp_path: Path, exported: InMemorySpanExporter) -> None:
+    with traces.run_span("r", 1, tmp_path):
+        controller = pickle.loads(pickle.dumps(timeline.PhaseClock(str(tmp_path))))
+        controller.before_worker_group_start(None)
+        controller.after_worker_group_start(None)
+        controller.after_controller_state_update(None, RunningState())
+        controller.after_controller_state_update(None, DrainedRestart())
+        controller.before_worker_group_start(None)
+        controller.after_worker_group_start(None)
+    names = sorted(s.name for s in exported.get_finished_spans())
+    assert names == ["drain", "run r", "worker group start", "worker group start"]
+
+
 def test_with_traces_off_the_stamps_are_written_and_no_span_is_made(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(traces.ENDPOINT_ENV, raising=False)
