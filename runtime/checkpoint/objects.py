@@ -31,6 +31,37 @@ T = TypeVar("T")
 _CHUNK = 8 * 2**20  # bytes per read/write call when streaming a file to or from the store
 
 
+def retry_with_backoff(what: str, fn: Callable[[], T], *, retries: int, seconds: float,
+                       retryable: Callable[[Exception], bool], quote: Callable[[Exception], str] = str,
+                       errors: tuple[type[Exception], ...] = (Exception,)) -> T:
+    """Run ``fn``, retrying the errors ``retryable`` accepts with jittered exponential backoff, at most
+    ``retries`` times and ``seconds`` in all: a store's client retries each request itself, this rides
+    out an endpoint that is gone for a while.
+
+    An error ``retryable`` refuses (a missing bucket, access denied) is named at once as
+    ``CheckpointError("<what>: <quote(exc)>")``; running out raises ``StoreUnreachable("<what>: gave up
+    after N attempts: ...")``, a missing service rather than a bad checkpoint. Errors outside ``errors``
+    are not the store's and propagate as they are.
+    """
+    deadline = time.monotonic() + seconds
+    delay = 0.2
+    for attempt in range(1, retries + 2):
+        try:
+            return fn()
+        except errors as exc:
+            if not retryable(exc):
+                raise CheckpointError(f"{what}: {quote(exc)}") from exc
+            left = deadline - time.monotonic()
+            if attempt > retries or left <= 0:
+                raise StoreUnreachable(f"{what}: gave up after {attempt} attempts: {quote(exc)}") from exc
+            sleep = min(delay * (1 + random.random()), left)  # jitter
+            # Not on the console: an outage is said once, by the writer (CheckpointManager.save_failed).
+            log.debug("%s failed (attempt %d): %s; retrying in %.1fs", what, attempt, exc, sleep)
+            time.sleep(sleep)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
 class ObjectStore:
     """The commit protocol of checkpoint folders on an object store, over the primitives a backend
     defines: ``list``, ``put_bytes``, ``put_file``, ``get_bytes``, ``copy``, ``exists``,
@@ -195,8 +226,8 @@ class ObjectStaging:
 class FsObjectStorage(ObjectStore):
     """Checkpoint folders on any object store behind a pyarrow filesystem (``location.filesystem``).
 
-    pyarrow retries each request itself; ``retry`` rides out a longer outage with backoff, bounded by
-    ``retry_seconds``. A missing bucket or object is not retried: it is named at once.
+    pyarrow retries each request itself; ``retry`` rides out a longer outage (``retry_with_backoff``),
+    bounded by ``retry_seconds``. A missing bucket or object is not retried: it is named at once.
     """
 
     def __init__(self, location: ObjectLocation, endpoint_url: str | None = None, retries: int = 5,
@@ -217,23 +248,8 @@ class FsObjectStorage(ObjectStore):
         return f"{self.uri}/{key}" if key else self.uri
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with exponential backoff; raise CheckpointError naming ``what`` at the end."""
-        deadline = time.monotonic() + self.retry_seconds
-        delay = 0.2
-        for attempt in range(1, self.retries + 2):
-            try:
-                return fn()
-            except (FileNotFoundError, PermissionError, CheckpointError) as exc:  # retrying cannot help
-                raise CheckpointError(f"{what}: {_first_line(exc)}") from exc
-            except OSError as exc:  # pyarrow's IOError: connection refused, timeouts, 5xx
-                left = deadline - time.monotonic()
-                if attempt > self.retries or left <= 0:
-                    raise StoreUnreachable(f"{what}: gave up after {attempt} attempts: {_first_line(exc)}") from exc
-                sleep = min(delay * (1 + random.random()), left)  # jitter
-                log.debug("%s failed (attempt %d): %s; retrying in %.1fs", what, attempt, exc, sleep)
-                time.sleep(sleep)
-                delay *= 2
-        raise AssertionError("unreachable")
+        return retry_with_backoff(what, fn, retries=self.retries, seconds=self.retry_seconds,
+                                  retryable=_fs_retryable, quote=_first_line, errors=(OSError, CheckpointError))
 
     def list(self, prefix: str = "") -> dict[str, int]:
         import pyarrow.fs as pafs
@@ -302,3 +318,9 @@ class FsObjectStorage(ObjectStore):
 def _first_line(exc: BaseException) -> str:
     """pyarrow's messages carry the cloud SDK's multi-line detail: the first line says what failed."""
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _fs_retryable(exc: Exception) -> bool:
+    """pyarrow raises OSError for connection refused, timeouts and 5xx; a missing object or bucket and
+    a refused permission are OSErrors too, and retrying cannot help them."""
+    return not isinstance(exc, (FileNotFoundError, PermissionError, CheckpointError))

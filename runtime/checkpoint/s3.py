@@ -6,18 +6,13 @@ verified, then the manifest uploaded last", since there is no rename) is ``objec
 from __future__ import annotations
 
 import builtins
-import logging
 import os
-import random
-import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 from urllib.parse import urlparse
 
-from runtime.checkpoint.objects import ObjectStore
-from runtime.checkpoint.storage import CheckpointError, StoreUnreachable
-
-log = logging.getLogger("runtime.checkpoint")
+from runtime.checkpoint.objects import ObjectStore, retry_with_backoff
+from runtime.checkpoint.storage import CheckpointError
 
 SSE_CHOICES = ("AES256", "aws:kms", "aws:kms:dsse")
 
@@ -120,26 +115,8 @@ class S3Storage(ObjectStore):
         return extra
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with exponential backoff; raise CheckpointError naming ``what`` at the end."""
-        deadline = time.monotonic() + self.retry_seconds
-        delay = 0.2
-        for attempt in range(1, self.retries + 2):
-            try:
-                return fn()
-            except Exception as exc:
-                if not _s3_retryable(exc):
-                    raise CheckpointError(f"{what}: {exc}") from exc
-                left = deadline - time.monotonic()
-                if attempt > self.retries or left <= 0:
-                    raise StoreUnreachable(
-                        f"{what}: gave up after {attempt} attempts: {exc}"
-                    ) from exc
-                sleep = min(delay * (1 + random.random()), left)  # jitter
-                # Not on the console: an outage is said once, by the writer (CheckpointManager.save_failed).
-                log.debug("%s failed (attempt %d): %s; retrying in %.1fs", what, attempt, exc, sleep)
-                time.sleep(sleep)
-                delay *= 2
-        raise AssertionError("unreachable")
+        return retry_with_backoff(what, fn, retries=self.retries, seconds=self.retry_seconds,
+                                  retryable=_s3_retryable)
 
     def list(self, prefix: str = "") -> dict[str, int]:
         full = self._key(prefix.strip("/") + "/") if prefix else self._key("")
