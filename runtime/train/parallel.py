@@ -1,14 +1,22 @@
 """How the model is spread over ranks: DDP (``apply_ddp``), or FSDP2 block by block, then the root
-(torchtitan's ``apply_fsdp`` shape).
+(torchtitan's ``apply_fsdp`` shape), optionally after tensor parallelism inside groups of ranks.
 
 The model code knows nothing of it. Each block (a ResNet bottleneck, a ViT encoder layer,
 a small net's stage or layer) becomes one FSDP unit whose parameters are all-gathered just
 before it runs and freed after (``reshard_after_forward``); the root holds the rest (stem,
 head). Works on CPU with gloo (tests) and on GPU with NCCL.
+
+With ``distributed.tp_size`` > 1 the ranks form a 2-D mesh ``("dp_shard", "tp")``: the GPT's
+blocks are split by ``runtime.parallelism.tensor_parallel``'s plan over ``tp`` first, then FSDP2
+shards what is left over ``dp_shard`` (``tp_size`` consecutive ranks are one group: one node's
+GPUs). The ranks of a group compute one batch together, so the loader shards by the
+data-parallel index (``data_parallel_rank``): a group's micro-batch costs each of its GPUs
+1/tp_size of its activations, which is what lets a sequence too big for one GPU train.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -16,6 +24,8 @@ import torch
 from torch import nn
 
 from runtime.config import FSDPConfig
+from runtime.parallelism.tensor_parallel import apply_tp, make_mesh
+from runtime.parallelism.tensor_parallel import full_tensor as tp_full_tensor
 
 # Containers whose children are the model's repeated blocks, per architecture in runtime.train.models.
 BLOCK_CONTAINERS = ("layer1", "layer2", "layer3", "layer4", "encoder.layers", "features", "net", "blocks")
@@ -36,8 +46,11 @@ def shard_units(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None, device: torch.device,
-               world: int, compile_mode: str | None = None) -> nn.Module:
+               world: int, compile_mode: str | None = None, tp_size: int = 1) -> nn.Module:
     """Shard ``model`` (already on ``device``) over all ranks; returns the same module, now FSDP.
+
+    ``tp_size`` > 1 (a GPT; the job schema refuses anything else): tensor parallelism over groups
+    of ``tp_size`` consecutive ranks first, then FSDP2 over the ``world // tp_size`` groups.
 
     FSDP2 refuses non-contiguous parameters, so a ``channels_last`` model's weights go back to
     the contiguous format first: the input stays channels_last, and cuDNN picks NHWC kernels
@@ -59,9 +72,15 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     param_dtype = fsdp_param_dtype(cfg, amp_dtype, has_batch_norm=bool(norms))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype])
     offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
-    mesh = init_device_mesh(device.type, (world,))
-    kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
     model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
+    if tp_size > 1:
+        mesh2d = make_mesh(device.type, world // tp_size, tp_size)
+        # Logits gathered whole (no loss parallel): the loop's loss takes a plain tensor.
+        apply_tp(model, mesh2d["tp"], loss_parallel=False)
+        mesh = mesh2d["dp_shard"]
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
     if param_dtype not in (None, torch.float32):
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=DTYPES[cfg.reduce_dtype],
                                     cast_forward_inputs=False)
@@ -82,6 +101,13 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     # backward starts with the root's last layer (an explicit value would re-gather it there).
     fully_shard(model, **kw)
     return model
+
+
+def data_parallel_rank(rank: int, world: int, tp_size: int) -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel size) for the loader: the ``tp_size``
+    consecutive ranks of one TP group (``make_mesh``'s layout) read the same shard, since tensor
+    parallelism splits the model, not the batch."""
+    return rank // tp_size, world // tp_size
 
 
 def fsdp_param_dtype(cfg: FSDPConfig, amp_dtype: torch.dtype | None, has_batch_norm: bool) -> torch.dtype | None:
@@ -111,13 +137,17 @@ def grad_norm(params: Iterable[nn.Parameter], max_norm: float | None = None) -> 
     sharded = [g for g in grads if isinstance(g, DTensor)]
     if not sharded:
         norm = torch.nn.utils.get_total_norm(grads)
-    elif len(sharded) == len(grads) and all(pl.is_shard() for g in sharded for pl in g.placements):
+    elif len(sharded) == len(grads) and sharded[0].device_mesh.ndim == 1 and all(
+            pl.is_shard() for g in sharded for pl in g.placements):
         norm = torch.nn.utils.get_total_norm([local_shard(g) for g in sharded])
         mesh = sharded[0].device_mesh
         if mesh.size() > 1:
             square = norm.square()
             torch.distributed.all_reduce(square, group=mesh.get_group())
             norm = square.sqrt()
+    elif len(sharded) == len(grads) and sharded[0].device_mesh.ndim > 1 and all(
+            pl.is_shard() or pl.is_replicate() for g in sharded for pl in g.placements):
+        norm = _mesh_norm(sharded)
     else:  # replicated placements: DTensor's own reduction knows them
         norm = full_tensor(torch.nn.utils.get_total_norm(grads))
     if max_norm is not None:
@@ -126,11 +156,24 @@ def grad_norm(params: Iterable[nn.Parameter], max_norm: float | None = None) -> 
     return norm
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) value made whole on every rank (a collective); plain tensors pass through."""
-    from torch.distributed.tensor import DTensor
+def _mesh_norm(grads: list[Any]) -> torch.Tensor:
+    """The 2-norm of DTensor gradients on a mesh of several dimensions (FSDP2 over tensor
+    parallelism), from local shards: one foreach norm, one all-reduce over every rank. A shard
+    replicated over some mesh dimensions is held by that many ranks alike, so its square counts
+    once per copy divided by the copies."""
+    locals_ = [g.to_local() for g in grads]
+    copies = torch.tensor([math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+                           for g in grads], dtype=torch.float32, device=locals_[0].device)
+    squares = torch.stack(torch._foreach_norm(locals_)).float().square()
+    total = (squares / copies).sum()
+    torch.distributed.all_reduce(total)  # the mesh is every rank of the run
+    return total.sqrt()
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) value made whole on every rank (a collective); plain tensors pass
+    through. Tensor-parallel entries come back in the unsplit model's order."""
+    return tp_full_tensor(t)
 
 
 def apply_ddp(model: nn.Module, device: torch.device, distributed: bool) -> nn.Module:
