@@ -6,6 +6,8 @@ the whole file costs a few CPU-seconds past the ranks' start-up:
 
 - TP=2 x DP=2 gives the single-process model's loss and every parameter's gradient, with the
   logits gathered and with loss parallel, and trains to its losses over a few AdamW steps;
+- the loop's own set-up (``runtime.train.parallel.apply_fsdp`` with ``tp_size=2``, the data-parallel
+  rank its loader would shard by, its gradient norm) trains to the same losses and norms;
 - a DCP checkpoint written under (dp=2, tp=2) loads under (dp=4, tp=1), (dp=1, tp=4) and into a
   plain model in a process without a process group, parameters equal to what was saved.
 """
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from runtime.config import FSDPConfig
 from runtime.parallelism.tensor_parallel import (
     TPPlan,
     checkpoint_view,
@@ -32,6 +35,7 @@ from runtime.parallelism.tensor_parallel import (
     restore_from_view,
 )
 from runtime.train.models import GPT
+from runtime.train.parallel import apply_fsdp, data_parallel_rank, grad_norm
 from tests.support.ranks import spawn_ranks
 
 pytestmark = pytest.mark.slow
@@ -64,21 +68,43 @@ def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float
     return max(float(((g - want[k]).abs() / (ATOL + RTOL * want[k].abs())).max()) for k, g in got.items())
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The single-process model: per-step losses over STEPS AdamW steps, and the first step's gradients."""
+def _train_loop_setup(rank: int, world: int, steps: int) -> tuple[list[float], list[float]]:
+    """(mean losses, gradient norms) of the loop's FSDP set-up at tp_size=2: each rank feeds the
+    half of the batch its data-parallel rank names, as the loop's loader would."""
+    model = apply_fsdp(_gpt(0), FSDPConfig(), None, torch.device("cpu"), world, tp_size=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp_rank, dp_size = data_parallel_rank(rank, world, 2)
+    inputs, targets = (t.chunk(dp_size)[dp_rank] for t in _tokens())
+    losses, norms = [], []
+    for _ in range(steps):
+        loss = _loss(model(inputs), targets)
+        loss.backward()
+        norms.append(float(grad_norm(model.parameters())))
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # the two ranks of a TP group hold the same loss: the mean over 4 is over dp
+        losses.append(mean.item() / world)
+    return losses, norms
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """The single-process model: per-step losses and gradient norms over STEPS AdamW steps, and the
+    first step's gradients."""
     model = _gpt(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inputs, targets = _tokens()
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for step in range(STEPS):
         loss = _loss(model(inputs), targets)
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, grads
+    return losses, grads, norms
 
 
 def _train_tp(loss_parallel: bool, steps: int) -> tuple[list[float], dict[str, torch.Tensor], nn.Module]:
@@ -107,12 +133,14 @@ def _train_tp(loss_parallel: bool, steps: int) -> tuple[list[float], dict[str, t
 
 def _scenarios(rank: int, world: int, root: str) -> None:
     base = Path(root)
-    ref_losses, ref_grads = _reference()
+    ref_losses, ref_grads, ref_norms = _reference()
     saved = {n: p.detach().clone() for n, p in _gpt(0).named_parameters()}
-    out: dict[str, Any] = {"ref_losses": ref_losses}
+    out: dict[str, Any] = {"ref_losses": ref_losses, "ref_norms": ref_norms}
 
     tp_losses, tp_grads, _ = _train_tp(loss_parallel=False, steps=STEPS)
     out["gathered"] = {"losses": tp_losses, "grad_worst": _worst(tp_grads, ref_grads)}
+    loop_losses, loop_norms = _train_loop_setup(rank, world, STEPS)
+    out["loop"] = {"losses": loop_losses, "norms": loop_norms}
     lp_losses, lp_grads, lp_model = _train_tp(loss_parallel=True, steps=1)
     out["loss_parallel"] = {"losses": lp_losses, "grad_worst": _worst(lp_grads, ref_grads),
                             "logits": type(lp_model(_tokens()[0].chunk(2)[0])).__name__}
@@ -162,6 +190,12 @@ def test_tp2_dp2_trains_to_the_single_process_losses_under_adamw(results: dict[s
     ref = results["ref_losses"]
     assert ref[-1] < ref[0]  # the steps did train, so equal losses compare moving models
     assert results["gathered"]["losses"] == pytest.approx(ref, rel=RTOL)
+
+
+def test_the_loops_fsdp_set_up_at_tp_size_2_trains_to_the_single_process_losses_and_norms(
+        results: dict[str, Any]) -> None:
+    assert results["loop"]["losses"] == pytest.approx(results["ref_losses"], rel=RTOL)
+    assert results["loop"]["norms"] == pytest.approx(results["ref_norms"], rel=RTOL)
 
 
 @pytest.mark.parametrize("layout", ["load_dp4_tp1", "load_dp1_tp4", "load_dp2_tp2", "load_plain"])
