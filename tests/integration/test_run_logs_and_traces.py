@@ -114,6 +114,9 @@ def test_logs_show_the_killed_ranks_last_lines_before_the_restart(traced: dict[s
     assert any(worker_id in m.group(6) for m in before), "no line of the killed worker process"
     last = run_logs(traced, capsys, "--rank", str(rank), "--attempt", "1", "--tail", "3")
     assert [m.group(0) for m in last] == [m.group(0) for m in before[-3:]]
+    with capsys.disabled():  # what docs/operations.md pastes
+        print(f"\n$ make logs RUN={RUN} RANK={rank} ATTEMPT=1 TAIL=15")
+        print("\n".join(m.group(0)[:240] for m in before[-15:]))
 
 
 def test_a_runs_spans_reach_mlflow_with_its_name_attempt_and_rays_actors(traced: dict[str, Any]) -> None:
@@ -167,9 +170,14 @@ def test_the_restart_after_the_kill_is_phase_spans_under_the_attempts_root_span(
     print("\n".join(span_tree(spans, root)))  # what docs/operations.md pastes
     # Two worker groups (the first, and the one after the kill), each of 2 ranks restoring.
     assert named.count("worker group start") == 2 and named.count("restart") == 1, named
-    assert sorted(s.attributes["rt.rank"] for s in phases if s.name == "restore") == [0, 0, 1, 1], named
     restart = next(s for s in phases if s.name == "restart")
     second = max((s for s in phases if s.name == "worker group start"), key=lambda s: s.start_time_ns)
     assert restart.end_time_ns == second.end_time_ns  # the restart ends when the new group is ready
-    late = [s for s in phases if s.name == "restore" and s.start_time_ns >= restart.end_time_ns]
-    assert len(late) == 2, "both ranks of the new group restored after the restart"
+    restores = [s for s in phases if s.name == "restore"]
+    late = sorted(s.attributes["rt.rank"] for s in restores if s.start_time_ns >= restart.end_time_ns)
+    assert late == [0, 1], "both ranks of the new group restored after the restart"
+    # The first group's survivor restored before the kill; the killed process's spans not yet exported
+    # (the batch goes every 5 s) died with it, as a lost host's do.
+    killed, _ = killed_worker(traced)
+    before = {s.attributes["rt.rank"] for s in restores if s.end_time_ns <= restart.start_time_ns}
+    assert 1 - killed in before, named
