@@ -21,7 +21,7 @@ from typing import Any
 
 from runtime.checkpoint import CheckpointRef
 from runtime.observe.catalog import reported_gauges
-from runtime.run import Report, RunInfo, StopReason
+from runtime.run import DrainNotice, Report, RunInfo, StopReason
 
 log = logging.getLogger("runtime.train")
 PRICES = Path(__file__).resolve().parents[2] / "prices" / "instances.yaml"
@@ -53,7 +53,8 @@ class Reporter:
         return last if last is not None and last.step != self._reported_step else None
 
     def publish(self, metrics: dict[str, Any], final: bool, announce: bool, comm_seconds: float, *,
-                stop: StopReason | None = None, notices: tuple[str, ...] = ()) -> None:
+                stop: StopReason | None = None, notices: tuple[str, ...] = (),
+                drain: DrainNotice | None = None) -> None:
         """All ranks call this at the same step (``announce`` and ``final`` were agreed on). ``announce``:
         a commit is due to be announced (``checkpoint_step``). The driver's stream gets a typed
         ``Report``; Ray Train (and in-process callers) the same report as one dict."""
@@ -65,7 +66,7 @@ class Reporter:
                 self._reported_step = last.step
                 metrics["checkpoint_step"] = last.step
             metrics["checkpoint_failures"] = self.checkpoints.metrics.failures
-        report = Report(metrics, time.time(), final=final, stop=stop, notices=notices)
+        report = Report(metrics, time.time(), final=final, stop=stop, notices=notices, drain=drain)
         if self.rank == 0 and self.progress is not None:
             self._stream(report, wait=final)
         if final or self.report_all:

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.config import JobConfig
+from runtime.parallelism.tensor_parallel import checkpoint_view, restore_from_view
 from runtime.train.setup import prime_momentum
+from runtime.train.timeline import committed
 
 if TYPE_CHECKING:
     from runtime.checkpoint import CheckpointManager, CheckpointReader, CheckpointRef
@@ -67,7 +69,11 @@ def build_payload(t: Trainables, trainer: Mapping[str, int], distributed: bool, 
     else:
         rng_all = [rng]
     model_state = get_model_state_dict(t.model, options=opts)
+    optimizer_state = get_optimizer_state_dict(t.model, t.optimizer, options=opts)
     if sharded:
+        # Tensor-parallel entries as DCP can index them (one collective each, on every rank alike).
+        model_state = checkpoint_view(model_state)
+        optimizer_state["state"] = {k: checkpoint_view(v) for k, v in optimizer_state["state"].items()}
         # The sharded save copies to CPU while the next forward runs, and a forward updates
         # buffers in place (batch-norm running statistics): FSDP2 shards parameters only, so
         # every plain tensor here is such a buffer, copied now on the device (kilobytes).
@@ -75,7 +81,7 @@ def build_payload(t: Trainables, trainer: Mapping[str, int], distributed: bool, 
                        for k, v in model_state.items()}
     payload: dict[str, Any] = {
         "model": model_state,
-        "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=opts),
+        "optimizer": optimizer_state,
         "scheduler": t.scheduler.state_dict(),
         "trainer": dict(trainer),
         "rng": {str(r): s for r, s in enumerate(rng_all)},
@@ -149,7 +155,18 @@ def load_sharded_payload(reader: CheckpointReader, ref: CheckpointRef, manifest:
         target["rng"] = {str(rank): capture_rng_state()}
     if t.scaler is not None and "scaler" in manifest.get("keys", []):
         target["scaler"] = t.scaler.state_dict()
+    # Tensor-parallel entries are read through their checkpoint view, then put back in their own
+    # layout; every other entry is the same tensor in both dicts.
+    states = target["optimizer"]["state"]
+    own = [target["model"], *states.values()]
+    read = [checkpoint_view(part) for part in own]
+    target["model"], states_read = read[0], dict(zip(states, read[1:], strict=True))
+    target["optimizer"]["state"] = states_read
     reader.load_sharded(ref, target)
+    for mine, got in zip(own, read, strict=True):
+        restore_from_view(mine, got)
+    target["model"] = own[0]
+    target["optimizer"]["state"] = dict(zip(states, own[1:], strict=True))
     return target
 
 
@@ -254,6 +271,14 @@ def build_checkpointer(cfg: JobConfig, run: RunInfo, gauges: WorkerMetrics | Non
             on_failure=lambda _e: m.ckpt_failures.inc(),
             on_commit=lambda step, when: m.ckpt_committed(step, when),
         )
+    gauge_commit = cm.on_commit
+
+    def on_commit(step: int, when: float) -> None:  # the writer's thread; save_seconds is this save's
+        if gauge_commit is not None:
+            gauge_commit(step, when)
+        committed(step, cm.save_seconds, when)  # the ``save`` span, when traced
+
+    cm.on_commit = on_commit
     c = cfg.checkpoint
     return CheckpointManager(run.checkpoint_uri, keep=c.keep, endpoint_url=c.endpoint_url, metrics=cm,
                              on_failure=c.on_failure, s3_retry_s=c.s3_retry_s)

@@ -39,8 +39,7 @@ from runtime.config import JobConfig
 from runtime.data import DEVICE_RESIDENT, build_loaders
 from runtime.errors import ConfigError
 from runtime.observe.cost.watch import build_cost_watch
-from runtime.run import PREEMPTED, RunInfo, StopReason
-from runtime.train import drain
+from runtime.run import PREEMPTED, DrainNotice, RunInfo, StopReason
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import DevicePrefetcher, host_batches, make_stage
 from runtime.train.evaluator import Evaluator
@@ -56,7 +55,7 @@ from runtime.train.microbatch import (
     optimizer_state_to_come,
 )
 from runtime.train.models import build_model
-from runtime.train.parallel import apply_ddp, apply_fsdp, full_tensor, grad_norm
+from runtime.train.parallel import apply_ddp, apply_fsdp, data_parallel_rank, full_tensor, grad_norm
 from runtime.train.reporter import Reporter, build_gauges
 from runtime.train.resume import Trainables, build_checkpointer, build_payload, restore_latest
 from runtime.train.setup import (
@@ -76,7 +75,7 @@ from runtime.train.setup import (
 from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats
 from runtime.train.stop_policy import StopPolicy, total_steps, watches_drains
-from runtime.train.timeline import worker_timeline
+from runtime.train.timeline import first_step_done, worker_timeline
 
 log = logging.getLogger("runtime.train")
 
@@ -110,8 +109,10 @@ class Trainer:
         # train.sync_debug: steady-state steps raise on any host sync (CUDA only).
         self.sync_debug = tc.sync_debug and self.device.type == "cuda"
 
-        # Data: each rank reads its own shard; batches reach the device one step ahead.
-        self.loaders, train_stage, val_stage = build_loaders(cfg, self.world, self.rank, self.device)
+        # Data: each data-parallel rank reads its own shard (the ranks of a tensor-parallel group
+        # share one); batches reach the device one step ahead.
+        self.dp_rank, self.dp_world = data_parallel_rank(self.rank, self.world, cfg.distributed.tp_size)
+        self.loaders, train_stage, val_stage = build_loaders(cfg, self.dp_world, self.dp_rank, self.device)
         bundle = self.loaders.bundle
         self.train_stage = make_stage(self.device, bundle, self.memory_format, train_stage)
         self.val_stage = make_stage(self.device, bundle, self.memory_format, val_stage)
@@ -124,7 +125,8 @@ class Trainer:
         self.compiled = compile_enabled(cfg.model, self.device)
         if self.is_fsdp:  # FSDP2, applied here: Ray's prepare_model would use the FSDP1 wrapper
             model = apply_fsdp(self.raw_model.to(self.device), cfg.distributed.fsdp, self.amp_dtype, self.device,
-                               self.world, compile_mode=cfg.model.compile_mode if self.compiled else None)
+                               self.world, compile_mode=cfg.model.compile_mode if self.compiled else None,
+                               tp_size=cfg.distributed.tp_size)
         else:
             model = apply_ddp(self.raw_model, self.device, self.distributed)
         self.is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -263,7 +265,7 @@ class Trainer:
     def _first_step_done(self) -> None:
         """The group is up: stamp the restart's timeline, start steady-state statistics, tell the caller."""
         self.stats.first_step_done()
-        self.metrics.once.setdefault("timeline", {})["first_step_end"] = time.time()
+        first_step_done(self.metrics.once)
         if self.on_first_step is not None:
             self.on_first_step()
 
@@ -289,24 +291,18 @@ class Trainer:
         self.stop.request(PREEMPTED)
 
     def _drained(self, extra: dict[str, Any], saved: bool) -> NoReturn:
-        """A node of the run is being drained: commit this step (unless just done), report it, give
-        the node back to Ray (rank 0, ``drain.release``), then train nothing the restart would redo.
-        Never returns (a rank that returns ends the run): Ray tears the group down at the drain's
-        deadline, now a few seconds away, and restarts it on the nodes left, from this commit, under
-        its preemption budget rather than ``checkpoint.max_failures``."""
+        """A node of the run is being drained: commit this step (unless just done) and report it with
+        the notice; the driver, holding that report, gives the node back to Ray
+        (runtime.launch.elastic.give_back). Then train nothing the restart would redo. Never returns
+        (a rank that returns ends the run): Ray tears the group down at the drain's deadline, which
+        the driver brings forward, and restarts it on the nodes left, from this commit, under its
+        preemption budget rather than ``checkpoint.max_failures``."""
         step = self.state.global_step
         if not saved:
             self.checkpointer.save(step, blocking=True)
         info = self.stop.drain
-        # The ranks' collective first: once the node is given back, Ray tears the group down within
-        # the grace, and only rank 0's hand-off of the report may still fall inside it.
-        boundary = self.exchange(want_metrics=True)
-        if self.rank == 0:
-            # Room for the report below to reach the driver and Ray Train before the teardown.
-            released, why = drain.release(info.preempted_node_ids, 2 * self.cfg.distributed.poll_interval_s + 1)
-            left = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else None
-            self.metrics.notify(drain.notice(info.preempted_node_ids, step, bool(released), why, left))
-        self.report(boundary, {**extra, "drained_at_step": step}, announce=True)
+        notice = DrainNotice(tuple(info.preempted_node_ids), step, info.deadline_ms or None)
+        self.report(self.exchange(want_metrics=True), extra, announce=True, drain=notice)
         while True:
             time.sleep(1.0)
 
@@ -371,7 +367,7 @@ class Trainer:
         opt.zero_grad(set_to_none=self.averager is None)
         self.trainables.scheduler.step()
         self.state.global_step += 1
-        self.state.samples_seen += n * self.world
+        self.state.samples_seen += n * self.dp_world
         self.stats.add(loss_sum, correct, norm, bad, n, items, self.state.global_step,
                        tc.nonfinite.max_consecutive)
         self.stats.data_s += batches.wait_s - waited
@@ -492,8 +488,9 @@ class Trainer:
         return b
 
     def report(self, b: Boundary, extra: dict[str, Any] | None = None, final: bool = False, *,
-               announce: bool = False, stop: StopReason | None = None) -> None:
-        """All ranks call this together, after an exchange. ``stop``: why training ended early (final only)."""
+               announce: bool = False, stop: StopReason | None = None, drain: DrainNotice | None = None) -> None:
+        """All ranks call this together, after an exchange. ``stop``: why training ended early (final only);
+        ``drain``: this report carries a drain's commit."""
         self.metrics.notify(*self.micro.notices)  # console lines rank 0's report carries to the driver
         self.micro.notices = []
         metrics = self.metrics.assemble(b, self.state, extra)
@@ -507,7 +504,7 @@ class Trainer:
             else:
                 metrics["rank_param_digests"] = [digest]
         self.reporter.publish(metrics, final, announce, self.comm.seconds if self.comm else 0.0, stop=stop,
-                              notices=self.metrics.take_notices())
+                              notices=self.metrics.take_notices(), drain=drain)
 
     def param_digest(self) -> str:
         """sha256 of this rank's parameters: equal on every rank when data parallelism is correct."""
