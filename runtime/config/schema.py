@@ -31,7 +31,7 @@ from runtime.config.base import (
     config_hash,
     short,
 )
-from runtime.config.values import LocalLocation, S3Location, parse_http_url, parse_mlflow_uri, parse_seed, parse_storage
+from runtime.config.values import LocalLocation, parse_http_url, parse_mlflow_uri, parse_seed, parse_storage
 from runtime.parallelism.memory import GPTShape, check_divisible
 
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -181,9 +181,6 @@ class DataConfig(Strict):
             if where.remote and self.source != "shards":
                 raise ValueError(f"data.path must be a local folder for data.source={self.source!r} (only shards "
                                  f"are read from object storage), got {short(self.path)}")
-            if where.remote and not isinstance(where, S3Location):  # what open_store reads, said before Ray
-                raise ValueError(f"data.path: shard sets are read from a local folder or s3://bucket/prefix, "
-                                 f"got {short(self.path)} (checkpoints reach every registered store)")
             if isinstance(where, LocalLocation):
                 try:
                     folder = where.path
