@@ -69,7 +69,7 @@ PLANTING_RANK = 1
 # checkpoints or tracking (other suites prove those), one thread per rank on 2 cores.
 COMMON = ["tracking.mlflow=false", "tracking.prometheus=false", "checkpoint.enabled=false",
           f"train.max_steps={STEPS}", "train.log_every_steps=1", "train.torch_threads=1"]
-SYNTHETIC = ["data.num_classes=2", "data.batch_size=2", "data.num_samples=16", "data.val_samples=4"]
+SYNTHETIC = ["data.num_classes=2", "data.batch_size=2", "data.num_samples=64", "data.val_samples=4"]
 # Family -> the shipped job that stands for it, at the smallest size that runs its code path.
 FAMILIES: dict[str, tuple[str, list[str]]] = {
     "small_cnn": ("digits_smoke", ["data.batch_size=4"]),
