@@ -257,12 +257,26 @@ class NonFiniteConfig(Strict):
     max_consecutive: int = Field(5, ge=1, description="Stop after this many non-finite losses in a row.")
 
 
+class StragglerConfig(Strict):
+    """When rank 0 names a rank slower than its peers (runtime.observe.stragglers)."""
+
+    ratio: float = Field(
+        1.5, gt=1.0, le=100.0,
+        description="A rank whose local step time (data wait, forward, un-synced backward) is at least this "
+                    "many times the median of the other ranks' is slow in that report window.")
+    windows: int = Field(
+        3, ge=1, le=1000,
+        description="Consecutive report windows slow before the rank is named (and fast before it is cleared): "
+                    "one noisy window neither names nor clears a rank.")
+
+
 class TrainConfig(Strict):
     max_steps: int | None = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps; None = run `epochs` epochs.")
     epochs: int | None = Field(None, ge=1, description="Epochs when max_steps is None (or a cap with it).")
     grad_accum_steps: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Max global grad norm; None = no clipping.")
     log_every_steps: int = Field(10, ge=1, description="Report metrics to Ray every N optimizer steps.")
+    stragglers: StragglerConfig = StragglerConfig()
     eval_every_epochs: int = Field(1, ge=1)
     eval_at_steps: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=list,

@@ -65,6 +65,8 @@ WORKER_SERIES = (
     Series("rt_train_data_wait_seconds", "histogram", "Data loader wait per step", buckets=STEP_BUCKETS),
     Series("rt_train_comm_seconds", "counter", "Gradient all-reduce time"),
     Series("rt_train_last_progress_timestamp_seconds", "gauge", "Last completed step time"),
+    # Rank 0's verdict on each rank (labels rank and node are the measured rank's): runtime.observe.stragglers.
+    Series("rt_train_straggler_ratio", "gauge", "Rank's local step time over the median of the other ranks'"),
     Series("rt_checkpoint_save_seconds", "histogram", "Background checkpoint write", buckets=SAVE_BUCKETS),
     Series("rt_checkpoint_stall_seconds", "histogram", "Training stall per checkpoint", buckets=SAVE_BUCKETS),
     Series("rt_checkpoint_bytes", "gauge", "Size of the last committed checkpoint"),

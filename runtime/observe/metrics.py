@@ -15,6 +15,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from runtime.observe.catalog import CONTROLLER_SERIES, GPU_SERIES, SERIES, WORKER_LABELS, WORKER_SERIES, Series
-from runtime.observe.stragglers import node_ip
+from runtime.observe.stragglers import Host, node_ip
 
 log = logging.getLogger("runtime.observe.metrics")
 
@@ -81,9 +82,11 @@ class WorkerMetrics:
         self.labels = dict(zip(WORKER_LABELS, (job_id, str(rank), self.node), strict=True))
         self.registry = reg = CollectorRegistry()
         families: dict[str, Any] = {s.name: _family(s, reg) for s in WORKER_SERIES}
-        # This rank's child of every family labelled job_id/rank/node only; cost and info take more labels.
+        # This rank's child of every family labelled job_id/rank/node only; cost and info take more labels;
+        # the straggler ratio is rank 0's verdict on every rank, a child per rank (straggler_ratios).
         self.series: dict[str, Any] = {
-            s.name: families[s.name].labels(**self.labels) for s in WORKER_SERIES if s.labels == WORKER_LABELS
+            s.name: families[s.name].labels(**self.labels) for s in WORKER_SERIES
+            if s.labels == WORKER_LABELS and s.name != "rt_train_straggler_ratio"
         }
         sv = self.series  # the reporter sets the loop's gauges by name (catalog.reported_gauges); the rest:
         self.steps, self.samples = sv["rt_train_steps"], sv["rt_train_samples"]
@@ -99,6 +102,7 @@ class WorkerMetrics:
         self.storage_size = sv["rt_checkpoint_storage_size_bytes"]
         self.recoveries, self.recovery_seconds = sv["rt_recoveries"], sv["rt_recovery_seconds"]
         self.cost = families["rt_job_estimated_cost_dollars"]
+        self.straggler = families["rt_train_straggler_ratio"]
         self.info = families["rt_job_info"]
         info_keys = SERIES["rt_job_info"].labels
         if rank == 0:  # rank 0 publishes job-level series once; every rank exports its own worker series
@@ -115,6 +119,14 @@ class WorkerMetrics:
         self._server, self.port = _serve(self.registry, int(os.environ.get("RT_METRICS_PORT", "0")))
         if sd_dir:
             self.sd_file = _announce(self.port, Path(sd_dir) / f"training-{job_id}-rank{rank}.json")
+
+    def straggler_ratios(self, ratios: Mapping[int, float], hosts: Sequence[Host]) -> None:
+        """Rank 0: each rank's local step time over the median of the others' (last report window),
+        labelled with that rank and its host, so an alert names both."""
+        job_id = self.labels["job_id"]
+        for rank, ratio in ratios.items():
+            node = hosts[rank].name if rank < len(hosts) else ""
+            self.straggler.labels(job_id=job_id, rank=str(rank), node=node).set(ratio)
 
     def ckpt_committed(self, step: int, when: float) -> None:
         self.ckpt_step.set(step)

@@ -39,6 +39,7 @@ from runtime.config import JobConfig
 from runtime.data import DEVICE_RESIDENT, build_loaders
 from runtime.errors import ConfigError
 from runtime.observe.cost.watch import build_cost_watch
+from runtime.observe.stragglers import StragglerDetector
 from runtime.run import PREEMPTED, DrainNotice, RunInfo, StopReason
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import DevicePrefetcher, host_batches, make_stage
@@ -73,7 +74,7 @@ from runtime.train.setup import (
     step_unless,
 )
 from runtime.train.state import Stateful, TrainState, load_merged, merged_state
-from runtime.train.stats import Boundary, StepStats
+from runtime.train.stats import Boundary, StepStats, gather_hosts
 from runtime.train.stop_policy import StopPolicy, total_steps, watches_drains
 from runtime.train.timeline import first_step_done, worker_timeline
 
@@ -151,7 +152,11 @@ class Trainer:
                                   self.distributed, cfg.distributed.strategy)
         self.micro.inject_into(self.raw_model, lambda: self.state.global_step + 1)
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's loader batches (a redo reuses them)
-        self.stats = StepStats(self.device)
+        self.stats = StepStats(self.device, rank=self.rank)
+        # Rank 0 names a rank slower than its peers from the exchange's per-rank slots (observe.stragglers).
+        self.hosts = gather_hosts(self.distributed, self.world)  # every rank: one collective at start-up
+        self.stragglers = (StragglerDetector(self.hosts, tc.stragglers.ratio, tc.stragglers.windows)
+                           if self.rank == 0 and self.world > 1 else None)
         # What a resume continues besides the trainables: each keeps its own state (train.state).
         self.stateful: tuple[Stateful, ...] = (self.state, self.stats, self.micro)
         self.gauges = build_gauges(cfg, run, self.rank, self.world)
@@ -326,6 +331,7 @@ class Trainer:
         ``data.micro_batch`` guards it against running out of memory: train.microbatch)."""
         tc = self.cfg.train
         t0 = time.perf_counter()
+        self.stats.local_begin(self.state.global_step + 1)  # until the synced backward: its own pace
         waited = batches.wait_s
         self.model.train()
         while True:
@@ -412,6 +418,7 @@ class Trainer:
                 n += yc.shape[0]
                 items += yc.numel()
         if deferred and self.distributed:
+            self.stats.local_end()
             allreduce_gradients(self.model.parameters(), self.world)
         return loss_sum, correct, n, items
 
@@ -430,6 +437,8 @@ class Trainer:
                 # Classes on the last axis: (batch, classes) for images, (batch, seq, vocab) for tokens.
                 loss = self.loss_fn(out.float().flatten(0, -2), y.flatten())
             scaled = loss / accum if share == 1.0 else loss * share / accum
+            if sync:  # the backward that reduces gradients: peers can hold this rank up from here
+                self.stats.local_end()
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.detach(), (out.argmax(-1) == y).sum()
 
@@ -492,6 +501,10 @@ class Trainer:
         """All ranks call this together, after an exchange. ``stop``: why training ended early (final only);
         ``drain``: this report carries a drain's commit."""
         self.metrics.notify(*self.micro.notices)  # console lines rank 0's report carries to the driver
+        if self.stragglers is not None and b.rank_local_s:
+            self.metrics.notify(*self.stragglers.observe(self.state.global_step, b.rank_local_s))
+            if self.gauges:
+                self.gauges.straggler_ratios(self.stragglers.ratios, self.hosts)
         self.micro.notices = []
         metrics = self.metrics.assemble(b, self.state, extra)
         if final:

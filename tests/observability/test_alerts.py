@@ -67,6 +67,7 @@ def test_the_expected_alerts_exist_once():
         "TrainingThroughputDrop",
         "TrainingHighCommunicationShare",
         "TrainingBelowMaxWorkers",
+        "TrainingStraggler",
         "CheckpointFailing",
         "CheckpointStale",
         "CheckpointStorageAlmostFull",
