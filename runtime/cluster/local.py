@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.cluster.connect import job_env
+from runtime.cluster.connect import TRACES_ENDPOINT_ENV, job_env, tracing_start_flags
 from runtime.cluster.gcs_watchdog import GCS_FILE, group_members, read_gcs_pid, running
 from runtime.cluster.processes import (
     alive,
@@ -145,6 +145,8 @@ def _ray_up(cluster_dir: Path, num_cpus: int | None, redis: dict[str, Any] | Non
         cmd.append(f"--num-cpus={num_cpus}")
     if not log_monitor:
         cmd.append("--include-log-monitor=false")
+    if os.environ.get(TRACES_ENDPOINT_ENV):  # traces on: every process of the cluster runs the runtime's hook
+        cmd += tracing_start_flags()
     log = cluster_dir / "logs" / "ray.log"
     pid = spawn(cmd, log, env={**NODE_ENV, **auth, **job_env(), **NODE_HEALTH_ENV, **ft_env})
     out = {"pid": pid, "address": f"{host}:{port('ray')}", "dashboard": f"http://127.0.0.1:{port('dashboard')}",

@@ -9,11 +9,10 @@ Ray Train's controller on the driver's node. The per-worker loop it starts is ``
   finished, stopped while paused).
 - ``torch_trainer``: Ray Train's ``TorchTrainer`` less the Ray Data actor a run never uses.
 - ``elastic``: the controller callback that reports resizes and enforces the min-workers wait.
-- ``spend``: the driver's side of the cost rules (the spend each report shows, the ledger, the
-  wait while the spot price is high).
 - ``runlock``: the run folder's lock: one driver per run; ``signals``: SIGTERM and Ctrl+C.
 
-What crosses to the workers and back is typed in ``runtime.run`` (the bottom layer).
+What crosses to the workers and back is typed in ``runtime.run`` (the bottom layer); the
+driver's side of the cost rules is ``runtime.observe.cost.spend``.
 
 This package file imports nothing heavy: Tune and tracking import ``runtime.run`` without the driver.
 """

@@ -92,6 +92,7 @@ WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", 
               "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "AWS_ENDPOINT_URL",
               "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2", "AWS_DEFAULT_REGION", "AWS_REGION", "RT_S3_SSE",
               "RT_S3_SSE_KMS_KEY_ID", HOLD_ENV, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",  # its headers may hold a login
+              "RT_COMPILE_CACHE_DIR",  # torch.compile caches' node-local folder (runtime.train.worker)
               "PYTHONPATH")
 
 
@@ -372,7 +373,7 @@ def train(cfg: JobConfig, run_name: str | None = None, *, address: str | None = 
 
     With ``cost.pause_above_usd_per_hour``, a run that rank 0 paused for the spot price waits here
     (no workers) until the price is back at or below it, then continues from its checkpoint as
-    the same run: one outcome, one history, one MLflow run (runtime.launch.spend, docs/cost.md).
+    the same run: one outcome, one history, one MLflow run (runtime.observe.cost.spend, docs/cost.md).
     ``verbose``: Ray's worker and controller output on the console too (see :func:`connect`).
     The run folder's lock is held throughout: a second driver of the same run is refused with
     RunLocked naming this one; ``take_over`` takes a lock another host left (runtime.launch.runlock).

@@ -75,7 +75,7 @@ class Progress:
         eta = self._eta(m)
         if eta is not None:
             parts.append(f"ETA {eta:.0f}s")
-        if isinstance(m.get("cost/estimated_dollars"), float):  # the driver's spend (runtime.launch.spend)
+        if isinstance(m.get("cost/estimated_dollars"), float):  # the driver's spend (runtime.observe.cost.spend)
             projected = m.get("cost/projected_dollars")
             parts.append(f"${m['cost/estimated_dollars']:.2f}"
                          + (f" (${projected:.2f} at ETA)" if isinstance(projected, float) else ""))

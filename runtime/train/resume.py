@@ -69,7 +69,7 @@ def build_payload(t: Trainables, trainer: Mapping[str, int], distributed: bool, 
     else:
         rng_all = [rng]
     model_state = get_model_state_dict(t.model, options=opts)
-    optimizer_state = get_optimizer_state_dict(t.model, t.optimizer, options=opts)
+    optimizer_state: dict[str, Any] = dict(get_optimizer_state_dict(t.model, t.optimizer, options=opts))
     if sharded:
         # Tensor-parallel entries as DCP can index them (one collective each, on every rank alike).
         model_state = checkpoint_view(model_state)
