@@ -225,9 +225,9 @@ tune: setup cluster-ready ## Hyperparameter search: make tune JOB=digits_tune [R
 	$(PY) -m runtime tune $(call q,$(JOB)) --sets "$$SET" $(if $(RESUME),--resume) $(if $(RUN),--run-name $(call q,$(RUN)))
 
 .PHONY: logs
-logs: setup ## A run's lines from every node and rank, in time order: make logs RUN=name [RANK=1] [ATTEMPT=2] [SINCE=10m] [GREP=regex] [TAIL=100].
-	$(PY) -m runtime logs $(call q,$(RUN)) $(if $(RANK),--rank $(call q,$(RANK))) $(if $(ATTEMPT),--attempt $(call q,$(ATTEMPT))) $(if $(SINCE),--since $(call q,$(SINCE))) $(if $(GREP),--grep $(call q,$(GREP))) $(if $(TAIL),--tail $(call q,$(TAIL)))
+logs: setup ## A run's lines from every node and rank, in time order: make logs RUN=name [RANK=1] [ATTEMPT=2] [SINCE=10m] [GREP=regex] [TAIL=100] [FOLLOW=1].
+	$(PY) -m runtime logs $(call q,$(RUN)) $(if $(RANK),--rank $(call q,$(RANK))) $(if $(ATTEMPT),--attempt $(call q,$(ATTEMPT))) $(if $(SINCE),--since $(call q,$(SINCE))) $(if $(GREP),--grep $(call q,$(GREP))) $(if $(TAIL),--tail $(call q,$(TAIL))) $(if $(FOLLOW),--follow)
 
 .PHONY: validate
-validate: setup ## Validate a job file without running it: make validate JOB=resnet50 [SET="..."] [SHOW=1].
-	$(PY) -m runtime validate $(call q,$(JOB)) --sets "$$SET" $(if $(SHOW),--show)
+validate: setup ## Validate a job file without running it: make validate JOB=resnet50 [SET="..."] [SHOW=1] [GPU_MEMORY_GB=80].
+	$(PY) -m runtime validate $(call q,$(JOB)) --sets "$$SET" $(if $(SHOW),--show) $(if $(GPU_MEMORY_GB),--gpu-memory-gb $(call q,$(GPU_MEMORY_GB)))

@@ -1,10 +1,11 @@
 """make generate | make generate-check   (python -m generate [--check] [--only NAME ...])
 
 Every file in the repository that a program writes, listed once in GENERATORS: the alert runbook
-links, the Grafana dashboards, the PrometheusRule, the KubeRay JSON Schemas and Terraform's example
-inventory. `make generate` rewrites the ones that differ from their generator's output (and deletes
-a file in a generator's outputs that it no longer makes); `--check` (`make generate-check`, part of
-`make test`) changes nothing and fails naming each stale file and the command that fixes it.
+links, the Grafana dashboards, the PrometheusRule, the KubeRay JSON Schemas, Terraform's example
+inventory and each Terraform module's README tables (inputs, outputs). `make generate` rewrites the
+ones that differ from their generator's output (and deletes a file in a generator's outputs that it
+no longer makes); `--check` (`make generate-check`, part of `make test`) changes nothing and fails
+naming each stale file and the command that fixes it.
 
 Generators run in order and see the files earlier ones produced (the PrometheusRule is made from the
 runbook links just written). Every output is computed before anything is written, so a generator
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import os
 import subprocess
 import sys
@@ -122,6 +124,19 @@ def _example_inventory(tree: Tree) -> dict[str, str]:
     return {"terraform/examples/aws_cluster/inventory.example.yml": out}
 
 
+def _module_readmes(tree: Tree) -> dict[str, str]:
+    """Each module's inputs and outputs from its variables.tf and outputs.tf (python-hcl2 lives in .venv-tf)."""
+    if not TF_PYTHON.is_file():
+        raise GenerateError(f"the module READMEs need python-hcl2 from {TF_PYTHON.parent.parent.name}: "
+                            "run `make tf-setup`, or leave them out with --only")
+    proc = subprocess.run([str(TF_PYTHON), str(ROOT / "terraform" / "tools" / "module_docs.py"), "--json",
+                           str(tree.root)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise GenerateError(proc.stderr.strip() or f"module_docs.py exited {proc.returncode}")
+    made: dict[str, str] = json.loads(proc.stdout)
+    return made
+
+
 GENERATORS = (
     Generator("runbook-links", "alerts/runbooks.py", ("alerts/*.rules.yml", "alerts/tests/*.test.yml"),
               _runbook_links),
@@ -132,6 +147,8 @@ GENERATORS = (
               _crd_schemas),
     Generator("example-inventory", "terraform/modules/cluster_spec and its tests/example.auto.tfvars",
               ("terraform/examples/aws_cluster/inventory.example.yml",), _example_inventory),
+    Generator("module-readmes", "terraform/modules/*/{variables,outputs}.tf via terraform/tools/module_docs.py",
+              ("terraform/modules/*/README.md",), _module_readmes),
 )
 
 

@@ -31,10 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("out", type=Path, help="new folder for index.json, train/*.tar and val/*.tar")
     pk.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     ins = sub.add_parser("inspect", help="classes, counts, a size histogram and a few decoded samples")
-    ins.add_argument("path", help="an ImageFolder tree, a shard folder or s3://bucket/prefix")
+    ins.add_argument("path", help="an ImageFolder tree, a shard folder, s3://bucket/prefix, gs://bucket/prefix "
+                                   "or az://container/prefix")
     ins.add_argument("--samples", type=int, default=4, help="samples to decode and describe")
-    ins.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3 "
-                                                          "or AWS_ENDPOINT_URL)")
+    ins.add_argument("--endpoint-url", default=None, help="the object store's endpoint (default: the scheme's "
+                                                          "variable, docs/storage.md)")
     return p
 
 
