@@ -181,3 +181,9 @@ def test_the_restart_after_the_kill_is_phase_spans_under_the_attempts_root_span(
     killed, _ = killed_worker(traced)
     before = {s.attributes["rt.rank"] for s in restores if s.end_time_ns <= restart.start_time_ns}
     assert 1 - killed in before, named
+    # The loop's own phases (the trainer's first step, the checkpointer's commits) come through the timeline too.
+    firsts = sorted(s.attributes["rt.rank"] for s in phases
+                    if s.name == "first step" and s.start_time_ns >= restart.end_time_ns)
+    assert firsts == [0, 1], named
+    assert any(s.name == "save" and s.attributes["rt.rank"] == 0 and s.start_time_ns >= restart.end_time_ns
+               for s in phases), "rank 0 of the new group committed checkpoints"
