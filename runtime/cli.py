@@ -308,13 +308,18 @@ def _before_ray(cfg: Any) -> None:
 
 
 def _train(cfg: Any, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from runtime.cluster import ClusterError
-    from runtime.launch.driver import outcome_summary, train
+    from runtime.launch.driver import default_run_name, outcome_summary, train
     from runtime.launch.runlock import RunLocked
+    from runtime.layout import storage_paths
+    from runtime.observe.report import logs_command
     from runtime.run import StopKind
 
+    run_name = args.run_name or default_run_name(cfg)  # named here: a failure's summary names its logs
     try:
-        outcome = train(cfg, args.run_name, show_progress=not args.no_progress, verbose=args.verbose,
+        outcome = train(cfg, run_name, show_progress=not args.no_progress, verbose=args.verbose,
                         take_over=args.take_over)
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -331,8 +336,9 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
         if args.verbose:
             raise
         lines = str(e).strip().splitlines()
-        print(f"error: the run failed: {lines[0] if lines else type(e).__name__} "
-              "(--verbose shows the traceback; the workers' logs are in Ray's session folder)", file=sys.stderr)
+        print(f"error: the run failed: {lines[0] if lines else type(e).__name__} (--verbose shows the traceback)",
+              file=sys.stderr)
+        print(f"  what happened: {logs_command(Path(storage_paths(cfg, run_name)[2]), e)}", file=sys.stderr)
         return EXIT_RUN_FAILED
     print(outcome_summary(outcome))
     stop = outcome.stop
