@@ -50,8 +50,11 @@ class Boundary:
 class StepStats:
     """Sums since the last report (device tensors) plus host-side counts and times."""
 
-    def __init__(self, device: torch.device, sync: Callable[[], None] | None = None, rank: int = 0) -> None:
+    def __init__(self, device: torch.device, sync: Callable[[], None] | None = None, rank: int = 0,
+                 copies: int = 1) -> None:
         self.device, self.rank = device, rank
+        # Ranks that train each sample (a tensor-parallel group's size): throughput counts a sample once.
+        self.copies = copies
         # The host runs up to a step ahead of the device: a clock read at a boundary waits for the
         # queued work first, or that backlog would fall outside every window (throughput too high).
         self.sync = sync or device_sync(device)
@@ -176,7 +179,8 @@ class StepStats:
             out.metrics = {
                 "train/loss": loss / n,
                 "train/accuracy": correct / n,
-                "train/throughput": timed_total / mean_elapsed if mean_elapsed > 0 and timed_total else 0.0,
+                "train/throughput": (timed_total / self.copies / mean_elapsed
+                                     if mean_elapsed > 0 and timed_total else 0.0),
                 "train/grad_norm": grad_norm / world,
                 "time/step_s": mean_elapsed / steps_timed if steps_timed > 0 else 0.0,
                 "time/data_s": self.data_s / self.steps,

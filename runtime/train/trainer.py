@@ -152,7 +152,7 @@ class Trainer:
                                   self.distributed, cfg.distributed.strategy)
         self.micro.inject_into(self.raw_model, lambda: self.state.global_step + 1)
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's loader batches (a redo reuses them)
-        self.stats = StepStats(self.device, rank=self.rank)
+        self.stats = StepStats(self.device, rank=self.rank, copies=cfg.distributed.tp_size)
         # Rank 0 names a rank slower than its peers from the exchange's per-rank slots (observe.stragglers).
         self.hosts = gather_hosts(self.distributed, self.world)  # every rank: one collective at start-up
         self.stragglers = (StragglerDetector(self.hosts, tc.stragglers.ratio, tc.stragglers.windows)

@@ -95,6 +95,16 @@ def test_a_window_ends_when_the_device_has_drained_its_queue_not_when_the_host_q
     assert m["train/throughput"] == pytest.approx(16 / 0.2)
 
 
+def test_throughput_counts_a_sample_once_when_a_tensor_parallel_group_trains_it(clock: FakeClock) -> None:
+    dev = LaggingDevice(0.2, clock)
+    s = StepStats(CPU, sync=dev.sync, copies=2)  # this rank's 16 samples are also its TP peer's
+    for step in range(1, 5):
+        _step(s, 1.0, False, step)
+    m = s.exchange((False,) * 3, False, 1, True).metrics
+    assert m["train/throughput"] == pytest.approx(8 / 0.2)
+    assert m["train/loss"] == pytest.approx(1.0)  # a mean, the same for every copy
+
+
 def test_time_kept_out_of_throughput_leaves_the_training_backlog_in_and_its_own_device_work_out(
         clock: FakeClock) -> None:
     dev = LaggingDevice(0.0, clock)
