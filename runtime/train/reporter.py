@@ -16,7 +16,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from runtime.checkpoint import CheckpointRef
@@ -24,7 +23,6 @@ from runtime.observe.catalog import reported_gauges
 from runtime.run import DrainNotice, Report, RunInfo, StopReason
 
 log = logging.getLogger("runtime.train")
-PRICES = Path(__file__).resolve().parents[2] / "prices" / "instances.yaml"
 
 
 class Reporter:
@@ -139,7 +137,7 @@ def _price_table() -> dict[str, dict[str, float]]:
     """Parsed once per process: the cost gauge is refreshed at every report, on the boundary's clock."""
     from runtime.observe.cost.table import load_price_table
 
-    return load_price_table(PRICES)
+    return load_price_table()  # the shipped table (cost.table.DEFAULT_PRICE_TABLE)
 
 
 def build_gauges(cfg: Any, run: RunInfo, rank: int, world: int) -> Any:
