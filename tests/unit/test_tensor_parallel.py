@@ -8,6 +8,9 @@ the whole file costs a few CPU-seconds past the ranks' start-up:
   logits gathered and with loss parallel, and trains to its losses over a few AdamW steps;
 - the loop's own set-up (``runtime.train.parallel.apply_fsdp`` with ``tp_size=2``, the data-parallel
   rank its loader would shard by, its gradient norm) trains to the same losses and norms;
+- the real trainer (tests.support.trainer, no Ray) under distributed.tp_size=2 trains a small GPT
+  to plain FSDP's losses on the same 4 ranks and global batch, and resumes from its step-3
+  checkpoint to the same parameters;
 - a DCP checkpoint written under (dp=2, tp=2) loads under (dp=4, tp=1), (dp=1, tp=4) and into a
   plain model in a process without a process group, parameters equal to what was saved.
 """
@@ -15,6 +18,7 @@ the whole file costs a few CPU-seconds past the ranks' start-up:
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,7 @@ from runtime.parallelism.tensor_parallel import (
 from runtime.train.models import GPT
 from runtime.train.parallel import apply_fsdp, data_parallel_rank, grad_norm
 from tests.support.ranks import spawn_ranks
+from tests.support.trainer import train_job
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +50,28 @@ BATCH = 4  # global: 2 sequences per data-parallel rank at dp=2
 STEPS = 4
 # fp32 on CPU: sharded matmuls and reductions sum in another order than the single process.
 RTOL, ATOL = 1e-4, 1e-6
+
+
+# The shipped gpt_small job shrunk to this file's GPT; 6 steps, a checkpoint every 3.
+LOOP = ["model.transformer.layers=2", "model.transformer.dim=32", "model.transformer.heads=4",
+        "model.transformer.seq_len=16", "tracking.mlflow=false", "tracking.prometheus=false",
+        "schedule.name=constant", "schedule.warmup_steps=0", "train.deterministic=true", "train.log_every_steps=1",
+        "train.max_steps=6", "checkpoint.interval_steps=3", "checkpoint.keep=4", "distributed.num_workers=4",
+        "distributed.strategy=fsdp"]
+# The same global batch of 8 sequences: 4 ranks x 2 plain, 2 data-parallel groups x 4 under tp_size=2.
+LOOP_FSDP, LOOP_TP = ["data.batch_size=2"], ["data.batch_size=4", "distributed.tp_size=2"]
+
+
+def _loop(rank: int, world: int, base: Path) -> dict[str, Any]:
+    """The real trainer: plain FSDP, (dp=2, tp=2), and (dp=2, tp=2) resumed from the latter's step 3."""
+    out = {"loop_fsdp": train_job("gpt_small", base / "loop_fsdp", rank, world, *LOOP, *LOOP_FSDP),
+           "loop_tp": train_job("gpt_small", base / "loop_tp", rank, world, *LOOP, *LOOP_TP)}
+    if rank == 0:
+        step3 = Path("checkpoints") / "step_000000003"
+        shutil.copytree(base / "loop_tp" / step3, base / "loop_resume" / step3)
+    dist.barrier()
+    out["loop_resume"] = train_job("gpt_small", base / "loop_resume", rank, world, *LOOP, *LOOP_TP)
+    return out
 
 
 def _gpt(seed: int) -> GPT:
@@ -156,6 +183,7 @@ def _scenarios(rank: int, world: int, root: str) -> None:
         restore_from_view(state, view)
         reader.load_state_dict(state)
         out[f"load_dp{dp}_tp{tp}"] = _worst({n: full_tensor(p.detach()) for n, p in reader.named_parameters()}, saved)
+    out.update(_loop(rank, world, base))
     if rank == 0:
         (base / "results.json").write_text(json.dumps(out))
 
@@ -196,6 +224,24 @@ def test_the_loops_fsdp_set_up_at_tp_size_2_trains_to_the_single_process_losses_
         results: dict[str, Any]) -> None:
     assert results["loop"]["losses"] == pytest.approx(results["ref_losses"], rel=RTOL)
     assert results["loop"]["norms"] == pytest.approx(results["ref_norms"], rel=RTOL)
+
+
+def _losses(reports: list[dict[str, Any]]) -> list[float]:
+    return [r["train/loss"] for r in reports if "train/loss" in r]
+
+
+def test_the_trainer_under_dp2_tp2_trains_to_plain_fsdps_losses(results: dict[str, Any]) -> None:
+    plain, tp = _losses(results["loop_fsdp"]), _losses(results["loop_tp"])
+    assert len(plain) == 6 and plain[-1] < plain[0]
+    assert tp == pytest.approx(plain, rel=RTOL)
+
+
+def test_the_trainer_under_dp2_tp2_resumes_from_its_checkpoint_to_the_same_parameters(
+        results: dict[str, Any]) -> None:
+    resumed = results["loop_resume"]
+    assert [r["resumed_from_step"] for r in resumed if "resumed_from_step" in r] == [3]
+    assert _losses(resumed) == _losses(results["loop_tp"])[3:]
+    assert resumed[-1]["param_digest"] == results["loop_tp"][-1]["param_digest"]
 
 
 @pytest.mark.parametrize("layout", ["load_dp4_tp1", "load_dp1_tp4", "load_dp2_tp2", "load_plain"])
