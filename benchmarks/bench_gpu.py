@@ -11,8 +11,9 @@ windows (warm-up and compilation left out), each with the peak GPU memory of its
   runtime peak memory within 5% of bare.
 - ``fsdp``: the runtime's ResNet-50 under FSDP2 against DDP on the same GPU. Goal: >= 0.95.
 - ``jpeg``: ResNet-50 end to end on generated photo-like JPEGs (as ``BENCH=data`` makes them)
-  with nvJPEG decode on the device and with Pillow decode in loader workers. Goal: GPU
-  decode >= 3,000 images/s.
+  with nvJPEG decode on the device (eager and compiled) and with Pillow decode in loader
+  workers, beside each decode path alone (the trainer's loaders and prefetch thread with no
+  step: the ceiling it sets). Goal: GPU decode >= 3,000 images/s.
 - ``gpt``: ``gpt_small`` scaled to a GPU (12 layers, width 768, 1,024 tokens of context),
   eager and compiled, under DDP (plain) and FSDP2, beside the bare loop (eager and compiled)
   over the same model: tokens/s and model FLOPs utilisation. Goals: runtime/bare compiled
@@ -20,6 +21,10 @@ windows (warm-up and compilation left out), each with the peak GPU memory of its
 - ``microbatch``: the runtime's ResNet-50 (eager) with ``data.micro_batch`` equal to the batch
   (one micro-step, guarded against running out of memory) against the unguarded step: the
   guard's per-step cost. Goal: >= 0.97.
+- ``recovery``: the runtime's ResNet-50, compiled, 1 GPU worker: its worker SIGKILLed just after
+  a checkpoint (``BENCH_GPU_RECOVERY_KILLS``, 3) -> the next trained step, split into the restart
+  timeline's phases (detection, teardown, group start, restore, first step from the warm compile
+  cache). Goal: <= 15 s.
 
 Both sides are timed the same way: the device is synced before the clock is read at the edges
 of every window (the runtime's boundary does the same). A ratio above ``SUSPECT_RATIO`` is
@@ -41,6 +46,7 @@ import functools
 import gc
 import json
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -57,7 +63,9 @@ STEPS = int(os.environ.get("BENCH_GPU_STEPS", "60"))  # measured steps a variant
 WARMUP = int(os.environ.get("BENCH_GPU_WARMUP", "15"))
 ROUNDS = int(os.environ.get("BENCH_GPU_ROUNDS", "2"))
 JPEGS = int(os.environ.get("BENCH_GPU_JPEGS", "2048"))
-PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch")
+PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch", "recovery")
+RECOVERY_KILLS = int(os.environ.get("BENCH_GPU_RECOVERY_KILLS", "3"))
+RECOVERY_INTERVAL = 20  # steps between checkpoints in the recovery part (~1 s of compiled ResNet-50 on an H200)
 CLASSES = 1000
 LOG_EVERY = 10
 SUSPECT_RATIO = 1.02  # the runtime does the bare loop's work plus its own: above this, timing is wrong
@@ -220,20 +228,26 @@ def write_profile(step: Callable[[], None], device: torch.device, path: Path) ->
                     f"by CPU time (with children):\n{table.table(sort_by='cpu_time_total', row_limit=25)}\n")
 
 
-def runtime_run(job: str, sets: list[str], storage: str, use_gpu: bool, batch: int = BATCH,
-                rate: str = "train/throughput") -> dict[str, float]:
-    """One run through runtime.launch.driver.train, 1 worker; figures from its own reports."""
+def job_config(job: str, sets: list[str], storage: str, use_gpu: bool, batch: int = BATCH,
+               steps: int = WARMUP + STEPS) -> Any:
+    """The bench's settings for a 1-worker run of ``job`` (no checkpoints, no MLflow), then ``sets``."""
     from runtime.config import load_job
-    from runtime.launch.driver import train
 
-    steps = WARMUP + STEPS
-    cfg = load_job(job, [
+    return load_job(job, [
         f"data.batch_size={batch}", f"precision.dtype={'bf16' if use_gpu else 'fp32'}",
         "distributed.num_workers=1", f"distributed.use_gpu={str(use_gpu).lower()}", f"train.max_steps={steps}",
         f"train.log_every_steps={LOG_EVERY}", "train.clip_grad_norm=null", "train.epochs=null",
         "schedule.warmup_steps=0", f"checkpoint.storage={storage}", "checkpoint.enabled=false",
         "tracking.mlflow=false", *sets,
     ], environ={})
+
+
+def runtime_run(job: str, sets: list[str], storage: str, use_gpu: bool, batch: int = BATCH,
+                rate: str = "train/throughput") -> dict[str, float]:
+    """One run through runtime.launch.driver.train, 1 worker; figures from its own reports."""
+    from runtime.launch.driver import train
+
+    cfg = job_config(job, sets, storage, use_gpu, batch)
     out = train(cfg, show_progress=False)
     # Windows that start after warm-up: the first step (compilation, autotuning) is timed apart anyway.
     windows = [h for h in out.history if rate in h and h["step"] > WARMUP + LOG_EVERY]
@@ -333,27 +347,76 @@ def part_fsdp(device: torch.device, storage: str, use_gpu: bool, results_dir: Pa
             "rounds": rounds, "goal": "fsdp/ddp >= 0.95"}
 
 
+def decode_only(sets: list[str], storage: str, use_gpu: bool, device: torch.device) -> dict[str, float]:
+    """The ceiling the decode path sets: the trainer's own loaders, stage and prefetch thread
+    (``runtime.train.device_input``) for the job ``sets`` describe, in this process, with no step
+    behind them: images/s staged onto the device (synced at each window's edges). Its loader
+    workers and cached memory are given back after (its locals are gone by then)."""
+    result = _decode_pass(sets, storage, use_gpu, device)
+    _release(device)
+    return result
+
+
+def _decode_pass(sets: list[str], storage: str, use_gpu: bool, device: torch.device) -> dict[str, float]:
+    from runtime.data.sources import build_loaders
+    from runtime.train.device_input import DevicePrefetcher, host_batches, make_stage
+
+    cfg = job_config("resnet50", sets, storage, use_gpu, batch=BATCH)
+    loaders, train_stage, _ = build_loaders(cfg, 1, 0, device)
+    stage = make_stage(device, loaders.bundle, torch.channels_last, train_stage)
+    batches = DevicePrefetcher(host_batches(loaders.train, loaders.batches_per_epoch, 0, 0), stage, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step() -> None:
+        next(batches)
+
+    try:
+        result = _timed(step, device, BATCH)
+    finally:
+        batches.close()
+    return {"rate": result["rate"], "peak_memory_bytes": result["peak_memory_bytes"]}
+
+
 def part_jpeg(device: torch.device, storage: str, use_gpu: bool, results_dir: Path) -> dict[str, Any]:
+    """Real JPEGs end to end, and what bounds them: nvJPEG and Pillow decode under eager training,
+    nvJPEG under compiled training (is the eager step's host time the cap?), and each decode path
+    alone (``decode_only_*``: the trainer's loaders and prefetch thread with no step, the ceiling)."""
     from benchmarks.bench_data import generate
 
     root = results_dir / "data_cache" / f"gpu-{JPEGS}"
     facts = generate(root, n=JPEGS)
     workers = max(1, min(12, (os.cpu_count() or 2) - 2))
 
-    def variant(decode: str) -> dict[str, float]:
-        sets = [f"model.name={MODEL}", "model.channels_last=true", "model.compile=false", "data.source=imagefolder",
-                f"data.path={root}", f"data.image_size={IMAGE}", f"data.decode={decode}",
+    def sets(decode: str, compiled: bool = False) -> list[str]:
+        return [f"model.name={MODEL}", "model.channels_last=true", f"model.compile={str(compiled).lower()}",
+                "data.source=imagefolder", f"data.path={root}", f"data.image_size={IMAGE}", f"data.decode={decode}",
                 f"data.loader_workers={workers}", "optimizer.weight_decay=0.00005"]
-        return runtime_run("resnet50", sets, storage, use_gpu)
 
-    variants = {"gpu_decode": lambda: variant("gpu")} if use_gpu else {}
-    rounds = _interleave({**variants, "cpu_decode": lambda: variant("cpu")})
+    variants: dict[str, Callable[[], dict[str, float]]] = {}
+    if use_gpu:
+        variants["gpu_decode"] = lambda: runtime_run("resnet50", sets("gpu"), storage, use_gpu)
+        variants["gpu_decode_compiled"] = lambda: runtime_run("resnet50", sets("gpu", True), storage, use_gpu)
+        variants["decode_only_gpu"] = lambda: decode_only(sets("gpu"), storage, use_gpu, device)
+    variants["cpu_decode"] = lambda: runtime_run("resnet50", sets("cpu"), storage, use_gpu)
+    variants["decode_only_cpu"] = lambda: decode_only(sets("cpu"), storage, use_gpu, device)
+    rounds = _interleave(variants)
     rate = {n: _median(r, "rate") for n, r in rounds.items()}
+    ratio = {"cpu_decode_over_decode_only_cpu": round(rate["cpu_decode"] / rate["decode_only_cpu"], 4)}
+    if use_gpu:
+        ratio["gpu_decode_over_decode_only_gpu"] = round(rate["gpu_decode"] / rate["decode_only_gpu"], 4)
+        ratio["gpu_decode_compiled_over_decode_only_gpu"] = round(
+            rate["gpu_decode_compiled"] / rate["decode_only_gpu"], 4)
+        ratio["gpu_decode_compiled_over_gpu_decode"] = round(rate["gpu_decode_compiled"] / rate["gpu_decode"], 4)
     return {"description": f"{MODEL} {IMAGE}x{IMAGE} end to end on {JPEGS} generated JPEGs (ImageFolder, "
-                           f"{facts.get('mean_kb')} KB mean), {workers} loader workers, eager, 1 GPU worker",
+                           f"{facts.get('mean_kb')} KB mean), {workers} loader workers, 1 GPU worker, eager "
+                           "unless *_compiled; decode_only_* = the same loaders, stage and prefetch thread "
+                           "with no training step (the decode path's ceiling)",
             "images_per_s_median": {n: round(v, 1) for n, v in rate.items()},
+            "ratio": ratio,
             "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
-            "rounds": rounds, "data": facts, "goal": "gpu decode >= 3,000 images/s on an H100"}
+            "rounds": rounds, "data": facts,
+            "goal": "gpu decode >= 3,000 images/s on an H100; real JPEG >= 0.75 of synthetic compiled"}
 
 
 def _bare_mfu(rate: dict[str, float], size: dict[str, int], device: torch.device) -> dict[str, float]:
@@ -425,6 +488,44 @@ def part_microbatch(device: torch.device, storage: str, use_gpu: bool) -> dict[s
             "rounds": rounds, "goal": "guarded/unguarded >= 0.97"}
 
 
+def part_recovery(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
+    """A GPU job's restart: the runtime's ResNet-50 (compiled on a GPU; eager on a CPU, whose compile
+    takes minutes), 1 worker, checkpointing every RECOVERY_INTERVAL steps; its worker is SIGKILLed
+    RECOVERY_KILLS times, each just after a commit (benchmarks.bench_recovery.measure). Each restart's
+    first step loads the graphs the first group compiled into the job's node-local compile cache
+    (runtime.train.worker.use_compile_cache): the warm-cache restart a real failure gets."""
+    import ray
+
+    from benchmarks.bench_recovery import POLL_S, measure
+
+    run = f"bench-gpu-recovery-{int(time.time())}"  # a fresh run folder: nothing to resume from
+    # Enough steps for every kill: each group trains to its first commit (a second if the kill is slow to
+    # find it) and is killed a few steps later.
+    steps = (2 * RECOVERY_KILLS + 3) * RECOVERY_INTERVAL
+    cfg = job_config("resnet50", [
+        *_image_sets(use_gpu), "name=bench-gpu-recovery", "train.log_every_steps=1", "checkpoint.enabled=true",
+        f"checkpoint.interval_steps={RECOVERY_INTERVAL}", f"checkpoint.max_failures={RECOVERY_KILLS + 2}",
+        "tracking.prometheus=false", f"distributed.poll_interval_s={POLL_S}"], storage, use_gpu, steps=steps)
+    # The workers are found through Ray's state API, which reads RAY_ADDRESS ("local" names no cluster).
+    saved = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    try:
+        result = measure(cfg, run, Path(storage), kills=RECOVERY_KILLS, workers=1)
+    finally:
+        shutil.rmtree(Path(storage) / run, ignore_errors=True)  # its checkpoints: ~200 MB each on ResNet-50
+        if saved is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = saved
+    mode = "compiled" if use_gpu else "eager"
+    return {"description": f"{MODEL} {IMAGE}x{IMAGE}, batch {BATCH}, {mode}, 1 GPU worker, a checkpoint every "
+                           f"{RECOVERY_INTERVAL} steps, poll {POLL_S} s: SIGKILL of the worker just after a commit "
+                           "-> the first report of a step trained after the restart; groups_median_s sums the "
+                           "timeline's phases (detection, teardown, group start, restore, first step with the "
+                           "warm compile cache, report)",
+            **result, "goal": "SIGKILL -> next trained step <= 15 s with warm caches"}
+
+
 def suspect_ratios(result: dict[str, Any]) -> list[str]:
     """Ratios of the runtime (or FSDP) over its baseline above SUSPECT_RATIO: measurement errors to explain."""
     out = []
@@ -446,6 +547,14 @@ def markdown(result: dict[str, Any]) -> str:
     for part in PARTS:
         body = result.get(part)
         if not isinstance(body, dict):
+            continue
+        if part == "recovery":
+            from benchmarks.bench_recovery import PHASE_GROUPS
+
+            medians = body.get("groups_median_s") or {}  # in the order they happen (the JSON sorts its keys)
+            groups = ", ".join(f"{k} {medians[k]} s" for k in PHASE_GROUPS if k in medians)
+            lines.append(f"| recovery ({body.get('recoveries_seen')} of {body.get('kills')} kills) | SIGKILL -> "
+                         f"next trained step | {body.get('recovery_seconds_median')} s median | | {groups} |")
             continue
         rates = body.get("images_per_s_median") or body.get("tokens_per_s_median") or {}
         unit = "tokens/s" if "tokens_per_s_median" in body else "img/s"
@@ -489,8 +598,8 @@ def run(results_dir: Path) -> dict[str, Any]:
         if part in ("jpeg", "fsdp"):
             result[part] = {"jpeg": part_jpeg, "fsdp": part_fsdp}[part](device, storage, use_gpu, results_dir)
         else:
-            result[part] = {"synthetic": part_synthetic, "gpt": part_gpt,
-                            "microbatch": part_microbatch}[part](device, storage, use_gpu)
+            result[part] = {"synthetic": part_synthetic, "gpt": part_gpt, "microbatch": part_microbatch,
+                            "recovery": part_recovery}[part](device, storage, use_gpu)
         result[part]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"{part}: {json.dumps({k: v for k, v in result[part].items() if k != 'rounds'})}", flush=True)
         result["suspect"] = suspect_ratios(result)

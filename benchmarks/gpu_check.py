@@ -4,8 +4,9 @@
 2. Runs tests/gpu (the sync-free step under ``sync_debug``, compiled vs eager, nvJPEG decode
    through the trainer, FSDP on NCCL, prefetch with a slow consumer, ...).
 3. Runs ``benchmarks.run gpu`` (every part of benchmarks/bench_gpu.py unless
-   ``BENCH_GPU_PARTS`` narrows it), which writes ``benchmarks/results/gpu/<device>.json`` and
-   ``.md``; the test outcome is added to that JSON.
+   ``BENCH_GPU_PARTS`` narrows it, ``recovery`` included: a compiled job's worker SIGKILLed, on the
+   throwaway Ray below), which writes ``benchmarks/results/gpu/<device>.json`` and ``.md``; the
+   test outcome is added to that JSON.
 4. Measures DDP's per-bucket gradient-ready times from a real backward (ResNet-50 and GPT,
    ``benchmarks.scaling_model measure``) into ``benchmarks/results/gpu/<device>_grad_ready_<model>.json``,
    the scaling model's ``--ready-times`` input (docs/scaling.md).

@@ -1,9 +1,12 @@
 """The bare arms of ``make bench BENCH=gpu`` run on a CPU (``BENCH_GPU_DEVICE=cpu`` plumbing): the
-loop under DDP on a one-rank group (DDP's own cost) and the bare GPT loop the runtime's GPT is
-compared with. Shrunk to a few small steps; a gloo group, so run under ``flock /tmp/ray-tests.lock``.
+loop under DDP on a one-rank group (DDP's own cost), the bare GPT loop the runtime's GPT is
+compared with, and the decode path alone (the real-JPEG ceiling). Shrunk to a few small steps; a
+gloo group, so run under ``flock /tmp/ray-tests.lock``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +55,27 @@ def test_bare_gpt_arm_counts_tokens_as_the_runtime_does(small: None, monkeypatch
     result = bench_gpu._bare_mfu(bench_gpu.bare_gpt(False, CPU, bench_gpu.GPT_CPU), bench_gpu.GPT_CPU, CPU)
     assert steps == [2 * bench_gpu.GPT_CPU["seq_len"]]  # batch x seq_len a step, as train/tokens_per_s
     assert result["rate"] > 0 and "mfu" not in result  # MFU needs a GPU in the peak table
+
+
+def test_decode_only_ceiling_stages_real_jpegs_with_no_step_and_stops_its_thread(
+        small: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import threading
+
+    from benchmarks.bench_data import generate
+
+    generate(tmp_path / "jpegs", n=8)
+    staged: list[int] = []
+    original = bench_gpu._timed
+
+    def spy(step, device, per_step):  # type: ignore[no-untyped-def]
+        def counted() -> None:
+            step()
+            staged.append(per_step)
+        return original(counted, device, per_step, 1, 4)
+
+    monkeypatch.setattr(bench_gpu, "_timed", spy)
+    sets = ["model.name=resnet18", "data.source=imagefolder", f"data.path={tmp_path / 'jpegs'}", "data.image_size=32",
+            "data.decode=cpu", "data.loader_workers=0"]
+    result = bench_gpu.decode_only(sets, str(tmp_path / "runs"), False, CPU)
+    assert len(staged) == 1 + 4 and result["rate"] > 0  # warm-up + measured batches, each of the bench's batch
+    assert not any(t.name == "device-prefetch" and t.is_alive() for t in threading.enumerate())

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_recovery import pair_recoveries
+from benchmarks.bench_recovery import PHASE_GROUPS, grouped, pair_recoveries
 from benchmarks.bench_selfheal import summarise
 from benchmarks.run import headline, main, plot_result
+from runtime.train.timeline import PHASES
 
 
 def test_each_kill_pairs_with_the_first_recovery_before_the_next_kill() -> None:
@@ -17,6 +18,18 @@ def test_each_kill_pairs_with_the_first_recovery_before_the_next_kill() -> None:
     # Fewer recoveries than kills (the run ended first) or more (a restart nobody caused here) never crash.
     assert pair_recoveries([10.0, 20.0], [12.0]) == [2.0, None]
     assert pair_recoveries([10.0], [5.0, 12.0, 13.0]) == [2.0]
+
+
+def test_recovery_phase_groups_cover_every_timeline_phase_once_and_sum_them() -> None:
+    names = [n for group in PHASE_GROUPS.values() for n in group]
+    assert sorted(names) == sorted(n for n, _a, _b in PHASES)  # none left out, none counted twice
+    # Two restarts: each phase i took i/10 s in the first and 1 s in the second.
+    first = {n: i / 10 for i, (n, _a, _b) in enumerate(PHASES)}
+    out = grouped([first, dict.fromkeys(first, 1.0)])
+    assert out["groups_seconds"]["group_start"] == [round(0.3 + 0.4 + 0.5 + 0.6 + 0.7, 3), 5.0]
+    assert out["groups_seconds"]["detection"] == [0.1, 2.0]
+    assert out["groups_median_s"]["first_step"] == round((0.9 + 1.0) / 2, 3)
+    assert grouped([])["groups_median_s"] == {}
 
 
 def test_headline_is_one_line_of_the_scalar_figures() -> None:
