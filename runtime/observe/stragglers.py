@@ -64,6 +64,11 @@ class Straggler:
                 "per step outside the gradient sync)")
 
 
+# A lead under this many seconds per step is a shared host's scheduling noise, not a slow rank:
+# millisecond CPU steps on 2 loaded cores differ 2x from window to window.
+NOISE_S = 0.02
+
+
 @dataclass
 class _Run:
     """One rank's consecutive windows on the current side of the threshold."""
@@ -110,7 +115,7 @@ class StragglerDetector:
             ratio = own / peers
             self.ratios[rank] = ratio
             run = self._runs.setdefault(rank, _Run())
-            if ratio >= self.threshold:
+            if ratio >= self.threshold and own - peers >= NOISE_S:
                 run.above, run.below = run.above + 1, 0
             else:
                 run.above, run.below = 0, run.below + 1

@@ -155,3 +155,10 @@ def test_the_slow_rank_setting_slows_only_that_rank_in_the_local_part_of_the_nam
     assert b.rank_local_s[0] == 0.0  # rank 0's slot is rank 0's to fill
     assert b.rank_local_s[1] >= 2 * 0.05 / 4  # rank 1's: its local seconds per step (4 steps, 2 slowed)
     assert slowed.local_steps == 0  # the window was reset with the metrics
+
+
+def test_a_lead_of_a_few_milliseconds_is_scheduling_noise_not_a_straggler() -> None:
+    d = StragglerDetector([Host("a"), Host("b"), Host("c")], threshold=1.5, windows=1)
+    assert d.observe(10, [0.009, 0.004, 0.004]) == []  # 2.25x, but 5 ms: what a loaded CPU host does
+    assert d.named == []
+    assert len(d.observe(11, [0.109, 0.004, 0.004])) == 1 and d.named == [0]
