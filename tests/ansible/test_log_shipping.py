@@ -197,12 +197,20 @@ def test_a_nodes_line_lands_in_its_hosts_program_file_on_the_head(rendered: Rend
     raylet = rendered.ray_logs / "raylet.log"
     worker = rendered.ray_logs / "worker-0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f6071829300-01000000-4242.err"
     job = rendered.root / "jobs" / "rank3.jsonl"
+    # Ray Train makes logs/train at a run's first worker, after rsyslog started: its JSON lines (run,
+    # rank, job, worker) are what `runtime logs` ranks a shipped worker file by.
+    train = rendered.ray_logs / "train" / "ray-train-app-worker-0a1b2c.log"
+    train.parent.mkdir()
+    record = '{"message": "step 40", "run_name": "r1", "world_rank": 3, "job_id": "01000000"}'
     _append(raylet, ["raylet: node started"])
     _append(worker, ['{"rank": 3, "msg": "Traceback (most recent call last):"}'])
     _append(job, ['{"run": "r1", "rank": 3, "step": 40}'])
+    _append(train, [record])
     head = rendered.cluster / HOST
-    _wait_for("all three files on the head", lambda: all((head / f"{p}.log").exists() for p in (
-        "raylet", worker.stem, "rank3")) and bool(_messages(head / "rank3.log", "rank3")), daemons)
+    _wait_for("all four files on the head", lambda: all((head / f"{p}.log").exists() for p in (
+        "raylet", worker.stem, "rank3", train.stem)) and bool(_messages(head / "rank3.log", "rank3"))
+        and bool(_messages(head / f"{train.stem}.log", train.stem)), daemons)
+    assert set(_messages(head / f"{train.stem}.log", train.stem)) == {record}
     # RELP delivers at least once: a line may arrive twice after a session breaks, never not at all.
     assert set(_messages(head / "raylet.log", "raylet")) == {"raylet: node started"}
     traceback = '{"rank": 3, "msg": "Traceback (most recent call last):"}'
