@@ -16,8 +16,16 @@ makes both). Off, nothing here is imported by a worker and no span is made.
 - While a span is current, every log record carries ``trace_id`` and ``span_id``: Ray's JSON log
   format writes them, so a log line and its span join.
 
-An endpoint that is down costs one warning line per process; spans are dropped, training goes on
-(the batch processor exports off the training thread, each request bounded by EXPORT_TIMEOUT_S).
+Spans of this module's tracer (an attempt's root, its phases) are exported as they end, on the thread
+that ends them, together with whatever the batch holds (:class:`_PhaseFlushing`): a phase is often a
+process's last word before it is torn down (a worker group killed for a restart or a resize, a drained
+node), and Ray ends those processes without their exit handlers, so a span left in the batch dies with
+them. They are few (a handful per attempt, one per checkpoint on the writer's thread); Ray's per-call
+spans stay batched, exported every 5 s off the training thread.
+
+An endpoint that is down costs one warning line per process and at most one export's wait
+(EXPORT_TIMEOUT_S, retries included) on the thread that ended a phase; after that a phase is batched
+like any span (sent every 5 s, dropped while the endpoint stays down) and training goes on.
 """
 
 from __future__ import annotations
@@ -89,18 +97,33 @@ class _OneLineExporter:
         return bool(self.inner.force_flush(timeout_millis))
 
 
+def _phase_flushing(exporter: _OneLineExporter) -> Any:
+    """A batch span processor over ``exporter`` that exports the batch, synchronously, each time a
+    span of this module's tracer ends (see the module docstring), until the endpoint first fails."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    class _PhaseFlushing(BatchSpanProcessor):
+        def on_end(self, span: Any) -> None:
+            super().on_end(span)
+            scope = span.instrumentation_scope
+            if scope is not None and scope.name == TRACER and not exporter.warned:
+                self.force_flush(int(EXPORT_TIMEOUT_S * 1000))
+
+    return _PhaseFlushing(exporter)  # type: ignore[arg-type]
+
+
 def tracer_provider(endpoint: str, headers: dict[str, str] | None = None) -> Any:
-    """A TracerProvider exporting in batches to ``endpoint`` (not made global: :func:`setup_tracing` does)."""
+    """A TracerProvider exporting to ``endpoint``: in batches, and the batch at once as a root or
+    phase span ends (not made global: :func:`setup_tracing` does)."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     logging.getLogger("opentelemetry.exporter").setLevel(logging.CRITICAL)  # _OneLineExporter says it once
     exporter = OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=EXPORT_TIMEOUT_S)
     provider = TracerProvider(resource=Resource.create(
         {"service.name": SERVICE, "host.name": socket.gethostname(), "process.pid": os.getpid()}))
-    provider.add_span_processor(BatchSpanProcessor(_OneLineExporter(exporter, endpoint)))  # type: ignore[arg-type]
+    provider.add_span_processor(_phase_flushing(_OneLineExporter(exporter, endpoint)))
     return provider
 
 
@@ -177,7 +200,6 @@ def run_span(run_name: str, attempt: int, run_dir: Path | str | None = None) -> 
         if run_dir is not None:
             _record(Path(run_dir), attempt, trace_id, f"{ctx.span_id:016x}")
         yield trace_id
-    flush()
 
 
 def _record(run_dir: Path, attempt: int, trace_id: str, span_id: str) -> None:
@@ -225,7 +247,8 @@ def attempt_context(run_dir: Path | str) -> Any:
 
 def phase_span(name: str, start: float, end: float, parent: Any, attributes: dict[str, Any]) -> None:
     """One finished span from two wall-clock stamps (Unix seconds), under ``parent`` (a context from
-    :func:`attempt_context`, or None: the current one). Nothing unless this process exports spans."""
+    :func:`attempt_context`, or None: the current one), exported before this returns (the process may
+    be killed next). Nothing unless this process exports spans."""
     if _provider is None:
         return
     span = _provider.get_tracer(TRACER).start_span(name, context=parent, start_time=int(start * 1e9),
