@@ -128,8 +128,11 @@ test-suites: setup prometheus-tools test-python side-suites
 
 .PHONY: side-suites
 # uv first, in this make: the suites' own makes install their venvs with it side by side.
+# -j1: one suite at a time in this slot. Without it this make shares make test's jobserver, takes
+# both of its slots (the test hosts beside ansible-lint, then beside the Ansible tests) and the
+# Python suites, the longest, waited 11+ minutes to start.
 side-suites: | $(UV)
-	@nice -n $(SIDE_NICE) $(MAKE) --no-print-directory -k $(SYNC) $(TEST_TARGETS)
+	@nice -n $(SIDE_NICE) $(MAKE) --no-print-directory -j1 -k $(SYNC) $(TEST_TARGETS)
 
 .PHONY: test-python
 test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integration on a local Ray cluster, observability).
