@@ -188,6 +188,13 @@ class Report:
     stop: StopReason | None = None  # why the run ended before its length (final reports only)
     notices: tuple[str, ...] = ()  # console lines for the driver to print once (a micro-batch halved, a drain)
     drain: DrainNotice | None = None  # a node is being drained and this report carries its commit
+    # The newest commit, announced by the first report after it (Tune copies it into the trial's
+    # checkpoints; the console says storage is back): None when this report announces none.
+    checkpoint_step: int | None = None
+    # Final reports of a run that checkpoints: rank 0's newest commit at the end (-1: none), which
+    # the driver compares with the last step trained. None: not final, or checkpoints off.
+    committed_step: int | None = None
+    preempted: bool = False  # the final report of a preemption: rank 0 committed and the run resumes from it
 
     @property
     def step(self) -> Any:
@@ -204,7 +211,28 @@ class Report:
             out["notices"] = list(self.notices)
         if self.drain is not None:
             out["drained_at_step"] = self.drain.step
+        for key in _FLAT_OPTIONAL:
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.preempted:
+            out["preempted"] = True
         return out
+
+    @staticmethod
+    def of_flat(flat: dict[str, Any]) -> Report:
+        """The report a ``flat()`` dict came from (Ray's result of the last report: a dict), its
+        control back in fields; a drain's notice, which only the live stream acts on, is not rebuilt."""
+        metrics = {k: v for k, v in flat.items() if k not in _FLAT_CONTROL}
+        return Report(metrics, flat.get("_time", 0.0), final=bool(flat.get("final")),
+                      stop=StopReason.of(flat.get("stop_reason")), notices=tuple(flat.get("notices") or ()),
+                      checkpoint_step=flat.get("checkpoint_step"), committed_step=flat.get("committed_step"),
+                      preempted=bool(flat.get("preempted")))
+
+
+# Fields flat() writes under their own name when set; every key flat() adds beside the metrics.
+_FLAT_OPTIONAL = ("checkpoint_step", "committed_step")
+_FLAT_CONTROL = frozenset({"final", "_time", "stop_reason", "notices", "drained_at_step", "preempted",
+                           *_FLAT_OPTIONAL})
 
 
 @dataclass(frozen=True)

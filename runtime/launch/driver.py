@@ -417,6 +417,7 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
     signals.install()
     # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.observe.report).
     history = HistoryLog(run_dir)
+    committed: int | None = None  # the final reports' committed_step (runtime.run.Report)
     fitting: StreamingFit | None = None
     attempts = Attempts()  # where the run is between its attempts (launch.attempts)
     started = 0  # attempts this driver started
@@ -437,6 +438,8 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
             with traces.run_span(run_name, started, run_dir):
                 for report in fitting.stream(on_event=progress.failure):
                     item = report.flat()  # what the console, the history and MLflow read
+                    outcome.preempted = outcome.preempted or report.preempted
+                    committed = committed if report.committed_step is None else report.committed_step
                     costs.annotate(item)
                     outcome.history.append(item)
                     outcome.metrics.update(item)
@@ -471,14 +474,13 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
     # when the last saves failed, so they only fill in when no report reached the driver.
     if result is not None and result.metrics and not outcome.history:
         outcome.metrics.update(result.metrics)
-    outcome.preempted = outcome.preempted or bool(outcome.metrics.get("preempted"))
+        last = Report.of_flat(result.metrics)
+        outcome.preempted = outcome.preempted or last.preempted
+        committed = last.committed_step
     outcome.interrupted = outcome.preempted and signals.interrupts > 0
-    kept = outcome.metrics.get("committed_step")
-    if isinstance(kept, int) and kept >= 0:
-        outcome.committed_step = kept
-    elif kept is not None:  # checkpoints on, none committed by the end
-        outcome.committed_step = None
-    outcome.checkpointed = kept is not None
+    if committed is not None and committed >= 0:
+        outcome.committed_step = committed
+    outcome.checkpointed = committed is not None  # -1: checkpoints on, none committed by the end
     if tracker:
         tracker.finish(outcome, status="FAILED" if outcome.error else "FINISHED")
         outcome.mlflow_run_id, outcome.mlflow_uri = tracker.run_id or None, tracker.uri

@@ -51,20 +51,21 @@ class Reporter:
         return last if last is not None and last.step != self._reported_step else None
 
     def publish(self, metrics: dict[str, Any], final: bool, announce: bool, comm_seconds: float, *,
-                stop: StopReason | None = None, notices: tuple[str, ...] = (),
-                drain: DrainNotice | None = None) -> None:
+                stop: StopReason | None = None, notices: tuple[str, ...] = (), drain: DrainNotice | None = None,
+                committed_step: int | None = None, preempted: bool = False) -> None:
         """All ranks call this at the same step (``announce`` and ``final`` were agreed on). ``announce``:
-        a commit is due to be announced (``checkpoint_step``). The driver's stream gets a typed
+        a commit is due to be announced (``Report.checkpoint_step``). The driver's stream gets a typed
         ``Report``; Ray Train (and in-process callers) the same report as one dict."""
         if self.gauges is not None and "train/loss" in metrics:
             self._export(metrics, comm_seconds)
+        announced = None
         if self.rank == 0 and self.checkpoints is not None:
             last = self.unregistered_commit() if announce or final else None
             if last is not None:
-                self._reported_step = last.step
-                metrics["checkpoint_step"] = last.step
+                self._reported_step = announced = last.step
             metrics["checkpoint_failures"] = self.checkpoints.metrics.failures
-        report = Report(metrics, time.time(), final=final, stop=stop, notices=notices, drain=drain)
+        report = Report(metrics, time.time(), final=final, stop=stop, notices=notices, drain=drain,
+                        checkpoint_step=announced, committed_step=committed_step, preempted=preempted)
         if self.rank == 0 and self.progress is not None:
             self._stream(report, wait=final)
         if final or self.report_all:

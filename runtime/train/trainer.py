@@ -291,8 +291,7 @@ class Trainer:
         """All ranks agreed on rank 0's preemption: commit this step (unless just done), report, stop."""
         if not saved:
             self.checkpointer.save(self.state.global_step, blocking=True)
-        final = self.exchange(want_metrics=True)
-        self.report(final, {**extra, **self._kept(), "preempted": True}, final=True)
+        self.report(self.exchange(want_metrics=True), extra, final=True, preempted=True)
         self.stop.request(PREEMPTED)
 
     def _drained(self, extra: dict[str, Any], saved: bool) -> NoReturn:
@@ -315,16 +314,15 @@ class Trainer:
         """End of training: evaluate, commit a final checkpoint, report with it."""
         extra = self.evaluator.run()
         self.checkpointer.finish(self.state.global_step)
-        extra.update(self._kept())
         stop = self.stop.reason  # read before the exchange: the report says why training ended
         self.report(self.exchange(want_metrics=True), extra, final=True, stop=stop)
 
-    def _kept(self) -> dict[str, Any]:
-        """The final report's ``committed_step`` (rank 0's newest commit; -1: none), with checkpoints on."""
+    def _kept(self) -> int | None:
+        """The final report's ``committed_step``: rank 0's newest commit (-1: none); None with checkpoints off."""
         if self.checkpoints is None or self.rank != 0:
-            return {}
+            return None
         kept = self.checkpointer.kept_step()
-        return {"committed_step": -1 if kept is None else kept}
+        return -1 if kept is None else kept
 
     def train_step(self, batches: DevicePrefetcher) -> None:
         """One optimizer step over ``grad_accum_steps`` loader batches, with no host sync (unless
@@ -497,9 +495,10 @@ class Trainer:
         return b
 
     def report(self, b: Boundary, extra: dict[str, Any] | None = None, final: bool = False, *,
-               announce: bool = False, stop: StopReason | None = None, drain: DrainNotice | None = None) -> None:
+               announce: bool = False, stop: StopReason | None = None, drain: DrainNotice | None = None,
+               preempted: bool = False) -> None:
         """All ranks call this together, after an exchange. ``stop``: why training ended early (final only);
-        ``drain``: this report carries a drain's commit."""
+        ``drain``: this report carries a drain's commit; ``preempted``: the final report of a preemption."""
         self.metrics.notify(*self.micro.notices)  # console lines rank 0's report carries to the driver
         if self.stragglers is not None and b.rank_local_s:
             self.metrics.notify(*self.stragglers.observe(self.state.global_step, b.rank_local_s))
@@ -517,7 +516,8 @@ class Trainer:
             else:
                 metrics["rank_param_digests"] = [digest]
         self.reporter.publish(metrics, final, announce, self.comm.seconds if self.comm else 0.0, stop=stop,
-                              notices=self.metrics.take_notices(), drain=drain)
+                              notices=self.metrics.take_notices(), drain=drain,
+                              committed_step=self._kept() if final else None, preempted=preempted)
 
     def param_digest(self) -> str:
         """sha256 of this rank's parameters: equal on every rank when data parallelism is correct."""

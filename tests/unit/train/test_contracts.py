@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import pickle
+import queue
 from pathlib import Path
 
 import cloudpickle
+import torch
 
 from runtime.observe.cost.meter import BUDGET_REASON, PRICE_PAUSE_REASON
 from runtime.observe.cost.spend import paused_for_price
-from runtime.run import CANCELLED, PREEMPTED, Report, StopKind, StopReason, TrainOutcome
+from runtime.run import CANCELLED, PREEMPT_FILE, PREEMPTED, Report, RunInfo, StopKind, StopReason, TrainOutcome
+from runtime.train.setup import Placement
+from runtime.train.trainer import Trainer
 from tests.support.trainer import train_in_process
 from tests.unit.train.test_trainer import _cfg
 
@@ -65,3 +69,25 @@ def test_a_report_carries_the_drain_notice_and_the_micro_batch_notices_together(
     assert reports[-2]["notices"] == ["node 5f2c9a01 is being drained: checkpoint committed at step 4",
                                       "micro-batch 64 -> 32 after running out of memory"]
     assert "notices" not in reports[-1]
+
+
+def test_a_preempted_runs_control_streams_in_typed_fields_and_its_metrics_hold_none(tmp_path: Path) -> None:
+    """The driver reads a preemption, the commit it announces and the commit kept at the end from
+    the Report's fields; history, MLflow and Tune still read them under the keys they always had."""
+    (tmp_path / PREEMPT_FILE).write_text("test\n")
+    stream: queue.Queue[Report] = queue.Queue()
+    run = RunInfo(run_name="r", job_id="j", checkpoint_uri=str(tmp_path / "checkpoints"), run_dir=str(tmp_path))
+    trainer = Trainer(_cfg(), run, progress=stream, placement=Placement(0, 1, torch.device("cpu")),
+                      report_fn=lambda m, **_: None)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    final = list(stream.queue)[-1]
+    assert (final.final, final.preempted, final.committed_step, final.checkpoint_step) == (True, True, 4, 4)
+    assert not {"preempted", "committed_step", "checkpoint_step"} & final.metrics.keys()
+    flat = final.flat()
+    assert (flat["preempted"], flat["committed_step"], flat["checkpoint_step"]) == (True, 4, 4)
+    # Ray's copy of the last report is that dict: read back, its control returns to the fields.
+    back = Report.of_flat(flat)
+    assert back == Report(final.metrics, final.at, final=True, checkpoint_step=4, committed_step=4, preempted=True)
