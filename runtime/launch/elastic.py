@@ -34,7 +34,6 @@ from ray.train.v2._internal.execution.callback import ControllerCallback
 from runtime.run import Report, Resized
 from runtime.train import drain
 from runtime.train.capacity import refresh_capacity
-from runtime.train.drain import jobs_by_node, live_actors
 
 log = logging.getLogger("runtime.launch.elastic")
 
@@ -246,10 +245,10 @@ def clear_drained_nodes(preemption: Any, timeout_s: float | None = None) -> list
             # A placement group id ends with its job's id.
             if pg["state"] == "CREATED" and pg_id.endswith(job) and on_drained & set(pg["bundles_to_node_id"].values()):
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
-        actors = live_actors()  # one read of the GCS serves the watchers and the other jobs
+        actors = drain.live_actors()  # one read of the GCS serves the watchers and the other jobs
         _end_drain_watchers(on_drained, job, actors)
         # A node where another job runs stays until its deadline: waiting for it would only add time.
-        jobs = jobs_by_node(actors)
+        jobs = drain.jobs_by_node(actors)
         leaving = {n for n in on_drained if not jobs.get(n, set()) - {job}}
         deadline = time.monotonic() + timeout_s
         while leaving and time.monotonic() < deadline:
@@ -271,7 +270,7 @@ def _end_drain_watchers(node_ids: set[str], job: str, actors: list[dict[str, Any
     drained node kept that node from leaving, and the restart waited out the start timeout (found on
     the test hosts by :func:`_holders`). Ending it here is what that shutdown would do a moment
     later; the next group gets a new one. The kill goes through this process's core worker, which
-    holds the watcher's handle: the controller created it. ``actors``: :func:`live_actors`.
+    holds the watcher's handle: the controller created it. ``actors``: :func:`drain.live_actors`.
     """
     import ray
 
@@ -287,7 +286,7 @@ def _holders(node_ids: set[str]) -> str:
     A drained raylet leaves only once idle, and Ray counts stored objects as work."""
     from ray._private.state import available_resources_per_node, total_resources_per_node
 
-    held = sorted(f"{a['ActorClassName']} (job {a['JobID']})" for a in live_actors()
+    held = sorted(f"{a['ActorClassName']} (job {a['JobID']})" for a in drain.live_actors()
                   if a["Address"]["NodeID"] in node_ids)
     free, total = available_resources_per_node(), total_resources_per_node()
     for node in sorted(node_ids):
