@@ -2,12 +2,14 @@
 
 - ``base``: the strict model base (``Strict``), bounds, ``set_dotted``, ``config_hash`` and the
   error messages (``format_errors``, ``short``);
-- ``schema``: the sections (``ModelConfig`` ... ``TrackingConfig``) and ``JobConfig``;
+- ``schema``: a package, one module per section of a job file (``ModelConfig`` ... ``CostConfig``)
+  and ``JobConfig`` composing them;
 - ``load``: job files, ``RT_*`` and ``--set`` overrides (``load_job``, ``config_from_dict``);
 - ``checks``: device preflight, the runtime's RT_* settings, likely-mistake and no-effect
   warnings, run names;
 - ``values``: what users type, parsed once (storage locations, URLs, ports, seeds) for the
-  schema and every subcommand.
+  schema and every subcommand;
+- ``storage``: a package, one storage location type per scheme (``parse_storage``).
 
 This module re-exports what other packages import; everything else is imported from its module.
 """

@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, fie
 from runtime.errors import ConfigError
 
 RUN_NAME_MAX = 128
+# A job's name and a registered model's: they become folders, MLflow experiments and models:/ URIs.
+JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 # Sanity bounds: values past these are typos (an extra zero), not experiments.
 MAX_BATCH = 65_536  # per-worker micro-batch: 65,536 CIFAR images are 200 MB of input alone
@@ -30,6 +32,9 @@ MAX_CLASSES = 1_000_000
 MAX_SYNTHETIC = 100_000_000
 MAX_STEPS = 1_000_000_000
 MAX_WORKERS = 4096
+# The longest a run may wait on one thing (a collective, a retried S3 call, workers to fit): past a
+# week it is a hang by another name, and torch's collective timeout overflows its timedelta near 10**14 s.
+MAX_WAIT_S = 7 * 86_400
 MAX_ERRORS_SHOWN = 20
 
 Origins = dict[tuple[str, ...], str]

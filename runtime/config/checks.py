@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runtime.cluster import DEFAULT_PORTS
 from runtime.config.base import RUN_NAME_MAX, Strict, short
-from runtime.config.schema import JobConfig
+from runtime.config.schema.job import JobConfig
 from runtime.config.values import parse_port, parse_storage
 from runtime.errors import ConfigError
 

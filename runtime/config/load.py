@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from runtime.cluster import DEFAULT_PORTS
 from runtime.config.base import Origins, capped, did_you_mean, format_errors, set_dotted, short
-from runtime.config.schema import JobConfig
+from runtime.config.schema.job import JobConfig
 from runtime.errors import ConfigError
 
 JOBS_DIR = Path(__file__).resolve().parents[2] / "jobs"
