@@ -176,8 +176,10 @@ def test_the_restart_after_the_kill_is_phase_spans_under_the_attempts_root_span(
     restores = [s for s in phases if s.name == "restore"]
     late = sorted(s.attributes["rt.rank"] for s in restores if s.start_time_ns >= restart.end_time_ns)
     assert late == [0, 1], "both ranks of the new group restored after the restart"
-    # The first group's spans not yet exported (the batch goes every 5 s) die with its processes: the
-    # killed rank's with the kill, the survivor's with the group's teardown, as a lost host's do.
+    # Both ranks of the first group restored before the kill; each phase span is exported as it ends, so
+    # neither the killed rank's SIGKILL nor the survivor's teardown (no exit handler) took them along.
+    before = sorted(s.attributes["rt.rank"] for s in restores if s.end_time_ns <= restart.start_time_ns)
+    assert before == [0, 1], named
     # The loop's own phases (the trainer's first step, the checkpointer's commits) come through the timeline too.
     firsts = sorted(s.attributes["rt.rank"] for s in phases
                     if s.name == "first step" and s.start_time_ns >= restart.end_time_ns)
