@@ -63,6 +63,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return reference_run(tmp_path_factory.mktemp("reference"))
 
 
+@pytest.fixture(scope="session")
+def digits(cluster: dict[str, Any], pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The shipped digits job trained once (tests.support.digits_run): test_training.py,
+    test_observability.py and test_model_registry.py each check their behaviours on this one run."""
+    from tests.support.digits_run import digits_run
+
+    return digits_run(tmp_path_factory.mktemp("digits"), tracked=not pytestconfig.getoption("--ray-only-cluster"))
+
+
 @pytest.fixture
 def storage(tmp_path: Path) -> str:
     return str(tmp_path / "runs")

@@ -1,8 +1,9 @@
 """A run's final weights as a registered MLflow model (issue 30), on the session's real MLflow server.
 
-One tiny digits run with ``tracking.register_as`` (1 worker, 20 steps) is shared by the tests:
-the version and its tags, loading ``models:/<name>@<alias>`` in a fresh process, and what the
-``models`` commands answer to operators, bad input included.
+The session's shared digits run (tests/support/digits_run.py: 120 steps, 2 workers, with
+``tracking.register_as``) is what the tests read: the version and its tags, loading
+``models:/<name>@<alias>`` in a fresh process, and what the ``models`` commands answer to
+operators, bad input included.
 """
 
 from __future__ import annotations
@@ -15,25 +16,22 @@ from typing import Any
 import pytest
 
 from runtime.models.cli import main as models_main
-from tests.support import ROOT, job
+from tests.support import ROOT
+from tests.support.digits_run import REGISTERED, RUN_NAME, DigitsRun
 
-NAME = "digits-registry-test"
+NAME = REGISTERED
+STEPS = 120  # the shipped digits job's length: the registered version is its final weights
 
-
-pytestmark = pytest.mark.slow  # one training run, shared by the module's tests
+pytestmark = pytest.mark.slow  # reads the session's shared training run
 
 
 @pytest.fixture(scope="module")
-def registered(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from runtime.launch.driver import train
-
-    storage = tmp_path_factory.mktemp("registry")
-    cfg = job("digits_smoke", str(storage / "runs"), "train.max_steps=20", "train.log_every_steps=10",
-              "checkpoint.interval_steps=20", "distributed.num_workers=1", "tracking.prometheus=false",
-              f"tracking.register_as={NAME}")
-    out = train(cfg, "registry-run", show_progress=False)
+def registered(cluster: dict[str, Any], digits: DigitsRun, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = digits.outcome
     assert out.error is None and out.tracking_gap is None, (out.error, out.tracking_gap)
-    return {"outcome": out, "cfg": cfg, "uri": cluster["mlflow"]["url"], "tmp": storage}
+    assert out.metrics["step"] == STEPS, out.metrics
+    return {"outcome": out, "cfg": digits.cfg, "uri": cluster["mlflow"]["url"],
+            "tmp": tmp_path_factory.mktemp("registry")}
 
 
 def _models(uri: str, *argv: str) -> int:
@@ -48,7 +46,7 @@ def test_register_as_registers_a_version_tagged_with_run_step_config_commit_and_
     (version,) = client.search_model_versions(f"name = '{NAME}'")
     tags = version.tags
     assert version.run_id == out.mlflow_run_id and version.source == f"runs:/{out.mlflow_run_id}/model"
-    assert tags["run_name"] == "registry-run" and tags["step"] == "20"
+    assert tags["run_name"] == RUN_NAME and tags["step"] == str(STEPS)
     assert tags["config_hash"] == registered["cfg"].config_hash() and tags["git_commit"]
     assert 0.0 <= float(tags["metric.val/accuracy"]) <= 1.0 and float(tags["metric.train/loss"]) > 0
     files = {a.path for a in client.list_artifacts(out.mlflow_run_id, "model")}
@@ -84,8 +82,8 @@ print(json.dumps({{"metadata": info.metadata, "inputs": info.signature.inputs.to
     assert torch.allclose(torch.load(tmp / "y.pt"), expected, atol=1e-5)
     info = json.loads(done.stdout.strip().splitlines()[-1])
     meta = info["metadata"]
-    assert meta["classes"] == [str(d) for d in range(10)] and meta["step"] == 20
-    assert meta["checkpoint"].endswith("step_00000020") or "20" in meta["checkpoint"]
+    assert meta["classes"] == [str(d) for d in range(10)] and meta["step"] == STEPS
+    assert meta["checkpoint"].endswith(f"step_{STEPS:09d}"), meta["checkpoint"]
     assert meta["input"]["shape"] == [-1, 1, 8, 8] and meta["input"]["dtype"] == "float32"
     assert info["inputs"][0]["tensor-spec"]["shape"] == [-1, 1, 8, 8]
 

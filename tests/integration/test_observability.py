@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -11,28 +10,17 @@ from typing import Any
 import pytest
 
 from dashboards.queries import is_gpu_only, load_dashboards, panel_queries
-from runtime.launch.driver import train
-from tests.support import job
+from tests.support.digits_run import DigitsRun
 
 pytestmark = pytest.mark.slow
-LINGER_S = 6  # the workers' exporters stay up this long after the final report: 3 scrapes
 
 
 @pytest.fixture(scope="module")
-def observed_run(cluster: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One 2-worker digits run shared by the MLflow and Prometheus checks."""
-    storage = str(tmp_path_factory.mktemp("obs") / "runs")
-    # 200 steps (~3-10 s) and the linger span several of the session cluster's 2-s scrapes of the
-    # exporters, so rate() panels have data (600 steps and an 8-s linger for 5-s scrapes before).
-    cfg = job("digits_smoke", storage, "train.max_steps=200", "train.log_every_steps=10",
-              f"tracking.prometheus_linger_s={LINGER_S}", "checkpoint.interval_steps=50")
-    t0 = time.time()
-    out = train(cfg, show_progress=False)
-    # Queried 1 s before the linger ends: after the final report's scrapes, before the exporters went
-    # away. Once a target is gone Prometheus marks its series stale and an instant query after that
-    # finds nothing: the run's end minus 2 s was after it whenever Ray Train's shutdown took over 2 s.
-    at = out.history[-1]["_time"] + LINGER_S - 1
-    return {"outcome": out, "start": t0, "end": time.time(), "at": at, "cluster": cluster}
+def observed_run(cluster: dict, digits: DigitsRun) -> dict[str, Any]:
+    """The session's shared 2-worker digits run (tests/support/digits_run.py), checked here in the
+    session's MLflow server and Prometheus: 120 steps reported every 5 and a linger of 3 of the
+    cluster's 2-s scrapes after the final report, so rate() panels have data."""
+    return {"outcome": digits.outcome, "at": digits.prometheus_at, "cluster": cluster}
 
 
 def prom_query(url: str, expr: str, at: float) -> dict[str, Any]:

@@ -60,14 +60,19 @@ def test_make_flow_as_the_readme_gives_it_registers_a_model_the_readme_loads(
 @pytest.mark.slow
 def test_make_train_resnet50_trains_on_the_cluster_make_cluster_up_left(cluster: dict[str, Any],
                                                                          tmp_path: Path) -> None:
-    """The README's first command, `make train JOB=resnet50`, two steps long (SET), to a commit."""
+    """The README's first command, `make train JOB=resnet50`, two steps long (SET), to a commit: the
+    suite's one run of the resnet50 job through the CLI, which ends with its summary (finished, the
+    step reached, where the checkpoints are)."""
     env = cluster_up_env(cluster, tmp_path)
     sets = f"checkpoint.storage={tmp_path / 'runs'} train.max_steps=2 checkpoint.interval_steps=2"
     done = subprocess.run(["make", "--no-print-directory", "train", "JOB=resnet50", f"SET={sets}",
                            "RUN=readme-resnet50"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    assert sorted(p.name for p in (tmp_path / "runs").rglob("step_*") if p.is_dir())[-1:] == ["step_000000002"], out
+    assert "run readme-resnet50: finished" in done.stdout and "step=2" in done.stdout, out[-4000:]
+    assert "checkpoints:" in done.stdout, out[-4000:]
+    ckpts = sorted(p.name for p in (tmp_path / "runs" / "readme-resnet50" / "checkpoints").glob("step_*") if p.is_dir())
+    assert ckpts[-1:] == ["step_000000002"], (ckpts, out[-4000:])
 
 
 def test_every_make_target_the_readme_names_is_in_make_help() -> None:
