@@ -7,7 +7,7 @@ Where the report goes afterwards is ``reporter.Reporter``'s concern.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -48,8 +48,17 @@ class MetricsAssembler:
         self.learning_rate = learning_rate
         self.comm_seconds = comm_seconds
         self.skipped_samples = skipped_samples
-        self.once: dict[str, Any] = {}  # added to the next report, then cleared
+        self._once: dict[str, Any] = {}  # facts for the next report (note), then cleared
         self.notices: list[str] = []  # console lines for the next report, in the order they were noted
+
+    def note(self, facts: Mapping[str, Any]) -> None:
+        """Facts for the next report only (the restore's, a resize, the micro-batch, the timeline): the
+        one way the loop's one-off values enter a report; a key noted again replaces the earlier value."""
+        self._once.update(facts)
+
+    def noted(self, key: str) -> Any:
+        """A fact noted for the next report (None: none under ``key``)."""
+        return self._once.get(key)
 
     def notify(self, *lines: str) -> None:
         """Lines for the driver to print once (rank 0's report carries them): a drain, a micro-batch halved."""
@@ -85,6 +94,6 @@ class MetricsAssembler:
         metrics["data/skipped_samples"] = self.skipped_samples()
         if extra:
             metrics.update(extra)
-        metrics.update(self.once)
-        self.once = {}
+        metrics.update(self._once)
+        self._once = {}
         return metrics

@@ -99,13 +99,13 @@ def worker_timeline(init_start: float, restore_start: float) -> dict[str, float]
     return out
 
 
-def first_step_done(once: dict[str, Any]) -> None:
-    """Stamp the first step's end into the report's ``timeline`` (``once``: the first report's extras)."""
-    stamps = once.setdefault("timeline", {})
-    stamps["first_step_end"] = time.time()
+def first_step_done(stamps: dict[str, float] | None) -> dict[str, float]:
+    """The report's ``timeline``: the restore's ``stamps`` (None: no restore) and the first step's end."""
+    stamps = {**(stamps or {}), "first_step_end": time.time()}
     if _worker_spans is not None and "restore_end" in stamps:
         traces.phase_span("first step", stamps["restore_end"], stamps["first_step_end"], _worker_spans.parent,
                           _worker_spans.attributes)
+    return stamps
 
 
 def committed(step: int, seconds: float, when: float) -> None:

@@ -207,10 +207,9 @@ class Trainer:
             with ray_ckpt.as_directory() as d:
                 pointed = read_pointer(d)
             pointer_step = pointed.step if pointed else None
-        saved, self.metrics.once = restore_latest(self.checkpoints.reader, self.trainables, self.cfg, self.rank,
-                                                  self.world, pointer_step, sharded=self.is_fsdp,
-                                                  trainer=merged_state(self.stateful))
-        self.metrics.once["timeline"] = worker_timeline(self.t_start, restore_start)
+        saved, facts = restore_latest(self.checkpoints.reader, self.trainables, self.cfg, self.rank, self.world,
+                                      pointer_step, sharded=self.is_fsdp, trainer=merged_state(self.stateful))
+        self.metrics.note({**facts, "timeline": worker_timeline(self.t_start, restore_start)})
         if saved is None:
             return
         load_merged(self.stateful, saved)
@@ -227,7 +226,7 @@ class Trainer:
         if resized is None:
             return
         old, repeated = resized
-        self.metrics.once.update({"resized_from": old, "resize_repeated_samples": repeated})
+        self.metrics.note({"resized_from": old, "resize_repeated_samples": repeated})
         if self.rank == 0:
             log.warning("resumed on %d workers (checkpoint written by %d): epoch %d continues at batch %d per "
                         "rank, %d sample(s) repeated; accumulation %d", self.world, old, state.epoch,
@@ -270,7 +269,7 @@ class Trainer:
     def _first_step_done(self) -> None:
         """The group is up: stamp the restart's timeline, start steady-state statistics, tell the caller."""
         self.stats.first_step_done()
-        first_step_done(self.metrics.once)
+        self.metrics.note({"timeline": first_step_done(self.metrics.noted("timeline"))})
         if self.on_first_step is not None:
             self.on_first_step()
 
@@ -284,7 +283,7 @@ class Trainer:
         if self.micro.needs_probe() and not self.stop.done(self.state):
             self._probe(batches)
         elif self.micro.guarded:
-            self.metrics.once.update(describe(None, self.micro))
+            self.metrics.note(describe(None, self.micro))
         return batches
 
     def _preempted(self, extra: dict[str, Any], saved: bool) -> None:
@@ -342,7 +341,7 @@ class Trainer:
                 self.trainables.optimizer.zero_grad(set_to_none=True)
                 snapshot.restore()
                 self.micro.shrink(self.state.global_step + 1)
-                self.metrics.once.update(describe(None, self.micro), oom_recoveries=self.micro.switches)
+                self.metrics.note({**describe(None, self.micro), "oom_recoveries": self.micro.switches})
         self._held = []
         opt = self.trainables.optimizer
         if self.scaler is not None:
@@ -455,7 +454,7 @@ class Trainer:
         snapshot = Snapshot(self.raw_model, self.device)
         probe: Probe = self.micro.probe(lambda size: self._probe_attempt(x[:size], y[:size]))
         snapshot.restore()
-        self.metrics.once.update(describe(probe, self.micro))
+        self.metrics.note(describe(probe, self.micro))
 
     def _probe_attempt(self, x: torch.Tensor, y: torch.Tensor) -> int:
         """Forward and backward at ``len(x)`` samples; the peak device bytes it needed with the

@@ -58,9 +58,7 @@ def a_restart(run_dir: Path) -> dict[str, float]:
     worker = pickle.loads(pickle.dumps(controller))  # Ray copies the controller's callbacks to each worker
     worker.trace_worker(rank=1)
     restore_start = time.time()
-    stamps = timeline.worker_timeline(restore_start - 0.5, restore_start)
-    once: dict[str, Any] = {"timeline": stamps}
-    timeline.first_step_done(once)
+    stamps = timeline.first_step_done(timeline.worker_timeline(restore_start - 0.5, restore_start))
     timeline.committed(10, 0.25, time.time())
     return stamps
 

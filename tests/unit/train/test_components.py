@@ -166,13 +166,15 @@ def test_metrics_assembler_logs_on_its_steps_and_adds_one_off_facts_once() -> No
     m = MetricsAssembler(_cfg(train={"log_every_steps": 5}), CPU, 2, 30, learning_rate=lambda: 0.1,
                          comm_seconds=lambda: 1.5, skipped_samples=lambda: 2)
     assert [s for s in range(1, 12) if m.should_log(s)] == [5, 10]
-    m.once = {"resumed_from_step": 20}
+    m.note({"resumed_from_step": 20, "resized_from": 4})
+    m.note({"resized_from": 2})  # noted again: the later value is the one reported
     state = TrainState(global_step=21, epoch=1, samples_seen=168)
     first = m.assemble(_boundary(metrics={"train/loss": 0.5}, nonfinite_total=1), state, {"val/loss": 0.7})
     assert first == {"train/loss": 0.5, "step": 21, "epoch": 1, "samples_seen": 168, "total_steps": 30,
                      "train/learning_rate": 0.1, "train/nonfinite_steps": 1, "world_size": 2, "comm_seconds": 1.5,
-                     "data/skipped_samples": 2, "val/loss": 0.7, "resumed_from_step": 20}
-    assert "resumed_from_step" not in m.assemble(_boundary(), state, None)
+                     "data/skipped_samples": 2, "val/loss": 0.7, "resumed_from_step": 20, "resized_from": 2}
+    assert not {"resumed_from_step", "resized_from"} & m.assemble(_boundary(), state, None).keys()
+    assert m.noted("resized_from") is None
 
 
 # ------------------------------------------------------------------ Checkpointer
@@ -243,7 +245,7 @@ def test_checkpointer_save_failure_asks_to_stop_and_the_end_does_not_save_again(
 
 
 def test_train_state_counts_loader_batches_and_ends_epochs_full_or_short() -> None:
-    state, ended = TrainState(), []
+    state, ended = TrainState(), list[int]()
     state.consume(Position(0, 0, False), ended.append)
     state.consume(Position(0, 1, True), ended.append)  # the epoch's last full batch
     assert (state.epoch, state.batch_in_epoch, ended) == (1, 0, [1])

@@ -91,3 +91,11 @@ def test_a_preempted_runs_control_streams_in_typed_fields_and_its_metrics_hold_n
     # Ray's copy of the last report is that dict: read back, its control returns to the fields.
     back = Report.of_flat(flat)
     assert back == Report(final.metrics, final.at, final=True, checkpoint_step=4, committed_step=4, preempted=True)
+
+
+def test_the_first_report_carries_the_restores_timeline_with_the_first_steps_end_and_later_ones_none(
+        tmp_path: Path) -> None:
+    _, reports = train_in_process(_cfg(train={"max_steps": 8}), tmp_path)
+    first = reports[0]["timeline"]
+    assert first["restore_start"] <= first["restore_end"] <= first["first_step_end"]
+    assert all("timeline" not in r for r in reports[1:]) and len(reports) > 1
