@@ -1,16 +1,15 @@
 """make generate | make generate-check   (python -m generate [--check] [--only NAME ...])
 
-Every file in the repository that a program writes, listed once in GENERATORS: the alert runbook
-links, the Grafana dashboards, the PrometheusRule, the KubeRay JSON Schemas, Terraform's example
-inventory and each Terraform module's README tables (inputs, outputs). `make generate` rewrites the
-ones that differ from their generator's output (and deletes a file in a generator's outputs that it
-no longer makes); `--check` (`make generate-check`, part of `make test`) changes nothing and fails
-naming each stale file and the command that fixes it.
+Every file in the repository that a program writes, listed once in GENERATORS: the Grafana
+dashboards, the PrometheusRule (the alert rules with their runbook links), the KubeRay JSON Schemas,
+Terraform's example inventory and each Terraform module's README tables (inputs, outputs). `make
+generate` rewrites the ones that differ from their generator's output (and deletes a file in a
+generator's outputs that it no longer makes); `--check` (`make generate-check`, part of `make test`)
+changes nothing and fails naming each stale file and the command that fixes it.
 
-Generators run in order and see the files earlier ones produced (the PrometheusRule is made from the
-runbook links just written). Every output is computed before anything is written, so a generator
-that fails on bad input leaves every file as it was. Exit codes: 0 fresh (or written), 1 stale
-(--check), 2 a generator failed (bad input, a missing tool).
+Generators run in order and see the files earlier ones produced. Every output is computed before
+anything is written, so a generator that fails on bad input leaves every file as it was. Exit codes:
+0 fresh (or written), 1 stale (--check), 2 a generator failed (bad input, a missing tool).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ FIX = "make generate"
 TF_PYTHON = ROOT / ".venv-tf" / "bin" / "python"
 sys.path.insert(0, str(ROOT / "kubernetes"))  # kubernetes/ holds scripts, not a package
 
-from alerts import runbooks  # noqa: E402
 from dashboards import generate as dashboards  # noqa: E402
 
 
@@ -70,26 +68,17 @@ class Generator:
         return any(fnmatch.fnmatchcase(rel, pattern) for pattern in self.outputs)
 
 
-def _runbook_links(tree: Tree) -> dict[str, str]:
-    files = [p.relative_to(tree.root).as_posix() for p in runbooks.files(tree.root / "alerts")]
-    try:
-        return {rel: runbooks.render(tree.read(rel), rel) for rel in files}
-    except ValueError as e:
-        raise GenerateError(str(e)) from None
-
-
 def _dashboards(_tree: Tree) -> dict[str, str]:
     return {f"dashboards/{name}": text for name, text in dashboards.render().items()}
 
 
 def _prometheus_rule(tree: Tree) -> dict[str, str]:
-    import yaml
     from k8s_rules import RULES_FILE, prometheus_rule
 
     try:
         return {RULES_FILE: prometheus_rule({rel: tree.read(rel) for rel in tree.glob("alerts/*.rules.yml")})}
-    except (yaml.YAMLError, KeyError, TypeError) as e:
-        raise GenerateError(f"alerts/*.rules.yml: expected YAML with a top-level `groups` list ({e})") from None
+    except ValueError as e:  # not YAML, not a rule file, or a runbook link written by hand
+        raise GenerateError(str(e)) from None
 
 
 def _crd_schemas(_tree: Tree) -> dict[str, str]:
@@ -138,10 +127,8 @@ def _module_readmes(tree: Tree) -> dict[str, str]:
 
 
 GENERATORS = (
-    Generator("runbook-links", "alerts/runbooks.py", ("alerts/*.rules.yml", "alerts/tests/*.test.yml"),
-              _runbook_links),
     Generator("dashboards", "dashboards/boards/*.py", ("dashboards/*.json",), _dashboards),
-    Generator("prometheus-rule", "alerts/*.rules.yml via kubernetes/k8s_rules.py",
+    Generator("prometheus-rule", "alerts/*.rules.yml via kubernetes/k8s_rules.py and alerts/runbooks.py",
               ("kubernetes/base/monitoring/prometheusrule.yaml",), _prometheus_rule),
     Generator("crd-schemas", "the KubeRay CRDs via kubernetes/crd_schemas.py", ("kubernetes/schemas/*.json",),
               _crd_schemas),

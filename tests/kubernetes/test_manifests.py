@@ -26,6 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from alerts import runbooks
 from tests.kubernetes.conftest import OVERLAY_JOBS, ROOT
 
 K8S_VERSION = "1.32.0"  # the kubectl shipped here; EKS and current on-prem clusters run it or newer
@@ -195,10 +196,14 @@ def test_job_and_dashboard_configmaps_ship_every_file(rendered: dict) -> None:
     assert maps["rt-dashboards"]["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
-def test_prometheus_rule_is_generated_from_the_alert_files() -> None:
+def test_prometheus_rule_is_the_alert_files_with_each_alerts_runbook_link() -> None:
     rule = yaml.safe_load((ROOT / k8s_rules.RULES_FILE).read_text())
     groups = [g for f in sorted((ROOT / "alerts").glob("*.rules.yml")) for g in yaml.safe_load(f.read_text())["groups"]]
-    assert rule["spec"]["groups"] == groups and any(r.get("alert") for g in groups for r in g["rules"])
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts and all(r["annotations"]["runbook_url"] == runbooks.runbook_url(r["alert"]) for r in alerts)
+    for r in alerts:
+        del r["annotations"]["runbook_url"]
+    assert rule["spec"]["groups"] == groups
 
 
 def _mutated(rendered: dict, overlay: str, change: Any) -> list[str]:

@@ -1,5 +1,6 @@
 """Alert rules in alerts/: required fields, runbook anchors, named thresholds,
-and promtool's own checks and unit tests (real promtool from .tools).
+and promtool's own checks and unit tests (real promtool from .tools) of the rules as rendered
+(runbook links added by alerts/runbooks.py; the sources carry none).
 
 Run: .venv/bin/python -m pytest tests/observability
 """
@@ -39,6 +40,12 @@ ALERTS = load_alerts()
 ALERT_NAMES = [rule["alert"] for _, rule in ALERTS]
 
 
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[Path]]:
+    """alerts/ as every consumer gets it: rules and promtool tests with the runbook links added."""
+    return runbooks.render_tree(tmp_path_factory.mktemp("rendered"))
+
+
 def duration_s(text: str) -> int:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     total = sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([smhd])", text))
@@ -74,30 +81,31 @@ def test_the_expected_alerts_exist_once():
         "CheckpointFilesystemAlmostFull",
         "RemediationHalted",
         "RemediationFailed",
+        "LogShippingStopped",
     }
     assert sorted(ALERT_NAMES) == sorted(expected)
 
 
 @pytest.mark.parametrize("path,rule", ALERTS, ids=ALERT_NAMES)
-def test_alert_has_for_severity_summary_description_and_runbook(path, rule):
+def test_alert_has_for_severity_summary_and_description(path, rule):
     name = rule["alert"]
     assert duration_s(rule.get("for", "")) > 0, f"{name}: needs a non-zero `for`"
     assert rule["labels"]["severity"] in {"warning", "critical"}, name
     annotations = rule["annotations"]
-    for key in ("summary", "description", "runbook_url"):
+    for key in ("summary", "description"):
         assert annotations.get(key, "").strip(), f"{name}: missing annotation {key}"
-    assert annotations["runbook_url"].endswith(RUNBOOK_PATH + name.lower()), annotations["runbook_url"]
 
 
-def test_every_runbook_url_shares_one_base_and_points_at_an_existing_anchor():
-    bases = set()
+def test_every_rendered_alert_carries_its_runbook_link_to_an_existing_anchor(rendered):
+    rules, _ = rendered
     anchors = runbook_anchors()
-    for _, rule in ALERTS:
-        url = rule["annotations"]["runbook_url"]
-        base, _, anchor = url.partition(RUNBOOK_PATH)
-        bases.add(base)
-        assert anchor in anchors, f"{rule['alert']}: runbook.md has no section #{anchor}"
-    assert len(bases) == 1, f"runbook_url bases differ: {bases}"
+    linked = {rule["alert"]: rule["annotations"]["runbook_url"]
+              for path in rules for group in yaml.safe_load(path.read_text())["groups"]
+              for rule in group["rules"] if "alert" in rule}
+    assert sorted(linked) == sorted(ALERT_NAMES)
+    for name, url in linked.items():
+        assert url == runbooks.BASE_URL + RUNBOOK_PATH + name.lower(), url
+        assert url.rpartition("#")[2] in anchors, f"{name}: runbook.md has no section #{url.rpartition('#')[2]}"
 
 
 @pytest.mark.parametrize("name", ALERT_NAMES)
@@ -116,25 +124,31 @@ def test_node_down_runbooks_give_the_replace_node_command():
         assert "docs/operations.md" in section
 
 
-@pytest.mark.parametrize("path", runbooks.files(), ids=lambda p: p.name)
-def test_runbook_links_are_written_from_the_one_pattern(path):
-    text = path.read_text()
-    assert runbooks.render(text, path.name) == text, f"{path.name}: run `make generate`"
+def test_rendering_keeps_every_rule_and_expectation_and_adds_only_the_link(rendered):
+    rules, tests = rendered
+    for source, out in zip([*RULE_FILES, *TEST_FILES], [*rules, *tests], strict=True):
+        text = out.read_text()
+        assert text.count("runbook_url:") > 0, out.name
+        stripped = "".join(line for line in text.splitlines(keepends=True) if "runbook_url:" not in line)
+        assert yaml.safe_load(stripped) == yaml.safe_load(source.read_text()), out.name
 
 
-def test_the_runbook_writer_adds_a_missing_link_and_moves_every_link_to_a_new_base():
-    path = ALERTS_DIR / "training.rules.yml"
-    text = path.read_text()
-    without = "".join(line for line in text.splitlines(keepends=True) if not line.lstrip().startswith("runbook_url:"))
-    assert runbooks.render(without, path.name) == text
-    rebased = yaml.safe_load(runbooks.render(text, path.name, base="https://runbooks.example/"))
+def test_a_new_base_moves_every_link():
+    data = yaml.safe_load((ALERTS_DIR / "training.rules.yml").read_text())
+    rebased = runbooks.link_rules(data, "training.rules.yml", base="https://runbooks.example/")
     urls = [r["annotations"]["runbook_url"] for g in rebased["groups"] for r in g["rules"] if "alert" in r]
     assert urls and all(u == f"https://runbooks.example/alerts/runbook.md#{u.rpartition('#')[2]}" for u in urls)
 
 
-def test_the_runbook_writer_rejects_annotations_without_an_alert_name():
-    with pytest.raises(ValueError, match="x.yml:2: annotations before any"):
-        runbooks.render("groups:\n  annotations:\n    summary: s\n", "x.yml")
+def test_a_source_carrying_a_runbook_link_is_refused_naming_the_file_and_alert():
+    linked = runbooks.link_rules(yaml.safe_load((ALERTS_DIR / "nodes.rules.yml").read_text()), "nodes.rules.yml")
+    with pytest.raises(ValueError, match=r"^x\.rules\.yml: NodeDown carries runbook_url; remove it"):
+        runbooks.link_rules(linked, "x.rules.yml")
+    tests = runbooks.link_tests(yaml.safe_load((ALERTS_DIR / "tests" / "nodes.test.yml").read_text()), "t")
+    with pytest.raises(ValueError, match=r"^y\.test\.yml: NodeDown carries runbook_url"):
+        runbooks.link_tests(tests, "y.test.yml")
+    with pytest.raises(ValueError, match=r"^z\.yml: expected a rule file with a top-level `groups` list"):
+        runbooks.link_rules({"annotations": {}}, "z.yml")
 
 
 @pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
@@ -187,9 +201,10 @@ def test_every_literal_in_an_alert_expression_is_a_named_threshold(path):
     assert used == set(declared), f"{path.name}: declared but unused thresholds {set(declared) - used}"
 
 
-def test_promtool_check_rules_accepts_every_rule_file(promtool):
+def test_promtool_check_rules_accepts_every_rendered_rule_file(promtool, rendered):
+    rules, _ = rendered
     done = subprocess.run(
-        [str(promtool), "check", "rules", *map(str, RULE_FILES)],
+        [str(promtool), "check", "rules", *map(str, rules)],
         check=False,
         capture_output=True,
         text=True,
@@ -198,9 +213,10 @@ def test_promtool_check_rules_accepts_every_rule_file(promtool):
     assert done.stdout.count("SUCCESS") == len(RULE_FILES)
 
 
-def test_promtool_unit_tests_pass(promtool):
+def test_promtool_unit_tests_pass_on_the_rendered_rules(promtool, rendered):
+    _, tests = rendered
     done = subprocess.run(
-        [str(promtool), "test", "rules", *map(str, TEST_FILES)],
+        [str(promtool), "test", "rules", *map(str, tests)],
         check=False,
         capture_output=True,
         text=True,
@@ -275,11 +291,12 @@ def test_promtool_tests_catch_a_shorter_or_longer_for_window(name, tmp_path, pro
     assert longer.returncode != 0 and name in longer.stdout, f"{name}: a 1m longer `for` went unnoticed"
 
 
-def test_a_real_prometheus_loads_and_evaluates_every_rule_without_errors(prometheus_factory, node_exporter):
+def test_a_real_prometheus_loads_and_evaluates_every_rule_without_errors(prometheus_factory, node_exporter,
+                                                                        rendered):
     """Rules loaded by Prometheus itself (as cluster-up and the Ansible role do),
     evaluated every second against a real node exporter's series."""
     server = prometheus_factory(
-        rule_files=[str(p) for p in RULE_FILES],
+        rule_files=[str(p) for p in rendered[0]],
         scrape_configs=[{"job_name": "node", "static_configs": [{"targets": [node_exporter]}]}],
     )
     server.wait_for('count_over_time(up{job="node"}[1m]) >= 3', timeout_s=30)

@@ -1,5 +1,6 @@
-"""`prometheus_alert_for` changes only the named alerts' `for:` in the shipped rules, and refuses a
-name no rule file defines or a value that is not a duration before any host is touched.
+"""The prometheus role installs the shipped rules with each alert's runbook link (from
+alerts/runbooks.py; the sources carry none), and `prometheus_alert_for` changes only the named alerts'
+`for:`, refusing a name no rule file defines or a value that is not a duration before any host is touched.
 
 The install side runs the role's own install expression with the real ansible-playbook on the
 repository's rule files and checks the result with the real promtool; the refusals run the role's
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from types import ModuleType
 import pytest
 import yaml
 
+from alerts import runbooks
 from tests.support.ansible import ANSIBLE_DIR, run_preflight
 
 ROOT = ANSIBLE_DIR.parent
@@ -29,8 +32,8 @@ CHECK = "Assert prometheus_alert_for names alerts of the rule files, each with a
 
 
 def _filters() -> ModuleType:
-    path = ANSIBLE_DIR / "roles" / "prometheus" / "filter_plugins" / "alert_for.py"
-    spec = importlib.util.spec_from_file_location("alert_for", path)
+    path = ANSIBLE_DIR / "roles" / "prometheus" / "filter_plugins" / "rule_files.py"
+    spec = importlib.util.spec_from_file_location("rule_files", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -63,10 +66,13 @@ def _install(tmp_path: Path, rule_file: Path, alert_for: dict[str, str]) -> str:
 
 
 @pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="promtool: run `make prometheus-tools`")
-def test_only_the_named_alerts_for_changes_and_promtool_accepts_the_file(tmp_path: Path) -> None:
+def test_installed_rules_carry_each_alerts_runbook_link_and_only_the_named_for_and_promtool_accepts_them(
+        tmp_path: Path) -> None:
     source = (ROOT / "alerts" / "nodes.rules.yml").read_text()
     installed = _install(tmp_path, ROOT / "alerts" / "nodes.rules.yml", {"NodeDown": "30s", "GpuXidErrors": "10s"})
     before, after = _rules(source), _rules(installed)
+    alerts = [name for name, rule in after.items() if "alert" in rule]
+    assert alerts and all(after[n]["annotations"].pop("runbook_url") == runbooks.runbook_url(n) for n in alerts)
     assert after["NodeDown"]["for"] == "30s"
     assert {**after["NodeDown"], "for": before["NodeDown"]["for"]} == before["NodeDown"]
     assert {k: v for k, v in after.items() if k != "NodeDown"} == {k: v for k, v in before.items() if k != "NodeDown"}
@@ -76,9 +82,20 @@ def test_only_the_named_alerts_for_changes_and_promtool_accepts_the_file(tmp_pat
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_a_file_naming_none_of_the_alerts_is_installed_byte_for_byte() -> None:
-    source = (ROOT / "alerts" / "training.rules.yml").read_text()
-    assert _filters().with_alert_for(source, {"NodeDown": "30s"}) is source
+def test_a_sites_own_rule_file_naming_none_of_the_alerts_is_installed_byte_for_byte(tmp_path: Path) -> None:
+    """A rule file outside the repository's alerts/ has no section in alerts/runbook.md: no link is made up."""
+    own = tmp_path / "site.rules.yml"
+    own.write_text((ROOT / "alerts" / "training.rules.yml").read_text())
+    assert _filters().rendered_rules(own.read_text(), str(own), {"NodeDown": "30s"}) == own.read_text()
+
+
+def test_a_shipped_rule_file_carrying_a_runbook_link_is_refused_naming_it() -> None:
+    path = ROOT / "alerts" / "nodes.rules.yml"
+    linked = runbooks.dump(runbooks.link_rules(yaml.safe_load(path.read_text()), "x"))
+    filters = _filters()
+    refused = f"^{re.escape(str(path))}: NodeDown carries runbook_url; remove it"
+    with pytest.raises(filters.AnsibleFilterError, match=refused):
+        filters.rendered_rules(linked, str(path), {})
 
 
 def _preflight(tmp_path: Path, alert_for: object) -> str:
