@@ -6,7 +6,9 @@ working is waited for past any stall guard, and one that does nothing is named a
 
 from __future__ import annotations
 
-import subprocess
+import contextlib
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -49,7 +51,8 @@ def test_a_start_up_that_keeps_working_is_waited_for_longer_than_the_stall_guard
         wait_started(ready.exists, "Ray head", pid, log, stall_s=stall)
         assert log.read_text().count("step") == 20
     finally:
-        subprocess.run(["kill", "-9", f"-{pid}"], check=False)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def test_a_start_up_that_neither_works_nor_logs_is_named_as_hung(tmp_path: Path) -> None:
@@ -60,4 +63,5 @@ def test_a_start_up_that_neither_works_nor_logs_is_named_as_hung(tmp_path: Path)
                                                r"logged\): waiting for the GCS"):
             wait_started(lambda: False, "Ray node 2", pid, log, stall_s=1.0)
     finally:
-        subprocess.run(["kill", "-9", f"-{pid}"], check=False)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
