@@ -65,7 +65,7 @@ def link_tests(data: Any, source: str, base: str = BASE_URL) -> dict[str, Any]:
             expected = [{**exp, "exp_annotations": _set_link(exp.get("exp_annotations", {}), case["alertname"],
                                                              source, base)}
                         for exp in case.get("exp_alerts") or []]
-            cases.append({**case, "exp_alerts": expected})
+            cases.append({**case, "exp_alerts": expected} if "exp_alerts" in case else case)
         tests.append({**test, "alert_rule_test": cases} if "alert_rule_test" in test else test)
     return {**data, "tests": tests}
 

@@ -127,9 +127,8 @@ def test_node_down_runbooks_give_the_replace_node_command():
 def test_rendering_keeps_every_rule_and_expectation_and_adds_only_the_link(rendered):
     rules, tests = rendered
     for source, out in zip([*RULE_FILES, *TEST_FILES], [*rules, *tests], strict=True):
-        text = out.read_text()
-        assert text.count("runbook_url:") > 0, out.name
-        stripped = "".join(line for line in text.splitlines(keepends=True) if "runbook_url:" not in line)
+        lines = out.read_text().splitlines(keepends=True)
+        stripped = "".join(line for line in lines if not line.lstrip().startswith("runbook_url:"))
         assert yaml.safe_load(stripped) == yaml.safe_load(source.read_text()), out.name
 
 
