@@ -64,10 +64,11 @@ IMAGE_PACKAGES = [
 IMAGE_RECIPE_VERSION = "3"
 
 # Debian packages the roles install on nodes (common, ray, node_exporter,
-# prometheus); their dependency closure goes into the offline apt repository.
+# prometheus, log_shipping); their dependency closure goes into the offline apt repository.
 REPO_PACKAGES = [
     "python3-apt", "python3-venv", "python3-packaging", "chrony", "procps", "curl", "less",
     "prometheus", "prometheus-node-exporter", "prometheus-alertmanager",
+    "rsyslog", "rsyslog-relp", "logrotate",
 ]
 # Python packages for the Ray venv on nodes: pinned like requirements/constraints.txt.
 WHEEL_REQUIREMENTS = ["ray[default]==2.60.0"]
@@ -580,9 +581,6 @@ def lab_vars(lab: Lab) -> dict:
         # would cost minutes: both roles are linted and spec-checked, not applied here.
         "grafana_enabled": False,
         "mlflow_enabled": False,
-        # Off until the log_shipping role's tasks run on a host: applied here, its journald drop-in
-        # (a copy task whose content uses ansible_managed, which only templates define) failed site.yml.
-        "log_shipping_enabled": False,
         # The remediation service runs on the controller here (tests/hosts/test_selfheal.py):
         # the lab's ansible-playbook, inventory and SSH key live there, and the nodes'
         # offline wheelhouse has no ansible-core for the head. Alertmanager sends it every alert.
