@@ -24,7 +24,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from runtime.observe.catalog import CONTROLLER_SERIES, GPU_SERIES, SERIES, WORKER_LABELS, WORKER_SERIES, Series
-from runtime.observe.stragglers import Host, node_ip
+from runtime.observe.host import Host, node_ip
 
 log = logging.getLogger("runtime.observe.metrics")
 

@@ -11,40 +11,16 @@ time over the median of the *other* ranks' (with two ranks the median of all wou
 gap). A rank becomes a straggler after ``windows`` consecutive windows at or above the
 threshold and stops being one after as many windows below it, so one noisy window neither
 names nor clears a rank (no flapping). Each change of verdict is one console line.
-Standard library only.
+Standard library only (and ``runtime.observe.host``).
 """
 
 from __future__ import annotations
 
-import socket
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class Host:
-    """Where a rank runs: the name its exporter labels ``node`` with, and the node's IP."""
-
-    name: str
-    ip: str = ""
-
-    @classmethod
-    def here(cls) -> Host:
-        return cls(socket.gethostname(), node_ip())
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.ip})" if self.ip and self.ip != self.name else self.name
-
-
-def node_ip() -> str:
-    """This node's IP as Ray sees it (the address peers and Prometheus reach it at); loopback outside Ray."""
-    try:
-        import ray.util
-
-        return str(ray.util.get_node_ip_address())
-    except Exception:
-        return "127.0.0.1"
+from runtime.observe.host import Host
 
 
 @dataclass(frozen=True)

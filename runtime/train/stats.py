@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.observe.stragglers import Host
+from runtime.observe.host import Host
 
 # Tests only: "RANK@FIRST-LAST:SECONDS" makes that rank sleep SECONDS in the local part of steps
 # FIRST..LAST, a straggler at a known step (tests/unit/train/test_stragglers_trainer.py).

@@ -280,16 +280,17 @@ def test_repository_alert_rules_are_installed_and_loaded(hosts, lab, inventory):
 _EXPORTER_DRIVER = """
 import os, sys, time, types, ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-source, catalog_source, stragglers_source = (open(sys.argv[i]).read() for i in (1, 5, 6))
+source, catalog_source, host_source, stragglers_source = (open(sys.argv[i]).read() for i in (1, 5, 6, 7))
 ray.init(address=sys.argv[2], log_to_driver=False)
 node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == sys.argv[3])
 
 @ray.remote(num_cpus=0)
 class Worker:
     def __init__(self):
-        for name in ("runtime", "runtime.observe", "runtime.observe.catalog", "runtime.observe.stragglers"):
+        for name in ("runtime", "runtime.observe", "runtime.observe.catalog", "runtime.observe.host",
+                     "runtime.observe.stragglers"):
             sys.modules.setdefault(name, types.ModuleType(name))
-        for name, text in (("catalog", catalog_source), ("stragglers", stragglers_source)):
+        for name, text in (("catalog", catalog_source), ("host", host_source), ("stragglers", stragglers_source)):
             module = sys.modules["runtime.observe." + name]
             exec(compile(text, "runtime/observe/" + name + ".py", "exec"), module.__dict__)
         ns = {"__name__": "runtime_metrics"}
@@ -313,11 +314,12 @@ def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(host
     head, worker = hosts(HEAD), labmod.node_address(lab, WORKERS[0])
     _put(head, "/tmp/runtime_metrics.py", (labmod.ROOT / "runtime" / "observe" / "metrics.py").read_text())
     _put(head, "/tmp/runtime_catalog.py", (labmod.ROOT / "runtime" / "observe" / "catalog.py").read_text())
+    _put(head, "/tmp/runtime_host.py", (labmod.ROOT / "runtime" / "observe" / "host.py").read_text())
     _put(head, "/tmp/runtime_stragglers.py", (labmod.ROOT / "runtime" / "observe" / "stragglers.py").read_text())
     _put(head, "/tmp/exporter_driver.py", _EXPORTER_DRIVER)
     head.check_output(
         f"nohup timeout 300 {WITH_AUTH} /opt/ray/venv/bin/python /tmp/exporter_driver.py /tmp/runtime_metrics.py "
-        f"{lab.subnet}.11:6379 {worker} 240 /tmp/runtime_catalog.py /tmp/runtime_stragglers.py "
+        f"{lab.subnet}.11:6379 {worker} 240 /tmp/runtime_catalog.py /tmp/runtime_host.py /tmp/runtime_stragglers.py "
         "> /tmp/exporter_driver.log 2>&1 "
         "& echo $! > /tmp/exporter_driver.pid")
     try:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.observe.stragglers import Host, StragglerDetector
+from runtime.observe.host import Host
+from runtime.observe.stragglers import StragglerDetector
 from runtime.train.stats import SLOW_RANK_ENV, StepStats, gather_hosts
 from tests.support.ranks import spawn_ranks
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from runtime.observe.host import Host
 from runtime.observe.metrics import WorkerMetrics
-from runtime.observe.stragglers import Host
 from runtime.train.stats import SLOW_RANK_ENV
 from tests.support.trainer import train_ranks
 
