@@ -11,8 +11,8 @@ Prometheus sees as LogShippingStopped pending, and the worker machine is killed 
 PID 1). The lines are still in the head's per-host files, and ``python -m runtime logs`` run on the
 head shows them with their host, rank and job id.
 
-Started: no Ray job or Train run; one site.yml pass limited to the head and the worker when the
-worker is a replacement that replace_node.yml left without the role.
+Started: no Ray job or Train run; when the worker is a replacement that replace_node.yml left
+without the role (after test_selfheal), one site.yml pass narrowed to it (`-e node=`, the role's tags).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_a_killed_workers_last_lines_stay_on_the_head_with_host_rank_and_job(
     if not _ships(worker):
         # A replacement made by replace_node.yml (test_selfheal): that playbook does not apply the role.
         t0 = time.monotonic()
-        ansible.playbook("site.yml", "--limit", f"{HEAD},{name}", "--tags", SHIPPING_TAGS)
+        ansible.playbook("site.yml", "-e", f"node={name}", "--tags", SHIPPING_TAGS)
         TIMINGS["shipped logs: log_shipping on the replacement"] = time.monotonic() - t0
         NOTES["shipped logs"] = f"{name} had no log shipping (replace_node.yml lacks the role): applied here"
         assert _ships(worker), worker.run("systemctl status rsyslog").stdout
