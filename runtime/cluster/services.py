@@ -55,12 +55,28 @@ def node_exporter_up(cluster_dir: Path) -> dict[str, Any] | None:
     return {"pid": pid, "url": f"http://{addr}"}
 
 
+def _linked_rules(folder: Path) -> list[str]:
+    """alerts/*.rules.yml with each alert's runbook link (the sources carry none; alerts/runbooks.py
+    adds it wherever rules are rendered), written into ``folder``; their paths."""
+    import yaml
+
+    from alerts import runbooks
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for path in sorted((ROOT / "alerts").glob("*.rules.yml")):
+        linked = runbooks.link_rules(yaml.safe_load(path.read_text()), str(path))
+        (folder / path.name).write_text(runbooks.dump(linked))
+        out.append(str(folder / path.name))
+    return out
+
+
 def prometheus_config(cluster_dir: Path, node_exporter: bool, training_scrape_s: float = 5) -> str:
     """Scrape config for the local cluster: runtime workers (file_sd), Ray, node exporter, Prometheus.
     ``training_scrape_s``: how often the workers' exporters are scraped and their targets re-read
     (the other jobs every 5 s)."""
     sd = cluster_dir / "prometheus" / "targets"
-    rules = sorted(str(p) for p in (ROOT / "alerts").glob("*.rules.yml"))
+    rules = _linked_rules(cluster_dir / "prometheus" / "rules")
     lines = [
         "global:", "  scrape_interval: 5s", "  evaluation_interval: 5s",
         "rule_files:", *[f"  - {r}" for r in rules],
