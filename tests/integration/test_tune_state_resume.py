@@ -58,7 +58,8 @@ def test_tune_itself_refuses_state_changed_after_the_driver_sealed_it(cluster: d
     search = f"{storage}/sealed"
     fs = sealed_filesystem(storage, search, None)
     tune.Tuner(_trainable, param_space={"x": tune.grid_search([1, 2])},
-               tune_config=tune.TuneConfig(metric="m", mode="max"),
+               # One trial at a time in one reused process: what is sealed is the search's state.
+               tune_config=tune.TuneConfig(metric="m", mode="max", max_concurrent_trials=1, reuse_actors=True),
                run_config=tune.RunConfig(name="sealed", storage_path=storage, storage_filesystem=fs,
                                          verbose=0)).fit()
     assert len(ExperimentAnalysis(search, storage_filesystem=fs).trials) == 2  # sealed state reads back
