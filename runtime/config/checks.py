@@ -29,21 +29,6 @@ def preflight(cfg: JobConfig, use_gpu: bool) -> None:
         raise ConfigError("precision.dtype=fp16 needs GPUs (GradScaler); use bf16 or fp32 on CPU")
     if cfg.data.decode == "gpu" and not use_gpu:
         raise ConfigError("data.decode=gpu needs GPUs (nvJPEG on the device); use data.decode=auto or cpu")
-    if cfg.data.source == "shards":
-        _shard_readers(cfg, use_gpu)
-
-
-def _shard_readers(cfg: JobConfig, use_gpu: bool) -> None:
-    """Every size the run may have must split the shards' virtual readers (docs/data.md), checked
-    here so that an elastic range is refused before it starts, not when it resizes."""
-    from runtime.data.batches import loader_workers
-    from runtime.data.shards.plan import reader_mismatch
-
-    d = cfg.distributed
-    for size in d.sizes():
-        mismatch = reader_mismatch(size // d.tp_size, loader_workers(cfg.data, use_gpu))
-        if mismatch:
-            raise ConfigError(f"data.source=shards: {mismatch}")
 
 
 def check_settings(environ: Mapping[str, str]) -> None:

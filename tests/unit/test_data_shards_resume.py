@@ -142,16 +142,3 @@ def test_ranks_sharing_a_virtual_reader_each_read_their_own_chunks_of_the_same_o
         loaders.train.set_position(0, 0)
         got += [label for _, y in loaders.train for label in y.tolist()]
     assert got == reference[:world * B]  # the uninterrupted single-rank run's first 384 chunks
-
-
-def test_an_elastic_range_with_a_size_whose_processes_do_not_fit_the_readers_is_refused_before_it_starts(
-        shards: Path) -> None:
-    from runtime.config.checks import preflight
-
-    data = {"source": "shards", "path": str(shards), "batch_size": B}
-    preflight(JobConfig(name="x", model={"name": "mlp"}, data=data, train={"grad_accum_steps": 3},
-                        distributed={"num_workers": {"min": 1, "max": 4}}), use_gpu=False)  # 1..4 fit
-    cfg = JobConfig(name="x", model={"name": "mlp"}, data=data,
-                    distributed={"num_workers": {"min": 4, "max": 5}, "elastic": {"keep": "per_worker_batch"}})
-    with pytest.raises(ConfigError, match=r"^data.source=shards: 5 workers x data.loader_workers=0 = 5 loader "):
-        preflight(cfg, use_gpu=False)
