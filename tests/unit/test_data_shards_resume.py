@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from runtime.config import DataConfig, JobConfig
-from runtime.data import build_loaders, file_loaders
+from runtime.config import JobConfig
+from runtime.data import build_loaders
 from runtime.data.shards.plan import VIRTUAL_READERS
 from runtime.data.shards.tools import pack
 from runtime.errors import ConfigError
@@ -130,15 +130,3 @@ def test_loader_processes_that_neither_divide_nor_multiply_the_virtual_readers_a
                                           rf"a multiple of the {VIRTUAL_READERS} virtual readers .*; use ") as e:
         build_loaders(cfg, world, 0, CPU)
     assert "\n" not in str(e.value)
-
-
-def test_ranks_sharing_a_virtual_reader_each_read_their_own_chunks_of_the_same_order(
-        shards: Path, reference: list[int]) -> None:
-    world = 2 * VIRTUAL_READERS  # two ranks per reader, each reading (seeking past the other's) its own chunks
-    cfg = DataConfig(source="shards", path=str(shards), batch_size=B, image_size=8, shuffle_buffer=5)
-    got = []
-    for rank in range(world):
-        loaders = file_loaders(cfg, world, rank, on_gpu=False)  # an epoch of one loader step: 768 samples
-        loaders.train.set_position(0, 0)
-        got += [label for _, y in loaders.train for label in y.tolist()]
-    assert got == reference[:world * B]  # the uninterrupted single-rank run's first 384 chunks
