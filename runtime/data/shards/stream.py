@@ -17,7 +17,7 @@ import json
 import logging
 import tarfile
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +83,7 @@ def _sample_member(m: tarfile.TarInfo) -> bool:
 
 
 def read_shard(store: Store, name: str, want: Callable[[int], bool], stop: int | None = None
-               ) -> Generator[tuple[int, str, dict[str, bytes]], None, None]:
+               ) -> Iterator[tuple[int, str, dict[str, bytes]]]:
     """Samples ``(ordinal, key, {ext: bytes})`` of one shard, for ordinals ``want`` accepts,
     up to ``stop``. Unwanted members are seeked over (local) or streamed past (S3), never kept.
     Raises one of READ_ERRORS for a truncated or garbled shard or a refused member (_sample_member)."""
@@ -273,13 +273,10 @@ class ShardStream(IterableDataset[HostBatch]):
             shard = f"{self.store.where}/{pc.shard}"
             reason = "sample missing from its shard (fewer samples than index.json says)"
             for attempt in range(1, READ_ATTEMPTS + 1):
-                samples = read_shard(self.store, pc.shard, want, pc.stop)
                 try:  # a retry re-opens the shard and reads only what is still to do
-                    for o, key, parts in samples:
+                    for o, key, parts in read_shard(self.store, pc.shard, want, pc.stop):
                         q = pc.base + o - pc.start
                         todo.discard(q)
-                        if not todo:  # a process owns many readers: hold no stream open past its last sample
-                            samples.close()
                         yield q, (f"{shard}:{key}", parts)
                     break
                 except read_errors() as e:
