@@ -1,14 +1,15 @@
 """Reading tar shards, the shard index, and the per-rank dataset and loader that play an epoch's
 plan (plan.py) from a store (store.py).
 
-Resume (``set_position(epoch, b)``): the epoch's order is the same at every world size and number
-of loader workers (plan.py's virtual readers), and rank r's batch b is global chunk b x W + r, so
-a group of any size that continues at the checkpoint's global sample count uses the rest of the
-uninterrupted epoch: nothing is repeated or skipped. Each loader process re-reads, without
-decoding, the tar bytes from the oldest sample still in the shuffle buffer of each virtual reader
-it owns (about one buffer's worth each) and, for a streamed store, from the start of the shard it
-resumes in. Unreadable samples (corrupt image, missing member, truncated shard) are dropped from
-their batch, counted and named.
+Resume (``set_position(epoch, b)``): batches b, b+1... are exactly those of an
+uninterrupted run: nothing is repeated or skipped. Each worker re-reads, without
+decoding, the tar bytes from the oldest sample still in its shuffle buffer at batch b
+(about one buffer's worth) and, for S3, from the start of the shard it resumes in.
+Exactness needs the same world size and data.loader_workers: the plan gives each rank a
+contiguous run, so unlike the map-style sources (runtime/data/order.py) its order depends on
+both, and after a resize the epoch goes on from the same count of global samples in the new
+plan, which may repeat or miss samples of that epoch (docs/data.md). Unreadable samples (corrupt image, missing
+member, truncated shard) are dropped from their batch, counted and named.
 """
 
 from __future__ import annotations
@@ -38,16 +39,7 @@ from runtime.data.images import (
     encode_sample,
     sample_rng,
 )
-from runtime.data.order import check_epoch
-from runtime.data.shards.plan import (
-    EpochPlan,
-    Piece,
-    ShardSet,
-    WorkerPlan,
-    epoch_chunks,
-    reader_mismatch,
-    val_plan,
-)
+from runtime.data.shards.plan import Piece, ShardSet, WorkerPlan, worker_plan
 from runtime.data.shards.store import INDEX, READ_ERRORS, SPLITS, Store, open_store, read_errors
 from runtime.errors import ConfigError
 
@@ -195,77 +187,59 @@ class ShardStream(IterableDataset[HostBatch]):
     """One rank's batches of one split, each DataLoader worker reading its own part.
 
     ``epoch``/``start_batch`` are set in the main process before iterating; DataLoader
-    workers are not persistent, so each epoch's workers start from them. ``unit``: a training
-    epoch is a whole number of these samples (the global batch).
+    workers are not persistent, so each epoch's workers start from them.
     """
 
     def __init__(self, store: Store, shards: ShardSet, recipe: Recipe, *, seed: int, world: int, rank: int,
-                 workers: int, batch_size: int, buffer: int, gpu: bool, unit: int) -> None:
+                 workers: int, batch_size: int, buffer: int, gpu: bool) -> None:
         self.store, self.shards, self.recipe = store, shards, recipe
         self.seed, self.world, self.rank, self.workers = seed, world, rank, max(1, workers)
-        self.batch_size, self.buffer, self.gpu, self.unit = batch_size, buffer, gpu, unit
+        self.batch_size, self.buffer, self.gpu = batch_size, buffer, gpu
         self.epoch, self.start_batch = 0, 0
 
-    def epoch_plan(self) -> EpochPlan:
-        return EpochPlan(self.shards, self.seed, self.epoch, self.batch_size, self.buffer,
-                         epoch_chunks(self.shards.total, self.batch_size, self.unit))
+    def plan(self, worker: int) -> WorkerPlan:
+        return worker_plan(self.shards, train=self.recipe.train, seed=self.seed, epoch=self.epoch,
+                           world=self.world, rank=self.rank, workers=self.workers, worker=worker,
+                           batch_size=self.batch_size, buffer=self.buffer)
 
     def rank_batches(self) -> int:
-        if self.recipe.train:
-            return epoch_chunks(self.shards.total, self.batch_size, self.unit) // self.world
-        return sum(len(self._val_plan(p).batches) for p in range(self.workers))
-
-    def _val_plan(self, worker: int) -> WorkerPlan:
-        return val_plan(self.shards, world=self.world, rank=self.rank, workers=self.workers, worker=worker,
-                        batch_size=self.batch_size)
+        return sum(len(self.plan(p).batches) for p in range(self.workers))
 
     def __iter__(self) -> Iterator[HostBatch]:
         info = get_worker_info()
         v = info.id if info is not None else 0
         if (info.num_workers if info is not None else 1) != self.workers:
             raise RuntimeError("ShardStream built for a different number of loader workers")
-        if self.recipe.train:
-            return self._train(v)
-        return self._validate(v)
-
-    def _train(self, v: int) -> Iterator[HostBatch]:
-        """DataLoader worker v's batches from ``start_batch`` on: the DataLoader collects worker v's
-        items at turns v, v+W..., so it yields rank batches start+v, start+v+W..., each the global
-        chunk batch x world + rank of the epoch's plan."""
-        plan = self.epoch_plan()
-        chunks = [k * self.world + self.rank for k in range(self.start_batch + v, self.rank_batches(), self.workers)]
-        wanted: dict[int, set[int]] = {}
-        for j in chunks:
-            reader, positions = plan.positions(j)
-            wanted.setdefault(reader, set()).update(positions)
-        streams = {r: self._read(plan.reader(r).pieces, want) for r, want in wanted.items()}
-        held: dict[int, dict[int, Any]] = {r: {} for r in wanted}
-        for j in chunks:
-            reader, positions = plan.positions(j)
-            yield self._collate([self._decode(self._take(streams[reader], held[reader], pos)) for pos in positions])
-
-    def _take(self, stream: Iterator[tuple[int, Any]], held: dict[int, Any], pos: int) -> Any:
-        """Stream position ``pos`` of a reader, reading on (and holding what comes first) until it is read."""
-        while pos not in held:
-            got = next(stream, None)
-            if got is None:  # cannot happen: _read yields every wanted position
-                return Skip(f"{self.store.where} position {pos}", "missing from the stream")
-            held[got[0]] = got[1]
-        return held.pop(pos)
-
-    def _validate(self, v: int) -> Iterator[HostBatch]:
-        plan = self._val_plan(v)
-        stream = self._read(plan.pieces, set(plan.order))
+        # The DataLoader collects worker v's items at turns v, v+W...; resuming at rank batch b,
+        # worker v therefore plays the role of plan worker (v + b) % W.
+        p = (v + self.start_batch) % self.workers
+        done = len(range(p, self.start_batch, self.workers))  # plan worker p's batches before b
+        plan = self.plan(p)
+        if done >= len(plan.batches):
+            return
+        k0 = plan.batches[done][0]
+        emitted = set(plan.order[:k0])
+        first = min(plan.order[k0:])
+        stream = self._read(plan.pieces, first, emitted)
         held: dict[int, Any] = {}
-        for a, b in plan.batches:
-            yield self._collate([self._decode(self._take(stream, held, pos)) for pos in plan.order[a:b]])
+        for a, b in plan.batches[done:]:
+            samples = []
+            for pos in plan.order[a:b]:
+                while pos not in held:
+                    got = next(stream, None)
+                    if got is None:  # cannot happen: _read yields every wanted position
+                        held[pos] = Skip(f"{self.store.where} position {pos}", "missing from the stream")
+                        break
+                    held[got[0]] = got[1]
+                samples.append(self._decode(held.pop(pos)))
+            yield self._collate(samples)
 
-    def _read(self, pieces: list[Piece], wanted: set[int]) -> Iterator[tuple[int, Any]]:
-        """(stream position, (name, parts) or Skip) for every ``wanted`` position, in stream order."""
+    def _read(self, pieces: list[Piece], first: int, emitted: set[int]) -> Iterator[tuple[int, Any]]:
+        """(stream position, (name, parts) or Skip) for every position >= first not yet emitted."""
         for pc in pieces:
-            todo = {q for q in range(pc.base, pc.base + pc.stop - pc.start) if q in wanted}
-            if not todo:
+            if pc.base + (pc.stop - pc.start) <= first:
                 continue
+            todo = {q for q in range(pc.base, pc.base + pc.stop - pc.start) if q >= first and q not in emitted}
 
             def want(ordinal: int, pc: Piece = pc, todo: set[int] = todo) -> bool:
                 return pc.base + ordinal - pc.start in todo
@@ -322,29 +296,25 @@ class ShardLoader(Batches):
         self.stream.epoch, self.stream.start_batch = epoch, batch_index
 
 
-def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool, unit: int | None = None) -> Loaders:
-    """This rank's shard loaders; ``unit``: a training epoch is a whole number of these samples
-    (the global batch; default one loader step, ``world`` x ``data.batch_size``)."""
-    workers = loader_workers(cfg, on_gpu)
-    mismatch = reader_mismatch(world, workers)
-    if mismatch:
-        raise ConfigError(f"data.source=shards: {mismatch}")
+def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
     store = open_store(cfg.path or "", cfg.endpoint_url)
     index = load_index(store)
     train_set = index.splits.get("train")
     if train_set is None or train_set.total == 0:
         raise ConfigError(f"data.path: {store.where} has no training samples (train/*.tar)")
-    unit = unit or world * cfg.batch_size
-    check_epoch(train_set.total, world, cfg.batch_size, unit, f"training samples in {store.where}")
     classes = index.classes
     if classes is None:
         classes = _scan_classes(store, train_set)
+    workers = loader_workers(cfg, on_gpu)
     gpu = use_gpu_decode(cfg, on_gpu)
     train_recipe, val_recipe = recipes(cfg)
     common = {"seed": cfg.seed, "world": world, "rank": rank, "workers": workers, "batch_size": cfg.batch_size,
-              "buffer": cfg.shuffle_buffer, "gpu": gpu, "unit": unit}
+              "buffer": cfg.shuffle_buffer, "gpu": gpu}
     train = ShardStream(store, train_set, train_recipe, **common)  # type: ignore[arg-type]
     n_batches = train.rank_batches()
+    if n_batches == 0:
+        raise ConfigError(f"data: {train_set.total} training samples in {store.where} give each of {world} "
+                          f"workers fewer than data.batch_size={cfg.batch_size}; add data or lower the batch size")
     _first_readable(store, train_set)
     val_set = index.splits.get("val")
     val = None
