@@ -33,6 +33,8 @@ def read_errors() -> tuple[type[BaseException], ...]:
 class LocalStore:
     """Shards in a folder (local disk or a shared filesystem)."""
 
+    forks_cleanly = True  # see FsStore
+
     def __init__(self, root: str) -> None:
         self.root = Path(root).expanduser()
         self.where = str(self.root)
@@ -61,6 +63,8 @@ class S3Store:
     The endpoint follows the checkpoint layer's convention: data.endpoint_url, else
     AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL; credentials come from boto3's usual chain.
     """
+
+    forks_cleanly = True  # boto3 clients are made per process (see FsStore)
 
     def __init__(self, location: S3Location, endpoint_url: str | None) -> None:
         self.bucket, self.prefix = location.bucket, location.prefix
@@ -119,6 +123,12 @@ class FsStore:
     """Shards on an object store reached through its pyarrow filesystem (``location.filesystem``):
     each shard is one streaming download, read front to back as on S3 (a seekable pyarrow file
     would make every tar header its own ranged request)."""
+
+    # The cloud SDKs under pyarrow keep process-wide HTTP connection pools. A loader worker forked
+    # after the parent listed the store shares the parent's pooled sockets: on Azure two processes
+    # then read one connection's replies (a worker died in `stoi`, others got 412s or lost samples).
+    # Loader workers of such a store start from a fresh process instead (shards.stream).
+    forks_cleanly = False
 
     def __init__(self, location: ObjectLocation, endpoint_url: str | None) -> None:
         self.location, self.endpoint_url = location, endpoint_url

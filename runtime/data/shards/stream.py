@@ -14,8 +14,10 @@ member, truncated shard) are dropped from their batch, counted and named.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import tarfile
 import time
 from collections.abc import Callable, Iterator
@@ -285,11 +287,31 @@ class ShardStream(IterableDataset[HostBatch]):
         return collate_crops(samples, self.recipe.size)
 
 
+def _take_environment(environ: dict[str, str], _worker_id: int) -> None:
+    """A fork server's child starts with the server's environment: give it the loader's own, where
+    the store's credentials and endpoint are read."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _loader(stream: ShardStream, workers: int, pin: bool) -> DataLoader[Any]:
+    """A DataLoader over ``stream``; forked workers, unless its store's SDK cannot be forked
+    (store.FsStore): then from a fork server that has imported this module and made no connection."""
+    if not workers or stream.store.forks_cleanly:
+        return DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=pin)
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=pin, multiprocessing_context=context,
+                      worker_init_fn=functools.partial(_take_environment, dict(os.environ)))
+
+
 class ShardLoader(Batches):
     """EpochLoader over a ShardStream (exact mid-epoch resume, see the module docstring)."""
 
     def __init__(self, stream: ShardStream, workers: int, pin: bool) -> None:
-        super().__init__(DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=pin))
+        super().__init__(_loader(stream, workers, pin))
         self.stream = stream
 
     def set_position(self, epoch: int, batch_index: int) -> None:
@@ -319,8 +341,8 @@ def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) ->
     val_set = index.splits.get("val")
     val = None
     if val_set is not None and val_set.total:
-        val = Batches(DataLoader(ShardStream(store, val_set, val_recipe, **common),  # type: ignore[arg-type]
-                                 batch_size=None, num_workers=workers, pin_memory=on_gpu))
+        val = Batches(_loader(ShardStream(store, val_set, val_recipe, **common),  # type: ignore[arg-type]
+                              workers, on_gpu))
     bundle = DataBundle(None, None, len(classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, classes)
     stage = None
     if gpu:
