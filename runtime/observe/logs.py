@@ -443,9 +443,13 @@ def follow(run: str, sources: Sources, f: Filters) -> int:
     """``--follow``: the matching lines (``--tail`` of them first), then each new one as the sources
     grow, until the final report is shown; Ctrl+C ends it with exit 0. A line is new by its source
     and text (counted), not its time: an untimed line's time may move as its file grows."""
+    import signal
     import time
     from collections import Counter
 
+    # Ctrl+C ends a follow even where this process was started with SIGINT ignored (Python then
+    # installs no KeyboardInterrupt: a follow started from a background shell never ended on it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     printed: Counter[tuple[str, str, str]] = Counter()
     warned: set[str] = set()
     first = True
