@@ -75,15 +75,23 @@ def dump(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, width=1000, allow_unicode=True)
 
 
-def render_tree(dest: Path, folder: Path = HERE, base: str = BASE_URL) -> tuple[list[Path], list[Path]]:
-    """The rule files of ``folder`` and their promtool tests, linked, written under ``dest`` in the same
-    layout (the tests' ``rule_files: [../x.rules.yml]`` still resolve); returns (rules, tests)."""
-    (dest / "tests").mkdir(parents=True, exist_ok=True)
-    rules, tests = [], []
+def render_rules(dest: Path, folder: Path = HERE, base: str = BASE_URL) -> list[Path]:
+    """The rule files of ``folder``, linked, written into ``dest`` under their own names."""
+    dest.mkdir(parents=True, exist_ok=True)
+    rules = []
     for path in sorted(folder.glob("*.rules.yml")):
         out = dest / path.name
         out.write_text(dump(link_rules(yaml.safe_load(path.read_text()), str(path), base)))
         rules.append(out)
+    return rules
+
+
+def render_tree(dest: Path, folder: Path = HERE, base: str = BASE_URL) -> tuple[list[Path], list[Path]]:
+    """The rule files of ``folder`` and their promtool tests, linked, written under ``dest`` in the same
+    layout (the tests' ``rule_files: [../x.rules.yml]`` still resolve); returns (rules, tests)."""
+    rules = render_rules(dest, folder, base)
+    (dest / "tests").mkdir(parents=True, exist_ok=True)
+    tests = []
     for path in sorted((folder / "tests").glob("*.test.yml")):
         out = dest / "tests" / path.name
         out.write_text(dump(link_tests(yaml.safe_load(path.read_text()), str(path), base)))

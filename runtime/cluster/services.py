@@ -58,17 +58,9 @@ def node_exporter_up(cluster_dir: Path) -> dict[str, Any] | None:
 def _linked_rules(folder: Path) -> list[str]:
     """alerts/*.rules.yml with each alert's runbook link (the sources carry none; alerts/runbooks.py
     adds it wherever rules are rendered), written into ``folder``; their paths."""
-    import yaml
-
     from alerts import runbooks
 
-    folder.mkdir(parents=True, exist_ok=True)
-    out = []
-    for path in sorted((ROOT / "alerts").glob("*.rules.yml")):
-        linked = runbooks.link_rules(yaml.safe_load(path.read_text()), str(path))
-        (folder / path.name).write_text(runbooks.dump(linked))
-        out.append(str(folder / path.name))
-    return out
+    return [str(p) for p in runbooks.render_rules(folder, ROOT / "alerts")]
 
 
 def prometheus_config(cluster_dir: Path, node_exporter: bool, training_scrape_s: float = 5) -> str:
