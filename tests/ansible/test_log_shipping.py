@@ -186,7 +186,7 @@ def test_rendered_configs_pass_rsyslogs_own_check(rendered: Rendered, tmp_path: 
 
 def test_rsyslogs_check_refuses_a_broken_config(rendered: Rendered, tmp_path: Path) -> None:
     broken = tmp_path / "broken.conf"
-    broken.write_text(rendered.sender_conf.read_text().replace('queue.type="LinkedList"', 'queue.type="Linked'))
+    broken.write_text(rendered.sender_conf.read_text().replace('queue.type="Disk"', 'queue.type="Dis'))
     assert subprocess.run(["rsyslogd", "-N1", "-f", str(broken)], capture_output=True).returncode != 0
 
 
@@ -241,10 +241,13 @@ def test_a_head_killed_while_1000_lines_are_written_gets_every_line_back(rendere
 
 
 
+@pytest.mark.parametrize("head_first", [False, True], ids=["sender-first", "head-first"])
 def test_a_sender_restarted_while_the_head_is_away_loses_at_most_its_line_in_flight(
-        rendered: Rendered, daemons: dict[str, Rsyslogd]) -> None:
-    """The queue is saved on shutdown; only the line the sender's worker holds while retrying is lost
-    (rsyslog cancels that worker): 23 to 74 of these 2000 lines with rsyslog's default batch."""
+        rendered: Rendered, daemons: dict[str, Rsyslogd], head_first: bool) -> None:
+    """The queue is on disk; only the line the sender's worker holds while retrying may be lost
+    (rsyslog cancels that worker). 20000 lines: with rsyslog 8.2302's disk-assisted memory queue a
+    backlog stalled after a restart with no new line (CI, sender first) or lost a run of lines mid-queue
+    (head first, 2 of 2 runs under load)."""
     receiver, sender = daemons["receiver"], daemons["sender"]
     receiver.start(listens_on=_port(rendered))
     sender.start()
@@ -254,20 +257,26 @@ def test_a_sender_restarted_while_the_head_is_away_loses_at_most_its_line_in_fli
     _wait_for("the first line", lambda: "before the head went" in _messages(received, "raylet"), daemons)
     receiver.stop()
     complaints = sender.log.read_text().count("omrelp")
-    lines = [f"queued {i:04d}" for i in range(2000)]
+    lines = [f"queued {i:05d}" for i in range(20000)]
     _append(raylet, lines)
     _wait_for("the sender finding the head gone", lambda: sender.log.read_text().count("omrelp") > complaints,
               daemons)
     sender.stop()
     queue = rendered.work("sender")
     assert (queue / "log_shipping_queue.qi").exists(), sorted(p.name for p in queue.iterdir())
-    sender.start()
-    receiver.start(listens_on=_port(rendered))
+    if head_first:
+        receiver.start(listens_on=_port(rendered))
+        sender.start()
+    else:
+        sender.start()
+        receiver.start(listens_on=_port(rendered))
     last = lines[-1]
     _wait_for("the last line after both restarts", lambda: last in _messages(received, "raylet"), daemons)
     lost = sorted(set(lines) - set(_messages(received, "raylet")))
-    print(f"sender restarted while the head was away, 2000 lines: lost {lost}")
-    assert len(lost) <= 1, lost
+    print(f"sender restarted while the head was away ({'head' if head_first else 'sender'} back first), "
+          f"20000 lines: lost {len(lost)} {lost[:5]}")
+    assert len(lost) <= 1, (len(lost), lost[:5])
+
 
 def test_a_forged_host_or_program_name_stays_inside_the_cluster_folder(rendered: Rendered,
                                                                        daemons: dict[str, Rsyslogd],
