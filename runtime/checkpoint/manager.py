@@ -10,6 +10,7 @@ is its ``reader``'s (a ``reader.CheckpointReader`` it holds); the pointer file o
 from __future__ import annotations
 
 import builtins
+import contextvars
 import hashlib
 import io
 import logging
@@ -181,7 +182,9 @@ class CheckpointManager:
         self._drain(None)  # back-pressure: at most one save in flight
         snapshot = self._buffers.snapshot(state)
         self.metrics.record_stall(time.monotonic() - t0)
-        self._future = self._executor.submit(self._write, snapshot, step, dict(meta), time.time())
+        # In the caller's context: its trace span (when traces are on) tags the writer's log lines.
+        self._future = self._executor.submit(contextvars.copy_context().run, self._write, snapshot, step,
+                                             dict(meta), time.time())
         if blocking:
             self.wait()
 

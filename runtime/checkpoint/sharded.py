@@ -24,6 +24,7 @@ set of DCP planner hooks: apart, each would need the other's private names.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import io
 import logging
@@ -299,8 +300,9 @@ class ShardedWriter:
         assert isinstance(response, AsyncSaveResponse)  # what async staging returns
         self._staged, pending = response.staging_completion, response.upload_completion
         self._held_s = time.monotonic() - t0
-        self._future = self._executor.submit(
-            self._finish, pending, staging, folder, prefix, step, dict(meta), time.time(), sorted(state)
+        self._future = self._executor.submit(  # in the caller's context, as CheckpointManager.save
+            contextvars.copy_context().run, self._finish, pending, staging, folder, prefix, step, dict(meta),
+            time.time(), sorted(state)
         )
 
     def _own_files(self, folder: str) -> list[str]:

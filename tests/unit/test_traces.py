@@ -10,7 +10,11 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.trace import TracerProvider
 
+from runtime.checkpoint.manager import CheckpointManager
 from runtime.observe import traces
 
 
@@ -44,3 +48,22 @@ def test_the_mlflow_environment_names_the_trace_endpoint_experiment_and_run() ->
     env = traces.mlflow_otlp_env("http://10.0.1.11:5000/", "7", run_id="abc")
     assert env == {traces.ENDPOINT_ENV: "http://10.0.1.11:5000/v1/traces",
                    traces.HEADERS_ENV: "x-mlflow-experiment-id=7,x-mlflow-run-id=abc"}
+
+
+def test_the_checkpoint_writers_lines_carry_the_span_that_saved(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer runs on its own thread, which starts with an empty context: its 'committed' line
+    must still name the span the training thread saved in (how a shipped log line finds its trace)."""
+    monkeypatch.setattr(logging, "_logRecordFactory", logging.getLogRecordFactory())  # restored after
+    monkeypatch.setattr(traces, "_provider", None)
+    monkeypatch.setattr(otel_trace, "set_tracer_provider", lambda p: None)  # the process-wide one stays unset
+    provider = TracerProvider()
+    traces.install(provider)
+    with provider.get_tracer("test").start_as_current_span("train step") as span:
+        expected = f"{span.get_span_context().trace_id:032x}"
+        with caplog.at_level(logging.INFO, logger="runtime.checkpoint"), CheckpointManager(str(tmp_path)) as mgr:
+            mgr.save({"model": {"w": torch.zeros(2)}}, step=1, meta={})
+            mgr.wait()
+    committed = [r for r in caplog.records if "committed" in r.getMessage()]
+    assert committed and (committed[0].threadName or "").startswith("checkpoint-writer"), caplog.records
+    assert getattr(committed[0], "trace_id", None) == expected
