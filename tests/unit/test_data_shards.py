@@ -15,7 +15,6 @@ from PIL import Image
 from runtime.config import DataConfig
 from runtime.data import file_loaders
 from runtime.data.cli import main as data_cli
-from runtime.data.shards.plan import buffer_order
 from runtime.data.shards.tools import pack
 from runtime.errors import ConfigError
 
@@ -98,15 +97,6 @@ def test_validation_reads_every_sample_once_in_order_across_ranks(shards: Path) 
         assert val is not None
         got += [label for _, y in val for label in y.tolist()]
     assert got == list(range(11))
-
-
-def test_shuffle_buffer_holds_at_most_its_size_and_emits_each_position_once() -> None:
-    import random
-
-    order = buffer_order(100, 8, random.Random(0))
-    assert sorted(order) == list(range(100)) and order != list(range(100))
-    for k, pos in enumerate(order):
-        assert pos <= k + 8  # the k-th output was among the first k + 9 reads: the buffer holds 8
 
 
 def test_truncated_shard_drops_its_remaining_samples_counted_and_named(

@@ -10,7 +10,8 @@ Layout written by ``python -m runtime data pack``::
 One module per job, each importing only those listed before it:
 
 - ``store``: the bytes of a data set, in a folder or on an object store (list, read the index, open a shard);
-- ``plan``: which samples each rank's loader workers read in an epoch, in which order (pure arithmetic);
+- ``plan``: an epoch's order, the same at every world size, and which samples each rank's loader
+  workers read (pure arithmetic);
 - ``stream``: reading tars, the shard index, and the per-rank dataset and loader that resume mid-epoch;
 - ``tools``: ``data pack``, verify and ``data inspect``.
 

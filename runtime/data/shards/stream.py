@@ -1,15 +1,16 @@
 """Reading tar shards, the shard index, and the per-rank dataset and loader that play an epoch's
-plan (plan.py) from a store (store.py).
+order (plan.py) from a store (store.py).
 
-Resume (``set_position(epoch, b)``): batches b, b+1... are exactly those of an
-uninterrupted run: nothing is repeated or skipped. Each worker re-reads, without
-decoding, the tar bytes from the oldest sample still in its shuffle buffer at batch b
-(about one buffer's worth) and, for S3, from the start of the shard it resumes in.
-Exactness needs the same world size and data.loader_workers: the plan gives each rank a
-contiguous run, so unlike the map-style sources (runtime/data/order.py) its order depends on
-both, and after a resize the epoch goes on from the same count of global samples in the new
-plan, which may repeat or miss samples of that epoch (docs/data.md). Unreadable samples (corrupt image, missing
-member, truncated shard) are dropped from their batch, counted and named.
+Resume (``set_position(epoch, b)``) at any world size and any data.loader_workers: the epoch's
+order does not depend on either, and b batches on each of W ranks are its first b x W x
+data.batch_size positions, the trainer's count of global samples consumed; so batches b, b+1...
+continue the order with nothing repeated or skipped (at the same size they are bit for bit
+those of an uninterrupted run: a sample's crop is seeded by its key). Each worker reads the
+shards holding its samples front to back, only those samples: a local file seeks over the
+rest; an object store's streaming read downloads them and drops them undecoded, so on a store
+every loader worker of every rank downloads each shard of the epoch (its samples are spread
+over every rank). Unreadable samples (corrupt image, missing member, truncated shard) are
+dropped from their batch, counted and named.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import os
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,8 @@ from runtime.data.images import (
     encode_sample,
     sample_rng,
 )
-from runtime.data.shards.plan import Piece, ShardSet, WorkerPlan, worker_plan
+from runtime.data.order import check_epoch
+from runtime.data.shards.plan import Sample, ShardSet, WorkerPlan, rank_batches, worker_plan
 from runtime.data.shards.store import INDEX, READ_ERRORS, SPLITS, Store, open_store, read_errors
 from runtime.errors import ConfigError
 
@@ -186,83 +188,65 @@ def _count(store: Store, name: str) -> int:
 
 
 class ShardStream(IterableDataset[HostBatch]):
-    """One rank's batches of one split, each DataLoader worker reading its own part.
+    """One rank's batches of one split, each DataLoader worker reading its own batches (plan.py).
 
     ``epoch``/``start_batch`` are set in the main process before iterating; DataLoader
     workers are not persistent, so each epoch's workers start from them.
     """
 
     def __init__(self, store: Store, shards: ShardSet, recipe: Recipe, *, seed: int, world: int, rank: int,
-                 workers: int, batch_size: int, buffer: int, gpu: bool) -> None:
+                 workers: int, batch_size: int, buffer: int, gpu: bool, unit: int | None = None) -> None:
         self.store, self.shards, self.recipe = store, shards, recipe
         self.seed, self.world, self.rank, self.workers = seed, world, rank, max(1, workers)
         self.batch_size, self.buffer, self.gpu = batch_size, buffer, gpu
+        self.unit = unit or world * batch_size
         self.epoch, self.start_batch = 0, 0
 
     def plan(self, worker: int) -> WorkerPlan:
         return worker_plan(self.shards, train=self.recipe.train, seed=self.seed, epoch=self.epoch,
                            world=self.world, rank=self.rank, workers=self.workers, worker=worker,
-                           batch_size=self.batch_size, buffer=self.buffer)
+                           batch_size=self.batch_size, window=self.buffer, unit=self.unit, start=self.start_batch)
 
     def rank_batches(self) -> int:
-        return sum(len(self.plan(p).batches) for p in range(self.workers))
+        return rank_batches(self.shards.total, self.world, self.batch_size, self.unit)
 
     def __iter__(self) -> Iterator[HostBatch]:
         info = get_worker_info()
-        v = info.id if info is not None else 0
         if (info.num_workers if info is not None else 1) != self.workers:
             raise RuntimeError("ShardStream built for a different number of loader workers")
-        # The DataLoader collects worker v's items at turns v, v+W...; resuming at rank batch b,
-        # worker v therefore plays the role of plan worker (v + b) % W.
-        p = (v + self.start_batch) % self.workers
-        done = len(range(p, self.start_batch, self.workers))  # plan worker p's batches before b
-        plan = self.plan(p)
-        if done >= len(plan.batches):
-            return
-        k0 = plan.batches[done][0]
-        emitted = set(plan.order[:k0])
-        first = min(plan.order[k0:])
-        stream = self._read(plan.pieces, first, emitted)
-        held: dict[int, Any] = {}
-        for a, b in plan.batches[done:]:
-            samples = []
-            for pos in plan.order[a:b]:
-                while pos not in held:
-                    got = next(stream, None)
-                    if got is None:  # cannot happen: _read yields every wanted position
-                        held[pos] = Skip(f"{self.store.where} position {pos}", "missing from the stream")
-                        break
-                    held[got[0]] = got[1]
-                samples.append(self._decode(held.pop(pos)))
-            yield self._collate(samples)
+        # DataLoader collects worker v's items at turns v, v + W...: from batch start_batch on,
+        # worker v makes the rank's batches start_batch + v, start_batch + v + W...
+        plan = self.plan(info.id if info is not None else 0)
+        reader = _Reader(self, plan.wanted())
+        try:
+            for batch in plan.batches:
+                yield self._collate([self._decode(reader.take(s, o)) for s, o in batch])
+        finally:
+            reader.close()
 
-    def _read(self, pieces: list[Piece], first: int, emitted: set[int]) -> Iterator[tuple[int, Any]]:
-        """(stream position, (name, parts) or Skip) for every position >= first not yet emitted."""
-        for pc in pieces:
-            if pc.base + (pc.stop - pc.start) <= first:
-                continue
-            todo = {q for q in range(pc.base, pc.base + pc.stop - pc.start) if q >= first and q not in emitted}
-
-            def want(ordinal: int, pc: Piece = pc, todo: set[int] = todo) -> bool:
-                return pc.base + ordinal - pc.start in todo
-
-            shard = f"{self.store.where}/{pc.shard}"
-            reason = "sample missing from its shard (fewer samples than index.json says)"
-            for attempt in range(1, READ_ATTEMPTS + 1):
-                try:  # a retry re-opens the shard and reads only what is still to do
-                    for o, key, parts in read_shard(self.store, pc.shard, want, pc.stop):
-                        q = pc.base + o - pc.start
-                        todo.discard(q)
-                        yield q, (f"{shard}:{key}", parts)
-                    break
-                except read_errors() as e:
-                    log.warning("data: reading shard %s failed (attempt %d of %d, %d samples to go): %s",
-                                shard, attempt, READ_ATTEMPTS, len(todo), e)
-                    reason = f"shard unreadable: {type(e).__name__}: {e}"
-                    if attempt < READ_ATTEMPTS:
-                        time.sleep(0.2 * attempt)
-            for q in sorted(todo):
-                yield q, Skip(f"{shard} sample {pc.start + q - pc.base}", reason)
+    def samples(self, shard: int, ordinals: list[int]) -> Generator[tuple[int, Any], None, None]:
+        """(ordinal, (name, parts) or Skip) for each of ``ordinals`` (ascending) of shard ``shard``,
+        in tar order; a failed read is retried from the ordinals still to do."""
+        name = self.shards.names[shard]
+        where = f"{self.store.where}/{name}"
+        todo = set(ordinals)
+        reason = "sample missing from its shard (fewer samples than index.json says)"
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:  # a retry re-opens the shard and reads only what is still to do
+                for o, key, parts in read_shard(self.store, name, todo.__contains__, max(todo) + 1):
+                    todo.discard(o)
+                    yield o, (f"{where}:{key}", parts)
+                break
+            except read_errors() as e:
+                log.warning("data: reading shard %s failed (attempt %d of %d, %d samples to go): %s",
+                            where, attempt, READ_ATTEMPTS, len(todo), e)
+                reason = f"shard unreadable: {type(e).__name__}: {e}"
+                if attempt < READ_ATTEMPTS and todo:
+                    time.sleep(0.2 * attempt)
+            if not todo:
+                break
+        for o in sorted(todo):
+            yield o, Skip(f"{where} sample {o}", reason)
 
     def _decode(self, item: Any) -> Any:
         if isinstance(item, Skip):
@@ -285,6 +269,36 @@ class ShardStream(IterableDataset[HostBatch]):
 
             return collate_encoded(samples, self.recipe.size)
         return collate_crops(samples, self.recipe.size)
+
+
+class _Reader:
+    """A worker's samples on request, each shard read front to back once: a shard is opened at its
+    first request and read up to the sample asked for; samples read on the way are held until
+    asked for. The order's windows bound what is held to the worker's share of about one window
+    (runs of OPEN_SHARDS shards are read side by side)."""
+
+    def __init__(self, stream: ShardStream, wanted: dict[int, list[int]]) -> None:
+        self.stream, self.wanted = stream, wanted
+        self.open: dict[int, Generator[tuple[int, Any], None, None]] = {}
+        self.held: dict[Sample, Any] = {}
+
+    def take(self, shard: int, ordinal: int) -> Any:
+        while (shard, ordinal) not in self.held:
+            it = self.open.get(shard)
+            if it is None:
+                it = self.open[shard] = self.stream.samples(shard, self.wanted[shard])
+            got = next(it, None)
+            if got is None:  # cannot happen: samples() yields every wanted ordinal
+                return Skip(f"{self.stream.store.where}/{self.stream.shards.names[shard]} sample {ordinal}",
+                            "missing from the stream")
+            self.held[(shard, got[0])] = got[1]
+        return self.held.pop((shard, ordinal))
+
+    def close(self) -> None:
+        """Closes the shards still open (a stream is abandoned when the loader is)."""
+        for it in self.open.values():
+            it.close()
+        self.open.clear()
 
 
 def _take_environment(environ: dict[str, str], _worker_id: int) -> None:
@@ -318,7 +332,10 @@ class ShardLoader(Batches):
         self.stream.epoch, self.stream.start_batch = epoch, batch_index
 
 
-def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
+def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool, unit: int | None = None) -> Loaders:
+    """This rank's loaders of a shard set. ``unit``: an epoch is a whole number of these samples
+    (the global batch, ``order.epoch_unit``: the same at every size under keep=global_batch, so is
+    the epoch); default one loader step, ``world`` x ``data.batch_size``."""
     store = open_store(cfg.path or "", cfg.endpoint_url)
     index = load_index(store)
     train_set = index.splits.get("train")
@@ -332,11 +349,10 @@ def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool) ->
     train_recipe, val_recipe = recipes(cfg)
     common = {"seed": cfg.seed, "world": world, "rank": rank, "workers": workers, "batch_size": cfg.batch_size,
               "buffer": cfg.shuffle_buffer, "gpu": gpu}
-    train = ShardStream(store, train_set, train_recipe, **common)  # type: ignore[arg-type]
+    unit = unit or world * cfg.batch_size
+    check_epoch(train_set.total, world, cfg.batch_size, unit, f"training samples in {store.where}")
+    train = ShardStream(store, train_set, train_recipe, unit=unit, **common)  # type: ignore[arg-type]
     n_batches = train.rank_batches()
-    if n_batches == 0:
-        raise ConfigError(f"data: {train_set.total} training samples in {store.where} give each of {world} "
-                          f"workers fewer than data.batch_size={cfg.batch_size}; add data or lower the batch size")
     _first_readable(store, train_set)
     val_set = index.splits.get("val")
     val = None

@@ -1,0 +1,98 @@
+"""A shard set's epoch order is the same at every world size and number of loader workers: an epoch
+read on 4 ranks, resumed on 2, then on 3, uses every sample once, in the order one rank reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.config import DataConfig
+from runtime.data.shards.plan import OPEN_SHARDS, ShardSet, epoch_order, window_bounds
+from runtime.data.shards.stream import build_shard_loaders
+from runtime.data.shards.tools import pack
+from tests.unit.test_data_shards import one_image_per_class_tree
+
+N, SHARD, WINDOW = 100, 5, 10  # 20 shards: three interleaved runs of up to OPEN_SHARDS
+UNIT = 12  # the global batch, kept at every size: 4 x 3 = 2 x 6 = 3 x 4 = 1 x 12
+USED = N // UNIT * UNIT  # 96: the epoch is whole global batches at every size
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "shards"
+    pack(one_image_per_class_tree(tmp_path_factory.mktemp("src"), N), out, shard_size=SHARD)
+    return out
+
+
+def rank_batches(path: Path, world: int, rank: int, epoch: int, start: int, count: int | None,
+                 workers: int) -> list[list[int]]:
+    """Labels (= sample ids) of ``count`` batches (None: the rest) of ``rank`` from its batch ``start``."""
+    cfg = DataConfig(source="shards", path=str(path), image_size=8, batch_size=UNIT // world,
+                     loader_workers=workers, shuffle_buffer=WINDOW)
+    loaders = build_shard_loaders(cfg, world, rank, on_gpu=False, unit=UNIT)
+    assert loaders.batches_per_epoch == USED // UNIT
+    loaders.train.set_position(epoch, start)
+    out: list[list[int]] = []
+    for _, y in loaders.train:
+        if count is not None and len(out) == count:
+            break
+        out.append(y.tolist())
+    return out
+
+
+def read_in_phases(path: Path, epoch: int, phases: list[tuple[int, int | None, int]]) -> list[int | None]:
+    """The epoch read in phases of (world size, global batches or None: to the end, loader workers),
+    each resuming at the global samples consumed so far; every sample put at the position of the
+    order its rank's deal says it holds (rank r of W, batch k, i-th sample: k x W x b + r + W x i)."""
+    slots: list[int | None] = [None] * USED
+    consumed = 0
+    for world, steps, workers in phases:
+        b = UNIT // world
+        start = consumed // (world * b)  # TrainState.reshard: the same global samples, as whole steps
+        for rank in range(world):
+            for k, labels in enumerate(rank_batches(path, world, rank, epoch, start, steps, workers), start):
+                assert len(labels) == b
+                for i, label in enumerate(labels):
+                    p = k * world * b + rank + world * i
+                    assert slots[p] is None, f"position {p} read twice"
+                    slots[p] = label
+        consumed = USED if steps is None else consumed + steps * UNIT
+    return slots
+
+
+@pytest.mark.parametrize("workers", [(0, 0, 0), (2, 2, 2), (2, 0, 3)])
+def test_an_epoch_resumed_at_other_world_sizes_reads_every_sample_once_in_the_uninterrupted_order(
+        shards: Path, workers: tuple[int, int, int]) -> None:
+    w4, w2, w3 = workers
+    uninterrupted = read_in_phases(shards, 1, [(1, None, 0)])
+    resized = read_in_phases(shards, 1, [(4, 3, w4), (2, 2, w2), (3, None, w3)])  # 36 + 24 + 36 samples
+    assert resized == uninterrupted
+    assert len(set(resized)) == USED and all(0 <= s < N for s in resized)  # type: ignore[operator]
+    assert read_in_phases(shards, 2, [(1, None, 0)]) != uninterrupted  # each epoch its own order
+
+
+def test_the_order_mixes_the_shards_of_each_run_and_reads_each_shard_front_to_back() -> None:
+    shards = ShardSet([f"train/{i:06d}.tar" for i in range(20)], [100] * 19 + [37])
+    window = 64
+    order = epoch_order(shards, seed=3, epoch=5, window=window)
+    assert sorted(zip(order.shard.tolist(), order.ordinal.tolist(), strict=True)) == [
+        (s, o) for s, c in enumerate(shards.counts) for o in range(c)]
+    # Without the interleave a window would hold 1 or 2 shards (shards of 100, windows of 64-65).
+    for p in range(0, shards.total - 32, 32):
+        assert len(set(order.shard[p:p + 32].tolist())) >= OPEN_SHARDS // 2, p
+    # Each window takes the next samples of its shards: a worker reads a shard once, front to back,
+    # and holds at most about a window of samples read ahead.
+    bounds = window_bounds(shards.total, window)
+    last: dict[int, int] = {}
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        assert window <= hi - lo <= window + 1
+        seen: dict[int, list[int]] = {}
+        for s, o in zip(order.shard[lo:hi].tolist(), order.ordinal[lo:hi].tolist(), strict=True):
+            seen.setdefault(s, []).append(o)
+        for s, ords in seen.items():
+            assert min(ords) == last.get(s, -1) + 1 and max(ords) == min(ords) + len(ords) - 1
+            last[s] = max(ords)
+    again = epoch_order(shards, seed=3, epoch=5, window=window)
+    assert torch.equal(again.shard, order.shard) and torch.equal(again.ordinal, order.ordinal)
