@@ -9,12 +9,20 @@ batches x ``ceil(batch_size / size)`` micro-batches per step, the same global ba
 ``data.micro_batch`` (an int, or ``auto``) turns on the *guarded* mode: an out-of-memory error
 inside a step is caught, the step's partial work undone (gradients, batch-norm buffers, RNG),
 the micro-batch halved and the step redone from its start. With several ranks they must all
-switch at the same step: every micro-batch ends with a one-number all-reduce saying whether
-any rank ran out (one host read per micro-batch), DDP's gradient all-reduce waits until all
-micro-batches of the step succeeded, and DDP's overlap of that all-reduce with backward is
-given up. That cost is why the mode is opt-in. Under FSDP with several ranks a rank that runs
-out of memory mid-forward leaves its peers inside an all-gather, so the step cannot be redone
-there: the error is raised (Ray Train restarts the group from its checkpoint).
+switch at the same step: every micro-batch ends with a small all-reduce saying whether any rank
+ran out (one host read per micro-batch), DDP's gradient all-reduce waits until all micro-batches
+of the step succeeded, and DDP's overlap of that all-reduce with backward is given up. That cost
+is why the mode is opt-in.
+
+Under FSDP the collectives are inside forward and backward, so a rank that runs out of memory
+mid-forward would leave its peers waiting in an all-gather it never joins. ``FSDPAgreement``
+puts an agreement point before each of FSDP's collectives: one all-reduce of (this rank failed,
+this rank is still in the micro-batch). A failed rank goes to the micro-batch's end
+(``any_failed``) and answers its peers' points from there until every rank has left; a peer
+that learns of the failure leaves before its next collective. Every rank then resets FSDP's
+state and redoes the step smaller. Not covered: running out inside FSDP's own collective
+buffers (after a point, before its collective); that collective times out and Ray restarts
+the group from its checkpoint.
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 log = logging.getLogger("runtime.train")
 
@@ -48,6 +57,11 @@ BUCKET_BYTES = 25 * 2**20
 
 class MicroBatchOOM(Exception):
     """Some rank ran out of memory in this step's micro-batch: every rank redoes the step."""
+
+
+class PeerOutOfMemory(torch.OutOfMemoryError):
+    """Another rank ran out of memory in this micro-batch: this one leaves it before FSDP's next
+    collective, as if it had run out itself (the step's handling of the two is the same)."""
 
 
 @dataclass
@@ -91,8 +105,11 @@ class MicroBatcher:
         self.guarded = configured is not None
         self.distributed = distributed
         self.device = device
-        # Redoing a step needs every rank out of its collectives; FSDP's are inside forward.
-        self.recoverable = self.guarded and not (strategy == "fsdp" and distributed)
+        # Redoing a step needs every rank out of its collectives: under FSDP they are inside
+        # forward and backward, and ``guard_collectives`` adds the agreement points that need.
+        self.recoverable = self.guarded
+        self.fsdp = strategy == "fsdp"
+        self.agreement: FSDPAgreement | None = None
         self.hardware = hardware_key(device, world, strategy)
         self.resumed = False  # the size came from a checkpoint written on the same hardware
         self.switches = 0
@@ -115,12 +132,26 @@ class MicroBatcher:
     # ------------------------------------------------------------- failures
 
     def any_failed(self, failed: bool) -> bool:
-        """Did any rank run out of memory? One all-reduce and one host read when distributed."""
+        """Did any rank run out of memory in this micro-batch? Called by every rank at its end,
+        failed or not; one all-reduce and one host read when distributed (more only while a peer,
+        under FSDP, is still on its way to its next agreement point)."""
         if not (self.recoverable and self.distributed):
             return failed
-        flag = torch.tensor([1.0 if failed else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)  # host read: every rank must know before its next collective
+        while True:
+            any_failed, busy = _agree(self.device, failed, busy=False)
+            if not busy:  # every rank has left the micro-batch: all read the same answer
+                return any_failed
+
+    def guard_collectives(self, model: nn.Module) -> None:
+        """Under FSDP in guarded mode: a failed attempt's FSDP state can be reset, and with
+        several ranks ``model``'s collectives get agreement points (``FSDPAgreement``)."""
+        if self.recoverable and self.fsdp:
+            self.agreement = FSDPAgreement(model, self.device, self.distributed)
+
+    def abandon(self) -> None:
+        """Forget a failed attempt's FSDP state (gathered parameters, unreduced gradients)."""
+        if self.agreement is not None:
+            self.agreement.reset()
 
     def shrink(self, step: int) -> None:
         """Halve the micro-batch after an out-of-memory step (the loader batch is unchanged)."""
@@ -128,6 +159,7 @@ class MicroBatcher:
             raise torch.OutOfMemoryError(
                 f"out of memory at micro-batch 1 (step {step}): one sample does not fit on {self.device}; "
                 "shard the model (distributed.strategy=fsdp) or use a smaller model or input")
+        self.abandon()
         old, self.size = self.size, math.ceil(self.size / 2)
         self.switches += 1
         self.notices.append(
@@ -166,7 +198,9 @@ class MicroBatcher:
                 fits = self._within_margin(peak)
             except torch.OutOfMemoryError:
                 fits = False
-            if not self.any_failed(not fits):
+            failed = self.any_failed(not fits)
+            self.abandon()  # FSDP keeps an attempt's gradients unsharded, out of the optimizer's reach
+            if not failed:
                 break
         else:  # not even one sample: the step's own error says so
             size = 1
@@ -193,6 +227,99 @@ class MicroBatcher:
         size, hardware = int(state.get("micro_batch", 0)), int(state.get("micro_batch_hardware", 0))
         if self.guarded and size and hardware == self.hardware:
             self.size, self.resumed = min(size, self.batch_size), True
+
+
+def _agree(device: torch.device, failed: bool, busy: bool) -> tuple[bool, bool]:
+    """(did any rank fail, is any rank still inside the micro-batch): one all-reduce, one host read."""
+    flags = torch.tensor([float(failed), float(busy)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    failed_any, busy_any = flags.tolist()  # host read: the answer decides this rank's next collective
+    return failed_any > 0, busy_any > 0
+
+
+class FSDPAgreement:
+    """Agreement points before FSDP2's collectives on every unit of ``model``: before its forward
+    (prepended to FSDP's pre-forward and its all-gather); before its backward (a hook on its
+    outputs placed ahead of FSDP's pre-backward, which all-gathers and prefetches); after its
+    backward (an identity on its inputs, met before FSDP's post-backward reduce-scatter); at the
+    end of backward (a callback queued ahead of FSDP's root callback, which reduces the rest).
+    Every rank meets them in the same order, so a failed rank's end-of-micro-batch answer meets
+    its peers' next point. Forwards without autograd (evaluation) skip them: nothing is redone.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, distributed: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.device = device
+        self.root = model
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._queued = False
+        for unit in self.units if distributed else ():  # one rank: nobody to wait for
+            unit.register_forward_pre_hook(self._before_forward, prepend=True)
+            unit.register_forward_hook(self._arm_backward, prepend=True)
+            unit.register_forward_pre_hook(self._arm_reduce)
+
+    def point(self) -> None:
+        """One agreement point inside the micro-batch: leave it when a peer has failed."""
+        failed, _ = _agree(self.device, False, busy=True)
+        if failed:
+            raise PeerOutOfMemory("another rank ran out of memory in this micro-batch")
+
+    def _before_forward(self, _module: nn.Module, _args: tuple[Any, ...]) -> None:
+        if torch.is_grad_enabled():
+            self.point()
+
+    def _arm_backward(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        for t in _grad_tensors(output):
+            t.register_hook(self._before_backward)
+
+    def _before_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._queued:  # the first of this backward: ours runs before FSDP's final callback
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._before_final)
+        self.point()
+        return grad
+
+    def _before_final(self) -> None:
+        self._queued = False  # the next backward queues its own
+        self.point()
+
+    def _arm_reduce(self, _module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not torch.is_grad_enabled() or not _grad_tensors(args):
+            return None
+        return tuple(_AgreeInBackward.apply(self, a) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                     for a in args)
+
+    def reset(self) -> None:
+        """After a failed attempt: FSDP's per-iteration state back to idle and sharded
+        (``reset_iter_state``), and the gradients it kept unsharded between backwards dropped;
+        ``reset_iter_state`` leaves those, and a redo's reduce-scatter would add them in."""
+        self._queued = False
+        cast(Any, self.root).reset_iter_state()
+        for unit in self.units:
+            for group in cast(Any, unit)._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    if hasattr(param, "_unsharded_param"):
+                        param._unsharded_param.grad = None
+
+
+class _AgreeInBackward(torch.autograd.Function):
+    """Identity whose backward is an agreement point (before FSDP's post-backward reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, agreement: FSDPAgreement, x: torch.Tensor) -> torch.Tensor:
+        ctx.agreement = agreement
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.agreement.point()
+        return None, grad
+
+
+def _grad_tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _injected_limit(rank: int) -> tuple[int, int] | None:

@@ -79,10 +79,6 @@ class JobConfig(Strict):
         if micro is not None and self.train.update_mode == "local_sgd":
             raise ValueError(f"data.micro_batch={micro} defers DDP's gradient all-reduce to redo a step that ran out "
                              "of memory; train.update_mode=local_sgd replaces that all-reduce: use one or the other")
-        if micro == "auto" and self.distributed.strategy == "fsdp" and self.distributed.max_workers > 1:
-            raise ValueError("data.micro_batch=auto probes sizes until one fits, and under distributed.strategy=fsdp "
-                             "with several workers a rank out of memory mid-forward would stall the others: give "
-                             "data.micro_batch a number")
         last = self.train.max_steps
         for field, steps in (("checkpoint.at_steps", self.checkpoint.at_steps),
                              ("train.eval_at_steps", self.train.eval_at_steps)):

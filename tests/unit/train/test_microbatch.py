@@ -103,12 +103,15 @@ SETS = ("train.max_steps=8", "train.log_every_steps=1", "checkpoint.interval_ste
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainOutcome]:
-    """Four 2-rank gloo runs on one spawn: DDP plain and with rank 1 out of memory from step 5
-    (over 24 samples), FSDP plain and split into micro-batches of 16."""
+    """Six 2-rank gloo runs on one spawn: DDP plain and with rank 1 out of memory from step 5
+    (over 24 samples), FSDP plain and split into micro-batches of 16, and FSDP with
+    ``micro_batch: auto`` where rank 1 alone runs out over 24 samples from step 5 (the probe
+    picks 48, step 5 is redone at 24) or from the start (the probe picks 24)."""
     root = tmp_path_factory.mktemp("ranks")
+    fsdp, auto = (*SETS, "distributed.strategy=fsdp"), (*SETS, "distributed.strategy=fsdp", "data.micro_batch=auto")
     runs = {"ddp": (SETS, {}), "ddp_oom": ((*SETS, "data.micro_batch=48"), {INJECT_OOM_ENV: "24@5:1"}),
-            "fsdp": ((*SETS, "distributed.strategy=fsdp"), {}),
-            "fsdp_micro": ((*SETS, "distributed.strategy=fsdp", "data.micro_batch=16"), {})}
+            "fsdp": (fsdp, {}), "fsdp_micro": ((*fsdp, "data.micro_batch=16"), {}),
+            "fsdp_auto_oom": (auto, {INJECT_OOM_ENV: "24@5:1"}), "fsdp_auto_probe": (auto, {INJECT_OOM_ENV: "24:1"})}
     done = train_ranks_in_turn("digits_smoke", [(root / k, sets, env) for k, (sets, env) in runs.items()])
     return dict(zip(runs, done, strict=True))
 
@@ -132,12 +135,39 @@ def test_fsdp_micro_batches_train_like_the_whole_batch(two_ranks: dict[str, Trai
     assert split.metrics["samples_seen"] == whole.metrics["samples_seen"]
 
 
+def test_fsdp_auto_with_one_rank_out_of_memory_mid_run_redoes_the_step_on_every_rank(
+        two_ranks: dict[str, TrainOutcome]) -> None:
+    plain, switched = two_ranks["fsdp"], two_ranks["fsdp_auto_oom"]
+    steps = {r["step"]: r for r in switched.history if "train/loss" in r}
+    assert steps[1]["micro_batch"] == 48 and "micro_batch_probe_s" in steps[1]  # no OOM before step 5
+    assert "oom_recoveries" not in steps[4]
+    assert steps[5]["oom_recoveries"] == 1 and steps[5]["micro_batch"] == 24  # rank 0 switched with rank 1
+    assert steps[5]["micro_batches_per_loader_batch"] * 24 == 48  # the same global batch, split in two
+    assert [n for n in steps[5]["notices"] if "out of memory at micro-batch 48 (step 5)" in n]
+    assert switched.metrics["samples_seen"] == plain.metrics["samples_seen"] == 8 * 48 * 2  # no step lost
+    # The probe left nothing behind (FSDP's unsharded gradients included): until the switch the
+    # run is the unguarded run at the probed size, bit for bit; after it, the same up to rounding.
+    assert _losses(switched.history)[:4] == _losses(plain.history)[:4]
+    assert _losses(switched.history) == pytest.approx(_losses(plain.history), rel=1e-5)
+    digests = switched.metrics["rank_param_digests"]
+    assert digests[0] == digests[1]  # the ranks stayed in step through the redo
+
+
+def test_fsdp_auto_probe_agrees_on_the_size_that_fits_on_every_rank(two_ranks: dict[str, TrainOutcome]) -> None:
+    plain, probed = two_ranks["fsdp"], two_ranks["fsdp_auto_probe"]
+    first = probed.history[0]
+    assert first["micro_batch"] == 24 and first["micro_batches_per_loader_batch"] == 2  # 48 failed on rank 1 only
+    assert not [r for r in probed.history if "oom_recoveries" in r]  # the probe found it: no step redone
+    assert probed.metrics["samples_seen"] == plain.metrics["samples_seen"]
+    assert _losses(probed.history) == pytest.approx(_losses(plain.history), rel=1e-4)
+    digests = probed.metrics["rank_param_digests"]
+    assert digests[0] == digests[1]
+
+
 @pytest.mark.parametrize(("over", "names"), [
     ({"data": {"batch_size": 32, "micro_batch": 64}}, ["data.micro_batch=64", "data.batch_size=32"]),
     ({"data": {"micro_batch": 16}, "train": {"update_mode": "local_sgd"}},
      ["data.micro_batch=16", "train.update_mode=local_sgd"]),
-    ({"data": {"micro_batch": "auto"}, "distributed": {"strategy": "fsdp", "num_workers": 2}},
-     ["data.micro_batch=auto", "distributed.strategy=fsdp"]),
 ])
 def test_micro_batch_settings_that_cannot_work_are_refused_naming_the_fields(
         over: dict[str, dict[str, Any]], names: list[str]) -> None:
