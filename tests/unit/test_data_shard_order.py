@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from runtime.config import DataConfig
-from runtime.data.shards.plan import OPEN_SHARDS, ShardSet, epoch_order, window_bounds
+from runtime.data.shards.plan import READERS, ShardSet, epoch_order, window_bounds, worker_plan
 from runtime.data.shards.stream import build_shard_loaders
 from runtime.data.shards.tools import pack
 from tests.unit.test_data_shards import one_image_per_class_tree
 
-N, SHARD, WINDOW = 100, 5, 10  # 20 shards: three interleaved runs of up to OPEN_SHARDS
+N, SHARD, WINDOW = 100, 5, 96  # 20 shards cut into 48 readers, each with windows of 2 samples
 UNIT = 12  # the global batch, kept at every size: 4 x 3 = 2 x 6 = 3 x 4 = 1 x 12
 USED = N // UNIT * UNIT  # 96: the epoch is whole global batches at every size
 
@@ -73,26 +73,42 @@ def test_an_epoch_resumed_at_other_world_sizes_reads_every_sample_once_in_the_un
     assert read_in_phases(shards, 2, [(1, None, 0)]) != uninterrupted  # each epoch its own order
 
 
-def test_the_order_mixes_the_shards_of_each_run_and_reads_each_shard_front_to_back() -> None:
-    shards = ShardSet([f"train/{i:06d}.tar" for i in range(20)], [100] * 19 + [37])
-    window = 64
+def test_the_order_mixes_many_shards_and_each_reader_reads_its_shards_front_to_back() -> None:
+    shards = ShardSet([f"train/{i:06d}.tar" for i in range(120)], [100] * 119 + [37])
+    window = 480  # 10 samples in each reader's window
     order = epoch_order(shards, seed=3, epoch=5, window=window)
+    assert order.readers == READERS
     assert sorted(zip(order.shard.tolist(), order.ordinal.tolist(), strict=True)) == [
         (s, o) for s, c in enumerate(shards.counts) for o in range(c)]
-    # Without the interleave a window would hold 1 or 2 shards (shards of 100, windows of 64-65).
+    # 32 consecutive positions come from 32 readers, each in its own part of the shuffled shards.
     for p in range(0, shards.total - 32, 32):
-        assert len(set(order.shard[p:p + 32].tolist())) >= OPEN_SHARDS // 2, p
-    # Each window takes the next samples of its shards: a worker reads a shard once, front to back,
-    # and holds at most about a window of samples read ahead.
-    bounds = window_bounds(shards.total, window)
-    last: dict[int, int] = {}
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        assert window <= hi - lo <= window + 1
-        seen: dict[int, list[int]] = {}
-        for s, o in zip(order.shard[lo:hi].tolist(), order.ordinal[lo:hi].tolist(), strict=True):
-            seen.setdefault(s, []).append(o)
-        for s, ords in seen.items():
-            assert min(ords) == last.get(s, -1) + 1 and max(ords) == min(ords) + len(ords) - 1
-            last[s] = max(ords)
+        assert len(set(order.shard[p:p + 32].tolist())) >= 16, p
+    # Each window of a reader takes the next samples of its shards: a shard is read once, front to
+    # back, and what is read ahead is at most a window per reader.
+    for j in range(READERS):
+        shard, ordinal = order.shard[j::READERS].tolist(), order.ordinal[j::READERS].tolist()
+        bounds = window_bounds(len(shard), window // READERS)
+        last: dict[int, int] = {}
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            seen: dict[int, list[int]] = {}
+            for s, o in zip(shard[lo:hi], ordinal[lo:hi], strict=True):
+                seen.setdefault(s, []).append(o)
+            for s, ords in seen.items():
+                assert min(ords) == last.get(s, min(ords) - 1) + 1 and max(ords) == min(ords) + len(ords) - 1
+                last[s] = max(ords)
     again = epoch_order(shards, seed=3, epoch=5, window=window)
     assert torch.equal(again.shard, order.shard) and torch.equal(again.ordinal, order.ordinal)
+
+
+@pytest.mark.parametrize("world", [4, 16])
+def test_a_world_size_dividing_the_readers_reads_each_shard_on_one_rank_but_where_readers_split_it(
+        world: int) -> None:
+    shards = ShardSet([f"train/{i:06d}.tar" for i in range(120)], [100] * 120)
+    read = []
+    for rank in range(world):
+        plans = [worker_plan(shards, train=True, seed=0, epoch=2, world=world, rank=rank, workers=2, worker=v,
+                             batch_size=8, window=480, unit=world * 8) for v in (0, 1)]
+        read.append({s for p in plans for s, _ in p.wanted()})
+        assert min(len({s for s, _, _ in b}) for p in plans for b in p.batches) >= 2  # a batch mixes shards
+    # 120 shards cut into 48 readers of 250 samples: 24 shards are split between two readers.
+    assert sum(map(len, read)) <= 120 + 24

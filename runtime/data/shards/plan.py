@@ -2,15 +2,20 @@
 
 Training: the epoch's order is a function of (seed, epoch) alone, the same at every world size
 and number of loader workers (runtime/data/order.py's contract for the map-style sources), so a
-resume at any size continues it. It is made in three seeded steps:
+resume at any size continues it. It is made in four seeded steps:
 
-1. the shards are shuffled (seed, epoch);
-2. each run of OPEN_SHARDS consecutive shards is interleaved into one stream: a seeded random
-   sequence that takes each shard's samples in tar order, so any stretch of the stream holds
-   samples of every shard of its run (``data pack`` writes shards class by class: a batch from
-   one or two shards would hold one or two classes);
-3. the stream is cut into windows of ``data.shuffle_buffer`` samples (equal to within one; one
-   window when the epoch is shorter) and each window is permuted (seed, epoch, window).
+1. the shards are shuffled (seed, epoch) and concatenated;
+2. the concatenation is cut into READERS runs of equal length (to within one; a shard may be
+   split); reader j's samples are positions j, j + READERS, j + 2 x READERS... of the order, so
+   at a world size W that divides READERS rank r is dealt only readers r, r + W..., and reads
+   only its 1/W of the shards (other sizes deal the same order, each rank reading more shards);
+3. within a reader, each run of OPEN_SHARDS consecutive shards (or parts of shards) is
+   interleaved: a random sequence that takes each shard's samples in tar order, so any stretch
+   of the reader holds samples of every shard of its run (``data pack`` writes shards class by
+   class: a batch from one or two shards would hold one or two classes);
+4. each reader is cut into windows of ``data.shuffle_buffer`` / READERS samples (equal to within
+   one), each permuted: READERS readers' windows side by side shuffle about
+   ``data.shuffle_buffer`` consecutive positions of the order.
 
 Position p of the order is one sample (a shard and its ordinal there). The epoch uses its first
 ``epoch_length(n, unit)`` positions and deals them as ``order.rank_indices`` does: rank r of W
@@ -31,11 +36,14 @@ import torch
 
 from runtime.data.order import epoch_length
 
-# Shards interleaved into one stream: a window mixes samples of this many shards. Each is one open
-# file (or one streaming download) per loader worker while its samples are being read.
-OPEN_SHARDS = 8
+# Readers of an epoch (step 2): world sizes dividing it (1, 2, 3, 4, 6, 8, 12, 16, 24, 48) read only
+# their own shards; at other sizes some shards are read on several ranks.
+READERS = 48
+# Shards interleaved in a reader (step 3): a window of a reader mixes samples of this many. Each is
+# one open file (or one streaming download) per reader a loader worker reads, while it is read.
+OPEN_SHARDS = 4
 
-Sample = tuple[int, int]  # (shard's index in the ShardSet, sample ordinal in that shard)
+Sample = tuple[int, int, int]  # (shard's index in the ShardSet, sample ordinal in that shard, reader)
 
 
 @dataclass
@@ -56,9 +64,11 @@ class EpochOrder:
 
     shard: torch.Tensor
     ordinal: torch.Tensor
+    readers: int  # position p is reader p % readers's
 
     def samples(self, positions: torch.Tensor) -> list[Sample]:
-        return list(zip(self.shard[positions].tolist(), self.ordinal[positions].tolist(), strict=True))
+        return list(zip(self.shard[positions].tolist(), self.ordinal[positions].tolist(),
+                        (positions % self.readers).tolist(), strict=True))
 
 
 def _generator(seed: int, epoch: int, what: str) -> torch.Generator:
@@ -71,34 +81,50 @@ def shard_order(n_shards: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n_shards, generator=_generator(seed, epoch, "shards")).tolist()
 
 
-def _interleave(shards: ShardSet, run: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(shard, ordinal) of each stream position of one run of shards: a random sequence in which
-    the run's j-th shard appears its count times; its k-th appearance is its sample k."""
-    counts = [shards.counts[i] for i in run]
-    local = torch.repeat_interleave(torch.arange(len(run)), torch.tensor(counts, dtype=torch.int64))
-    local = local[torch.randperm(len(local), generator=gen)]
-    ordinal = torch.empty_like(local)
-    ordinal[torch.sort(local, stable=True).indices] = torch.cat([torch.arange(c) for c in counts])
-    return torch.tensor(run, dtype=torch.int64)[local], ordinal
-
-
 def window_bounds(n: int, window: int) -> list[int]:
     """Starts of the windows over n positions, plus n: max(1, n // window) windows, sizes within one."""
     m = max(1, n // window)
     return [w * n // m for w in range(m + 1)]
 
 
+def _shuffled_within(groups: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A permutation that moves each position only among those of its group (``groups`` ascending):
+    the positions sorted by group, then by a random key."""
+    keys = groups.double() + torch.rand(len(groups), generator=gen, dtype=torch.float64)
+    return torch.sort(keys, stable=True).indices
+
+
+def _reader(shard: torch.Tensor, window: int, gen: torch.Generator) -> torch.Tensor:
+    """One reader's order (steps 3 and 4) as indices into its run of the concatenation, where
+    each shard's samples are together and ascending."""
+    n = len(shard)
+    piece = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(shard[1:] != shard[:-1], 0)])
+    labels = piece[_shuffled_within(piece // OPEN_SHARDS, gen)]  # the piece each stream position reads
+    # The k-th appearance of a piece reads its k-th sample: sorting the labels (stably) lists the
+    # stream positions piece by piece, in the run's own order.
+    reads = torch.empty(n, dtype=torch.int64)
+    reads[torch.sort(labels, stable=True).indices] = torch.arange(n)
+    windows = torch.bucketize(torch.arange(n), torch.tensor(window_bounds(n, window)[1:-1]), right=True)
+    return reads[_shuffled_within(windows, gen)]
+
+
 def epoch_order(shards: ShardSet, seed: int, epoch: int, window: int) -> EpochOrder:
-    """The training order of ``epoch`` (steps 1-3 of the module docstring)."""
-    order = shard_order(len(shards.names), seed, epoch)
-    parts = [_interleave(shards, order[i:i + OPEN_SHARDS], _generator(seed, epoch, f"run{i // OPEN_SHARDS}"))
-             for i in range(0, len(order), OPEN_SHARDS)]
-    shard = torch.cat([p[0] for p in parts])
-    ordinal = torch.cat([p[1] for p in parts])
-    bounds = window_bounds(len(shard), window)
-    stream = torch.cat([lo + torch.randperm(hi - lo, generator=_generator(seed, epoch, f"window{w}"))
-                        for w, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))])
-    return EpochOrder(shard[stream], ordinal[stream])
+    """The training order of ``epoch`` (steps 1-4 of the module docstring)."""
+    order = torch.tensor(shard_order(len(shards.names), seed, epoch), dtype=torch.int64)
+    counts = torch.tensor(shards.counts, dtype=torch.int64)[order]
+    shard = torch.repeat_interleave(order, counts)
+    ordinal = torch.arange(len(shard)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    n = len(shard)
+    readers = max(1, min(READERS, n))
+    out_shard, out_ordinal = torch.empty_like(shard), torch.empty_like(ordinal)
+    lo = 0
+    for j in range(readers):
+        hi = lo + n // readers + int(j < n % readers)  # the longer readers first: j + i x readers < n
+        picks = lo + _reader(shard[lo:hi], max(1, window // readers), _generator(seed, epoch, f"reader{j}"))
+        at = torch.arange(j, n, readers)
+        out_shard[at], out_ordinal[at] = shard[picks], ordinal[picks]
+        lo = hi
+    return EpochOrder(out_shard, out_ordinal, readers)
 
 
 def sequential_order(shards: ShardSet) -> EpochOrder:
@@ -106,7 +132,7 @@ def sequential_order(shards: ShardSet) -> EpochOrder:
     counts = torch.tensor(shards.counts, dtype=torch.int64)
     shard = torch.repeat_interleave(torch.arange(len(shards.counts)), counts)
     starts = torch.cumsum(counts, 0) - counts
-    return EpochOrder(shard, torch.arange(len(shard)) - starts[shard])
+    return EpochOrder(shard, torch.arange(len(shard)) - starts[shard], 1)
 
 
 def rank_batches(n: int, world: int, batch_size: int, unit: int) -> int:
@@ -126,13 +152,15 @@ class WorkerPlan:
 
     batches: list[list[Sample]]
 
-    def wanted(self) -> dict[int, list[int]]:
-        """Ordinals each shard must give this worker, ascending (the order a tar is read in)."""
-        out: dict[int, set[int]] = {}
+    def wanted(self) -> dict[tuple[int, int], list[int]]:
+        """Ordinals each (shard, reader) must give this worker, ascending (the order a tar is read
+        in). A shard split between two readers is read as two streams: one stream would hold the
+        first reader's samples until that reader's turn came, up to the end of the epoch."""
+        out: dict[tuple[int, int], set[int]] = {}
         for batch in self.batches:
-            for s, o in batch:
-                out.setdefault(s, set()).add(o)
-        return {s: sorted(v) for s, v in out.items()}
+            for s, o, j in batch:
+                out.setdefault((s, j), set()).add(o)
+        return {k: sorted(v) for k, v in out.items()}
 
 
 def worker_plan(shards: ShardSet, *, train: bool, seed: int, epoch: int, world: int, rank: int, workers: int,

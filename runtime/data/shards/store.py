@@ -82,10 +82,10 @@ class S3Store:
             import boto3
             from botocore.config import Config
 
-            # A loader worker streams the shards of one interleaved run side by side (shards.plan.OPEN_SHARDS,
-            # twice that where a window spans two runs): one pooled connection each.
+            # A loader worker streams each of its readers' current shards side by side (shards.plan: up to
+            # READERS x OPEN_SHARDS, twice that across runs, at one rank): one connection each, kept for reuse.
             cfg = Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=10, read_timeout=60,
-                         max_pool_connections=32)
+                         max_pool_connections=384)
             self._client = boto3.client("s3", endpoint_url=self.endpoint_url, config=cfg)
             self._pid = os.getpid()
         return self._client

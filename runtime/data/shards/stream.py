@@ -7,10 +7,10 @@ data.batch_size positions, the trainer's count of global samples consumed; so ba
 continue the order with nothing repeated or skipped (at the same size they are bit for bit
 those of an uninterrupted run: a sample's crop is seeded by its key). Each worker reads the
 shards holding its samples front to back, only those samples: a local file seeks over the
-rest; an object store's streaming read downloads them and drops them undecoded, so on a store
-every loader worker of every rank downloads each shard of the epoch (its samples are spread
-over every rank). Unreadable samples (corrupt image, missing member, truncated shard) are
-dropped from their batch, counted and named.
+rest; an object store's streaming read downloads them and drops them undecoded. A rank's
+shards are its 1/W of the set when W divides plan.READERS (else more), and on an object store
+each of its loader workers downloads all of them. Unreadable samples (corrupt image, missing
+member, truncated shard) are dropped from their batch, counted and named.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class ShardStream(IterableDataset[HostBatch]):
         reader = _Reader(self, plan.wanted())
         try:
             for batch in plan.batches:
-                yield self._collate([self._decode(reader.take(s, o)) for s, o in batch])
+                yield self._collate([self._decode(reader.take(sample)) for sample in batch])
         finally:
             reader.close()
 
@@ -272,21 +272,22 @@ class ShardStream(IterableDataset[HostBatch]):
 
 
 class _Reader:
-    """A worker's samples on request, each shard read front to back once: a shard is opened at its
-    first request and read up to the sample asked for; samples read on the way are held until
-    asked for. The order's windows bound what is held to the worker's share of about one window
-    (runs of OPEN_SHARDS shards are read side by side)."""
+    """A worker's samples on request, each (shard, reader) part read front to back once: opened at
+    its first request and read up to the sample asked for; samples read on the way are held until
+    asked for. The readers' windows bound what is held to the worker's share of about
+    ``data.shuffle_buffer`` samples (each reader's runs of OPEN_SHARDS shards read side by side)."""
 
-    def __init__(self, stream: ShardStream, wanted: dict[int, list[int]]) -> None:
+    def __init__(self, stream: ShardStream, wanted: dict[tuple[int, int], list[int]]) -> None:
         self.stream, self.wanted = stream, wanted
-        self.open: dict[int, Generator[tuple[int, Any], None, None]] = {}
-        self.held: dict[Sample, Any] = {}
+        self.open: dict[tuple[int, int], Generator[tuple[int, Any], None, None]] = {}
+        self.held: dict[tuple[int, int], Any] = {}
 
-    def take(self, shard: int, ordinal: int) -> Any:
+    def take(self, sample: Sample) -> Any:
+        shard, ordinal, reader = sample
         while (shard, ordinal) not in self.held:
-            it = self.open.get(shard)
+            it = self.open.get((shard, reader))
             if it is None:
-                it = self.open[shard] = self.stream.samples(shard, self.wanted[shard])
+                it = self.open[(shard, reader)] = self.stream.samples(shard, self.wanted[(shard, reader)])
             got = next(it, None)
             if got is None:  # cannot happen: samples() yields every wanted ordinal
                 return Skip(f"{self.stream.store.where}/{self.stream.shards.names[shard]} sample {ordinal}",
@@ -294,8 +295,7 @@ class _Reader:
             self.held[(shard, got[0])] = got[1]
         return self.held.pop((shard, ordinal))
 
-    def close(self) -> None:
-        """Closes the shards still open (a stream is abandoned when the loader is)."""
+    def close(self) -> None:  # the shards still open: a stream is abandoned with its loader
         for it in self.open.values():
             it.close()
         self.open.clear()
