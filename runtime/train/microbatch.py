@@ -132,9 +132,8 @@ class MicroBatcher:
     # ------------------------------------------------------------- failures
 
     def any_failed(self, failed: bool) -> bool:
-        """Did any rank run out of memory in this micro-batch? Called by every rank at its end,
-        failed or not; one all-reduce and one host read when distributed (more only while a peer,
-        under FSDP, is still on its way to its next agreement point)."""
+        """Did any rank run out of memory in this micro-batch? Every rank asks at its end: one
+        all-reduce and host read (more only while an FSDP peer is on its way to its next point)."""
         if not (self.recoverable and self.distributed):
             return failed
         while True:
@@ -142,10 +141,13 @@ class MicroBatcher:
             if not busy:  # every rank has left the micro-batch: all read the same answer
                 return any_failed
 
-    def guard_collectives(self, model: nn.Module) -> None:
-        """Under FSDP in guarded mode: a failed attempt's FSDP state can be reset, and with
-        several ranks ``model``'s collectives get agreement points (``FSDPAgreement``)."""
-        if self.recoverable and self.fsdp:
+    def guard_collectives(self, model: nn.Module, tp_size: int = 1) -> None:
+        """Under FSDP in guarded mode: agreement points before ``model``'s collectives
+        (``FSDPAgreement``). Tensor parallelism's run inside each block, out of their reach:
+        unguarded (the error fails the group; the job schema refuses ``auto`` there)."""
+        if self.recoverable and tp_size > 1:
+            self.recoverable = False
+        elif self.recoverable and self.fsdp:
             self.agreement = FSDPAgreement(model, self.device, self.distributed)
 
     def abandon(self) -> None:
@@ -250,8 +252,7 @@ class FSDPAgreement:
     def __init__(self, model: nn.Module, device: torch.device, distributed: bool) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        self.device = device
-        self.root = model
+        self.device, self.root = device, model
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._queued = False
         for unit in self.units if distributed else ():  # one rank: nobody to wait for
@@ -338,7 +339,7 @@ class Snapshot:
     redo computes exactly what a run at the smaller micro-batch would have."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.buffers = [b for b in model.buffers()]
+        self.buffers = list(model.buffers())
         self.saved = [b.detach().clone() for b in self.buffers]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None

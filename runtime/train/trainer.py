@@ -151,7 +151,7 @@ class Trainer:
         self.micro = MicroBatcher(cfg.data.micro_batch, cfg.data.batch_size, self.device, self.rank, self.world,
                                   self.distributed, cfg.distributed.strategy)
         self.micro.inject_into(self.raw_model, lambda: self.state.global_step + 1)
-        self.micro.guard_collectives(self.raw_model)  # FSDP: agreement points before its collectives
+        self.micro.guard_collectives(self.raw_model, cfg.distributed.tp_size)  # FSDP: agreement points
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's loader batches (a redo reuses them)
         self.stats = StepStats(self.device, rank=self.rank, copies=cfg.distributed.tp_size)
         # Rank 0 names a rank slower than its peers from the exchange's per-rank slots (observe.stragglers).

@@ -36,8 +36,10 @@ class DataConfig(Strict):
     micro_batch: int | Literal["auto"] | None = Field(
         None, description="Samples per forward/backward on the device (docs/memory.md): None = the whole "
                           "batch_size, unguarded; a number = split each batch into micro-batches of it; auto = the "
-                          "largest that fits, probed at start. A number or auto also guards the run: out of memory "
-                          "in a step halves it and redoes the step, keeping the global batch.")
+                          "largest that fits, probed at start on every rank (all take the smallest). A number or auto "
+                          "also guards the run: out of memory in a step halves it and redoes the step on every "
+                          "rank, keeping the global batch (under FSDP, ranks agree before each of its collectives; "
+                          "auto is refused with distributed.tp_size > 1).")
     @field_validator("batch_size")
     @classmethod
     def _batch_fits(cls, v: int) -> int:

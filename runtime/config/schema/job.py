@@ -79,6 +79,10 @@ class JobConfig(Strict):
         if micro is not None and self.train.update_mode == "local_sgd":
             raise ValueError(f"data.micro_batch={micro} defers DDP's gradient all-reduce to redo a step that ran out "
                              "of memory; train.update_mode=local_sgd replaces that all-reduce: use one or the other")
+        if micro == "auto" and self.distributed.tp_size > 1:
+            raise ValueError(f"data.micro_batch=auto needs every rank to learn of an out-of-memory error before its "
+                             f"next collective; distributed.tp_size={self.distributed.tp_size} puts tensor-parallel "
+                             "collectives inside each block, out of that reach: give data.micro_batch a number")
         last = self.train.max_steps
         for field, steps in (("checkpoint.at_steps", self.checkpoint.at_steps),
                              ("train.eval_at_steps", self.train.eval_at_steps)):

@@ -168,6 +168,9 @@ def test_fsdp_auto_probe_agrees_on_the_size_that_fits_on_every_rank(two_ranks: d
     ({"data": {"batch_size": 32, "micro_batch": 64}}, ["data.micro_batch=64", "data.batch_size=32"]),
     ({"data": {"micro_batch": 16}, "train": {"update_mode": "local_sgd"}},
      ["data.micro_batch=16", "train.update_mode=local_sgd"]),
+    ({"model": {"name": "gpt"}, "data": {"source": "tokens", "batch_size": 8, "micro_batch": "auto"},
+      "distributed": {"strategy": "fsdp", "num_workers": 2, "tp_size": 2}},
+     ["data.micro_batch=auto", "distributed.tp_size=2"]),
 ])
 def test_micro_batch_settings_that_cannot_work_are_refused_naming_the_fields(
         over: dict[str, dict[str, Any]], names: list[str]) -> None:
