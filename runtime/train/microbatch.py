@@ -106,7 +106,7 @@ class MicroBatcher:
         self.distributed = distributed
         self.device = device
         # Redoing a step needs every rank out of its collectives: under FSDP they are inside
-        # forward and backward, and ``guard_collectives`` adds the agreement points that need.
+        # forward and backward, where ``guard_collectives`` puts agreement points before them.
         self.recoverable = self.guarded
         self.fsdp = strategy == "fsdp"
         self.agreement: FSDPAgreement | None = None
