@@ -34,13 +34,7 @@ from runtime.checkpoint.format import (
 )
 from runtime.checkpoint.reader import CheckpointReader
 from runtime.checkpoint.state import SnapshotBuffers
-from runtime.checkpoint.storage import (
-    CheckpointError,
-    LocalStorage,
-    Staging,
-    Storage,
-    is_disk_full,
-)
+from runtime.checkpoint.storage import CheckpointError, LocalStorage, Staging, Storage, is_disk_full
 
 if TYPE_CHECKING:
     from runtime.checkpoint.sharded import ShardedWriter
@@ -182,9 +176,8 @@ class CheckpointManager:
         self._drain(None)  # back-pressure: at most one save in flight
         snapshot = self._buffers.snapshot(state)
         self.metrics.record_stall(time.monotonic() - t0)
-        # In the caller's context: its trace span (when traces are on) tags the writer's log lines.
-        self._future = self._executor.submit(contextvars.copy_context().run, self._write, snapshot, step,
-                                             dict(meta), time.time())
+        run_here = contextvars.copy_context().run  # the caller's trace span tags the writer's log lines
+        self._future = self._executor.submit(run_here, self._write, snapshot, step, dict(meta), time.time())
         if blocking:
             self.wait()
 

@@ -129,10 +129,10 @@ def _builtin(cfg: DataConfig, gpu: bool) -> tuple[DataBundle, Any]:
     return build_builtin(cfg), None
 
 
-def _shards(cfg: DataConfig, world: int, rank: int, on_gpu: bool) -> Loaders:
+def _shards(cfg: DataConfig, world: int, rank: int, on_gpu: bool, unit: int | None) -> Loaders:
     from runtime.data.shards.stream import build_shard_loaders  # tar reading, only for runs that stream
 
-    return build_shard_loaders(cfg, world, rank, on_gpu)
+    return build_shard_loaders(cfg, world, rank, on_gpu, unit)
 
 
 # Sources read from files, by data.source: map-style data sets, and streams that open their own loaders.
@@ -140,7 +140,7 @@ MAP_STYLE: dict[str, MapStyleSource] = {
     **{name: MapStyleSource(_builtin) for name in BUILTIN},
     "imagefolder": MapStyleSource(_imagefolder, images=True),
 }
-STREAMED: dict[str, Callable[[DataConfig, int, int, bool], Loaders]] = {"shards": _shards}
+STREAMED: dict[str, Callable[[DataConfig, int, int, bool, int | None], Loaders]] = {"shards": _shards}
 FILE_SOURCES = frozenset(MAP_STYLE) | frozenset(STREAMED)
 
 
@@ -163,10 +163,10 @@ def file_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool, unit: int
     """Sources read from files (``MAP_STYLE``: cifar10, digits, imagefolder; ``STREAMED``: shards): each
     rank reads its own part of the data; batches stay on the host (pinned on GPU). ``unit``: an
     epoch is a whole number of these samples (the global batch, ``order.epoch_unit``; default one
-    loader step, ``world`` x ``data.batch_size``); map-style sources only."""
+    loader step, ``world`` x ``data.batch_size``)."""
     streamed = STREAMED.get(cfg.source)
     if streamed is not None:
-        return streamed(cfg, world, rank, on_gpu)
+        return streamed(cfg, world, rank, on_gpu, unit)
     source = _map_style(cfg)
     n_workers = loader_workers(cfg, on_gpu)
     images = source.images

@@ -83,7 +83,8 @@ class DataConfig(Strict):
         (3 / 4, 4 / 3), description="Training RandomResizedCrop: range of the crop's aspect ratio (w/h).")
     hflip: bool = Field(True, description="Training: flip half of the images horizontally.")
     shuffle_buffer: int = Field(
-        1000, ge=1, description="shards: samples each loader worker holds to shuffle within its stream.")
+        1000, ge=1, description="shards: about how many consecutive samples of the epoch's order are "
+                                "shuffled together (a loader worker holds its share of them).")
     endpoint_url: str | None = Field(
         None, description="shards on an S3-compatible endpoint; default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL.")
     seed: int = 0
