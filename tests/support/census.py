@@ -12,7 +12,9 @@ the way wall time does, so the session prints them at its end:
 - Ray actors, by class: each worker process writes ``:actor_name:<Class>`` to its own
   ``logs/worker-*.out`` when an actor is created in it (Ray's log prefix, read by its log monitor),
   one actor per process. ``TrainController`` is one Ray Train run, ``RayTrainWorker`` one Train
-  worker, ``run_trial`` one Tune trial.
+  worker, ``run_trial`` one Tune trial process. A trial's process writes two names (its class,
+  ``ImplicitFunc``, at creation, then its repr, the function's name) and, with ``reuse_actors``, hosts
+  many trials: names are counted once per process, so the count is of processes, not trials.
 - Driver and CLI processes: the subprocesses the pytest process itself starts, from Python's audit
   hook on ``subprocess.Popen`` (exact, whatever environment the test gives them); those a CLI starts
   in turn are counted by what they start on Ray.
@@ -119,17 +121,19 @@ class Census:
     # ------------------------------------------------------------- the report
 
     def actors(self) -> Counter[str]:
-        """Actor classes created in this session's clusters, one per worker process that hosted one."""
+        """Actor classes created in this session's clusters, each counted once per worker process that
+        hosted one; a Tune trial's process counts as ``TRIAL_CLASSES[0]`` whichever of its names it wrote."""
         found: Counter[str] = Counter()
         for session in self.sessions:
             for out in Path(session, "logs").glob("worker-*.out"):
                 try:
                     with out.open(errors="replace") as f:
-                        for line in f:
-                            if line.startswith(":actor_name:"):
-                                found[line[len(":actor_name:"):].strip()] += 1
+                        names = {line[len(":actor_name:"):].strip() for line in f if line.startswith(":actor_name:")}
                 except OSError:
                     continue
+                if names & set(TRIAL_CLASSES):
+                    names = (names - set(TRIAL_CLASSES)) | {TRIAL_CLASSES[0]}
+                found.update(names)
         return found
 
     def lines(self) -> list[str]:
@@ -137,7 +141,7 @@ class Census:
         workers = sum(len(list(Path(s, "logs").glob("worker-*.out"))) for s in self.sessions)
         out = [f"Ray Train runs         {actors[TRAIN_RUN]:5d}   ({TRAIN_RUN} actors)",
                f"Ray Train workers      {actors[TRAIN_WORKER]:5d}   ({TRAIN_WORKER} actors)",
-               f"Tune trial processes   {sum(actors[c] for c in TRIAL_CLASSES):5d}   ({TRIAL_CLASSES[0]} actors)",
+               f"Tune trial processes   {actors[TRIAL_CLASSES[0]]:5d}   (processes with a {TRIAL_CLASSES[0]} actor)",
                f"Ray clusters started   {len(self.sessions):5d}   (session folders)",
                f"Ray nodes started      {len(self.raylets):5d}   (raylets)",
                f"Ray worker processes   {workers:5d}   (every worker, actor or task, idle ones too)",
