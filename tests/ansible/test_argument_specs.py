@@ -54,7 +54,9 @@ def test_defaults_have_the_documented_type(role):
         expected = _PY_TYPES[spec[key]["type"]]
         assert isinstance(value, expected) and not (expected is int and isinstance(value, bool)), \
             f"{role.name}: {key}={value!r} is not {spec[key]['type']}"
-        if "choices" in spec[key]:
+        if "choices" in spec[key] and not (isinstance(value, str) and value.startswith("{{")):
+            # A templated default (log_shipping_mode: receiver on the head) is checked by the role's
+            # preflight once the inventory renders it; test_log_shipping runs that check.
             assert value in spec[key]["choices"], f"{role.name}: {key}={value!r} not in choices"
 
 

@@ -370,3 +370,18 @@ def test_preflight_passes_a_node_wired_as_site_yml_wires_it(tmp_path: Path, mode
                                           "log_shipping_listen_address": "10.0.1.11"}, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]
 
+
+
+def test_by_default_the_head_receives_on_its_cluster_address_and_every_other_node_sends_to_it(
+        tmp_path: Path) -> None:
+    """No log_shipping vars, as site.yml and replace_node.yml apply the role: the head group's first
+    host is the receiver and its ray_node_ip_address is both where it listens and where nodes send."""
+    wired = {"head": {"head-1": {"ray_node_ip_address": "10.0.1.11"}}, "gpu_workers": {"gpu-1": {}}}
+    proc = run_preflight("log_shipping", {}, tmp_path, groups=wired)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    # Without an address for the head, each host's refusal shows the mode it took.
+    proc = run_preflight("log_shipping", {}, tmp_path, groups={"head": {"head-1": {}}, "gpu_workers": {"gpu-1": {}}})
+    said = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert "[head-1]" in said and "log_shipping_listen_address must be a loopback or private address" in said, said
+    assert "[gpu-1]" in said and "log_shipping_target must be the receiver's" in said, said

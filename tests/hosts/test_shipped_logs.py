@@ -11,8 +11,8 @@ Prometheus sees as LogShippingStopped pending, and the worker machine is killed 
 PID 1). The lines are still in the head's per-host files, and ``python -m runtime logs`` run on the
 head shows them with their host, rank and job id.
 
-Started: no Ray job or Train run; when the worker is a replacement that replace_node.yml left
-without the role (after test_selfheal), one site.yml pass narrowed to it (`-e node=`, the role's tags).
+Started: no Ray job, Train run or playbook. After test_selfheal the worker killed here is a
+replacement, so this also proves replace_node.yml gives it log shipping.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import secrets
 import shlex
 import shutil
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from typing import Any
 
 import lab as labmod
 import pytest
-from conftest import NOTES, TIMINGS, Ansible
+from conftest import TIMINGS
 
 HEAD = labmod.HEAD
 CLUSTER_DIR = "/var/log/cluster"  # log_shipping_cluster_log_dir's default, which site.yml keeps
@@ -38,7 +39,6 @@ RAY_TEMP_DIR = "/tmp/ray"  # the ray role's ray_temp_dir
 # A hang guard, not a measured bound: a line reaches the head in about a second, Prometheus scrapes
 # every 15 s and evaluates every 15 s.
 PATIENCE_S = 300.0
-SHIPPING_TAGS = "log_shipping_install,log_shipping_configure,log_shipping_run"
 
 
 def _wait_for(what: str, check: Callable[[], Any]) -> Any:
@@ -89,18 +89,13 @@ def _ships(host: Any) -> bool:
 
 
 def test_a_killed_workers_last_lines_stay_on_the_head_with_host_rank_and_job(
-        lab: labmod.Lab, inventory: Path, ansible: Ansible, hosts: Callable[[str], Any]) -> None:
+        lab: labmod.Lab, inventory: Path, site_run: subprocess.CompletedProcess, hosts: Callable[[str], Any]) -> None:
     alive = [name for name in labmod.WORKERS if name in lab.nodes]
     assert alive, f"no live worker left to kill (lab nodes: {sorted(lab.nodes)})"
     name = alive[0]
     worker, head = hosts(name), hosts(HEAD)
-    if not _ships(worker):
-        # A replacement made by replace_node.yml (test_selfheal): that playbook does not apply the role.
-        t0 = time.monotonic()
-        ansible.playbook("site.yml", "-e", f"node={name}", "--tags", SHIPPING_TAGS)
-        TIMINGS["shipped logs: log_shipping on the replacement"] = time.monotonic() - t0
-        NOTES["shipped logs"] = f"{name} had no log shipping (replace_node.yml lacks the role): applied here"
-        assert _ships(worker), worker.run("systemctl status rsyslog").stdout
+    # After test_selfheal this worker is a replacement: replace_node.yml ships its logs as site.yml does.
+    assert _ships(worker), f"{name} does not ship its logs: {worker.run('systemctl status rsyslog').stdout}"
     session = worker.check_output(f"readlink -f {RAY_TEMP_DIR}/session_latest")
     assert session.startswith(f"{RAY_TEMP_DIR}/session_2"), f"{name}: no live Ray session ({session!r})"
 

@@ -35,15 +35,20 @@ def render_template(role: str, template: str, out: Path, **overrides: object) ->
     return dest.read_text()
 
 
-def run_preflight(role: str, role_vars: dict[str, object], out: Path) -> subprocess.CompletedProcess[str]:
-    """``roles/<role>/tasks/preflight.yml`` run on localhost with ``role_vars`` (the real
-    ``ansible-playbook``, play and inventory written into ``out``); the finished process."""
+def run_preflight(role: str, role_vars: dict[str, object], out: Path,
+                  groups: dict[str, dict[str, dict[str, object]]] | None = None) -> subprocess.CompletedProcess[str]:
+    """``roles/<role>/tasks/preflight.yml`` run with ``role_vars`` (the real ``ansible-playbook``, play
+    and inventory written into ``out``) on localhost, or with ``groups`` ({group: {host: hostvars}}) on
+    each of those hosts, all connected locally; the finished process."""
     playbook = Path(sys.executable).parent / "ansible-playbook"
-    play = [{"hosts": "localhost", "gather_facts": False, "vars": role_vars,
+    play = [{"hosts": "all", "gather_facts": False, "vars": role_vars,
              "tasks": [{"ansible.builtin.include_role": {"name": role, "tasks_from": "preflight"}}]}]
     (out / "play.yml").write_text(json.dumps(play))
-    inventory = {"all": {"hosts": {"localhost": {"ansible_connection": "local",
-                                                 "ansible_python_interpreter": sys.executable}}}}
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    if groups is None:
+        inventory: dict[str, object] = {"all": {"hosts": {"localhost": local}}}
+    else:
+        inventory = {"all": {"vars": local, "children": {name: {"hosts": hosts} for name, hosts in groups.items()}}}
     (out / "inventory.json").write_text(json.dumps(inventory))
     env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{playbook.parent}:{os.environ['PATH']}")
