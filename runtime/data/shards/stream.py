@@ -349,9 +349,8 @@ def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool, un
     train_recipe, val_recipe = recipes(cfg)
     common = {"seed": cfg.seed, "world": world, "rank": rank, "workers": workers, "batch_size": cfg.batch_size,
               "buffer": cfg.shuffle_buffer, "gpu": gpu}
-    unit = unit or world * cfg.batch_size
-    check_epoch(train_set.total, world, cfg.batch_size, unit, f"training samples in {store.where}")
     train = ShardStream(store, train_set, train_recipe, unit=unit, **common)  # type: ignore[arg-type]
+    check_epoch(train_set.total, world, cfg.batch_size, train.unit, f"training samples in {store.where}")
     n_batches = train.rank_batches()
     _first_readable(store, train_set)
     val_set = index.splits.get("val")
