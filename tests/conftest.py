@@ -52,6 +52,10 @@ def pytest_runtest_protocol(item, nextitem):  # type: ignore[no-untyped-def]
         _CPU[item.nodeid] = _busy_s() - before
 
 
+def pytest_runtest_logstart(nodeid, location):  # type: ignore[no-untyped-def]
+    CENSUS.current = nodeid.split("::", 1)[0]  # the census credits new Ray workers to this file
+
+
 def pytest_terminal_summary(terminalreporter, config):  # type: ignore[no-untyped-def]
     CENSUS.stop()
     if not config.option.collectonly:

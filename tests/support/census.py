@@ -15,6 +15,9 @@ the way wall time does, so the session prints them at its end:
   worker, ``run_trial`` one Tune trial process. A trial's process writes two names (its class,
   ``ImplicitFunc``, at creation, then its repr, the function's name) and, with ``reuse_actors``, hosts
   many trials: names are counted once per process, so the count is of processes, not trials.
+- By test file: each ``worker-*.out`` is credited to the test file that was running when a poll
+  first saw it (``current``, set by tests/conftest.py as each test starts), so the report says which
+  files the start-ups come from. A session fixture's processes count for the first test that used it.
 - Driver and CLI processes: the subprocesses the pytest process itself starts, from Python's audit
   hook on ``subprocess.Popen`` (exact, whatever environment the test gives them); those a CLI starts
   in turn are counted by what they start on Ray.
@@ -55,6 +58,8 @@ class Census:
     sessions: set[str] = field(default_factory=set)
     raylets: set[str] = field(default_factory=set)  # node ids
     subprocesses: Counter[str] = field(default_factory=Counter)
+    current: str = "(before the first test)"  # the test file running now
+    owners: dict[Path, str] = field(default_factory=dict)  # worker log -> test file running when first seen
     _seen: set[tuple[int, str]] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -111,6 +116,9 @@ class Census:
             if "--session_dir" in opts:
                 self.sessions.add(opts["--session_dir"])
                 self.raylets.add(opts.get("--node_id", entry.name))
+        for session in self.sessions:
+            for out in Path(session, "logs").glob("worker-*.out"):
+                self.owners.setdefault(out, self.current)
 
     def stop(self) -> None:
         self._stop.set()
@@ -120,10 +128,10 @@ class Census:
 
     # ------------------------------------------------------------- the report
 
-    def actors(self) -> Counter[str]:
-        """Actor classes created in this session's clusters, each counted once per worker process that
-        hosted one; a Tune trial's process counts as ``TRIAL_CLASSES[0]`` whichever of its names it wrote."""
-        found: Counter[str] = Counter()
+    def actors(self) -> dict[Path, set[str]]:
+        """Actor classes each worker process of this session's clusters hosted; a Tune trial's
+        process counts as ``TRIAL_CLASSES[0]`` whichever of its names it wrote."""
+        found: dict[Path, set[str]] = {}
         for session in self.sessions:
             for out in Path(session, "logs").glob("worker-*.out"):
                 try:
@@ -133,12 +141,13 @@ class Census:
                     continue
                 if names & set(TRIAL_CLASSES):
                     names = (names - set(TRIAL_CLASSES)) | {TRIAL_CLASSES[0]}
-                found.update(names)
+                found[out] = names
         return found
 
     def lines(self) -> list[str]:
-        actors = self.actors()
-        workers = sum(len(list(Path(s, "logs").glob("worker-*.out"))) for s in self.sessions)
+        hosted = self.actors()
+        actors = Counter(name for names in hosted.values() for name in names)
+        workers = len(hosted)
         out = [f"Ray Train runs         {actors[TRAIN_RUN]:5d}   ({TRAIN_RUN} actors)",
                f"Ray Train workers      {actors[TRAIN_WORKER]:5d}   ({TRAIN_WORKER} actors)",
                f"Tune trial processes   {actors[TRIAL_CLASSES[0]]:5d}   (processes with a {TRIAL_CLASSES[0]} actor)",
@@ -151,4 +160,18 @@ class Census:
         if others:
             ranked = sorted(others.items(), key=lambda kv: -kv[1])
             out.append("other actors: " + ", ".join(f"{k} {n}" for k, n in ranked))
-        return out
+        return out + self._by_file(hosted)
+
+    def _by_file(self, hosted: dict[Path, set[str]]) -> list[str]:
+        """Train runs, Train workers and trial processes per test file, the costliest first."""
+        kinds = (TRAIN_RUN, TRAIN_WORKER, TRIAL_CLASSES[0])
+        per_file: dict[str, Counter[str]] = {}
+        for out, names in hosted.items():
+            for name in names & set(kinds):
+                per_file.setdefault(self.owners.get(out, self.current), Counter())[name] += 1
+        if not per_file:
+            return []
+        ranked = sorted(per_file.items(), key=lambda kv: (-kv[1][TRAIN_WORKER], -kv[1][TRIAL_CLASSES[0]], kv[0]))
+        return ["by test file (first seen while it ran)    runs  workers  trials",
+                *(f"  {name:<40} {c[TRAIN_RUN]:4d} {c[TRAIN_WORKER]:8d} {c[TRIAL_CLASSES[0]]:7d}"
+                  for name, c in ranked)]

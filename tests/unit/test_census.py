@@ -1,0 +1,43 @@
+"""The suite's census (tests/support/census.py) credits each Ray worker process to the test file
+that was running when it was first seen, and counts a trial's process once whichever names it wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.census import Census
+
+
+def _worker(logs: Path, name: str, *actors: str) -> None:
+    (logs / f"worker-{name}.out").write_text("".join(f":actor_name:{a}\nsome output\n" for a in actors))
+
+
+def test_workers_are_credited_to_the_file_running_when_first_seen(tmp_path: Path) -> None:
+    logs = tmp_path / "session_1" / "logs"
+    logs.mkdir(parents=True)
+    census = Census()
+    census.sessions.add(str(tmp_path / "session_1"))
+
+    census.current = "tests/integration/test_a.py"
+    _worker(logs, "1", "TrainController")
+    _worker(logs, "2", "RayTrainWorker")
+    _worker(logs, "3", "RayTrainWorker")
+    census.poll()
+    census.current = "tests/integration/test_b.py"
+    _worker(logs, "4", "ImplicitFunc", "run_trial")  # one trial process, two names
+    _worker(logs, "5", "ImplicitFunc", "run_trial", "run_trial")
+    census.poll()  # the earlier workers keep their file
+    census.current = "tests/integration/test_c.py"
+    _worker(logs, "6", "SomeHelper")  # no Train or Tune actor: not in the table
+
+    lines = census.lines()
+    assert "Ray Train runs             1   (TrainController actors)" in lines
+    assert "Ray Train workers          2   (RayTrainWorker actors)" in lines
+    assert "Tune trial processes       2   (processes with a run_trial actor)" in lines
+    table = lines[lines.index("by test file (first seen while it ran)    runs  workers  trials") + 1:]
+    assert [row.split() for row in table] == [["tests/integration/test_a.py", "1", "2", "0"],
+                                              ["tests/integration/test_b.py", "0", "0", "2"]]
+
+
+def test_a_session_that_started_no_ray_worker_prints_no_file_table(tmp_path: Path) -> None:
+    assert not any(line.startswith("by test file") for line in Census().lines())
