@@ -87,6 +87,14 @@ def seconds(value: str | float, *, low: float, high: float) -> float:
     return number
 
 
+def whole_seconds(value: str | int, *, low: int, high: int) -> int:
+    """A whole number of seconds from `low` to `high`: what Ray's drain deadline takes."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit() or not low <= int(text) <= high:
+        raise InputError(f"must be a whole number of seconds from {low} to {high}, got {value!r}")
+    return int(text)
+
+
 def read_text_file(path: Path, what: str, limit: int) -> str:
     """The UTF-8 text of a regular file of at most `limit` bytes.
 
