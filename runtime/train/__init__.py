@@ -6,6 +6,8 @@ nothing here imports it (the layer test in tests/unit/test_import_graph.py fails
   (``run_rank``: build, restore, fit, close).
 - ``trainer``: the core: build the parts, then ``while not done: step; ask each component; at a
   boundary: evaluate, exchange, checkpoint, report``.
+- ``step``: one optimizer step (``OptimizerStep``, which ``Trainer`` extends): accumulation over
+  loader batches and micro-batches, the out-of-memory redo, the non-finite skip, the probe.
 - Components that own a cadence: ``checkpointer`` (when to save), ``evaluator`` (when and how to
   evaluate), ``stop_policy`` (when to end: length, non-finite steps, preemption, cost),
   ``metrics_assembler`` (what a boundary reports).

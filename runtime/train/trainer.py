@@ -1,4 +1,4 @@
-"""The trainer core (runs inside each Ray Train worker).
+"""The trainer core (runs inside each Ray Train worker): what happens when.
 
 ``Trainer.__init__`` composes the parts (device, data, model, optimizer) and the components
 that own a cadence: ``Checkpointer`` (when to save), ``Evaluator`` (when to evaluate),
@@ -6,29 +6,26 @@ that own a cadence: ``Checkpointer`` (when to save), ``Evaluator`` (when to eval
 top to bottom: ``while not done: step; ask each component; at a boundary: evaluate, exchange,
 checkpoint, report``; cleanup in ``close``. The same code runs on CPU (gloo) and GPU (NCCL).
 Every rank computes; rank 0 writes DDP checkpoints (with FSDP every rank writes its own shards
-and rank 0 commits) and publishes.
+and rank 0 commits) and publishes. How one optimizer step is computed (accumulation,
+micro-batches, the non-finite skip) is ``train.step``'s ``OptimizerStep``, which ``Trainer``
+extends; what decides a micro-batch's size lives in ``train.microbatch``, the worker entry
+points in ``train.worker``.
 
 Where the host waits for the device (see docs/performance.md): never inside a steady-state
 step. Statistics stay on the device; the non-finite skip is decided on the device (fused
 optimizers' ``found_inf``); the ranks exchange statistics and control flags once per
 *boundary* — a step that reports (``train.log_every_steps``), checkpoints
 (``checkpoint.interval_steps``) or evaluates — in one all-reduce and one read.
-
-Over 400 lines because the step itself (``train_step`` and its micro-batch pieces, the
-GPU-sensitive part) and the boundary's exchange and report stay next to the loop that calls
-them; what decides a micro-batch lives in ``train.microbatch``, the worker entry points in
-``train.worker``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, cast
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import ray.train
 import torch
@@ -46,23 +43,14 @@ from runtime.train.device_input import DevicePrefetcher, host_batches, make_stag
 from runtime.train.evaluator import Evaluator
 from runtime.train.hold import StepHold
 from runtime.train.metrics_assembler import MetricsAssembler
-from runtime.train.microbatch import (
-    MicroBatcher,
-    MicroBatchOOM,
-    Probe,
-    Snapshot,
-    allreduce_gradients,
-    describe,
-    optimizer_state_to_come,
-)
+from runtime.train.microbatch import MicroBatcher, describe
 from runtime.train.models import build_model
-from runtime.train.parallel import apply_ddp, apply_fsdp, data_parallel_rank, full_tensor, grad_norm
+from runtime.train.parallel import apply_ddp, apply_fsdp, data_parallel_rank, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
 from runtime.train.resume import Trainables, build_checkpointer, build_payload, restore_latest
 from runtime.train.setup import (
     CommTimer,
     Placement,
-    autocast,
     build_optimizer,
     compile_enabled,
     for_world,
@@ -71,17 +59,17 @@ from runtime.train.setup import (
     register_comm_hook,
     resolve_precision,
     seed_everything,
-    step_unless,
 )
 from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats, gather_hosts
+from runtime.train.step import OptimizerStep, sync_checked
 from runtime.train.stop_policy import StopPolicy, total_steps, watches_drains
 from runtime.train.timeline import first_step_done, worker_timeline
 
 log = logging.getLogger("runtime.train")
 
 
-class Trainer:
+class Trainer(OptimizerStep):
     """One rank's training state and loop."""
 
     def __init__(self, cfg: JobConfig, run: RunInfo, progress: Any = None, lockstep: bool = False,
@@ -152,7 +140,7 @@ class Trainer:
                                   self.distributed, cfg.distributed.strategy)
         self.micro.inject_into(self.raw_model, lambda: self.state.global_step + 1)
         self.micro.guard_collectives(self.raw_model, cfg.distributed.tp_size)  # FSDP: agreement points
-        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's loader batches (a redo reuses them)
+        self._held = []  # this step's loader batches (a redo reuses them: train.step)
         self.stats = StepStats(self.device, rank=self.rank, copies=cfg.distributed.tp_size)
         # Rank 0 names a rank slower than its peers from the exchange's per-rank slots (observe.stragglers).
         self.hosts = gather_hosts(self.distributed, self.world)  # every rank: one collective at start-up
@@ -282,7 +270,7 @@ class Trainer:
                          self.state.batch_in_epoch),
             self.train_stage, self.device, threaded=self.cfg.data.source not in DEVICE_RESIDENT)
         if self.micro.needs_probe() and not self.stop.done(self.state):
-            self._probe(batches)
+            self.probe(batches)
         elif self.micro.guarded:
             self.metrics.note(describe(None, self.micro))
         return batches
@@ -323,154 +311,6 @@ class Trainer:
             return None
         kept = self.checkpointer.kept_step()
         return -1 if kept is None else kept
-
-    def train_step(self, batches: DevicePrefetcher) -> None:
-        """One optimizer step over ``grad_accum_steps`` loader batches, with no host sync (unless
-        ``data.micro_batch`` guards it against running out of memory: train.microbatch)."""
-        tc = self.cfg.train
-        t0 = time.perf_counter()
-        self.stats.local_begin(self.state.global_step + 1)  # until the synced backward: its own pace
-        waited = batches.wait_s
-        self.model.train()
-        while True:
-            snapshot = Snapshot(self.raw_model, self.device) if self.micro.recoverable else None
-            try:
-                loss_sum, correct, n, items = self._accumulate(batches)
-                break
-            except MicroBatchOOM:  # every rank is here at the same micro-batch: redo the step smaller
-                assert snapshot is not None
-                self.trainables.optimizer.zero_grad(set_to_none=True)
-                snapshot.restore()
-                self.micro.shrink(self.state.global_step + 1)
-                self.metrics.note({**describe(None, self.micro), "oom_recoveries": self.micro.switches})
-        self._held = []
-        opt = self.trainables.optimizer
-        if self.scaler is not None:
-            self.scaler.unscale_(opt)
-        # The skip decision and the metric need the norm; clipping scales the gradients by it.
-        norm = grad_norm(self.model.parameters(), tc.clip_grad_norm)
-        # The skip decision must be the same on every rank. After DDP's all-reduce (FSDP's
-        # reduce-scatter) the grad norm is identical everywhere, and a non-finite loss makes it
-        # non-finite too; local SGD steps each rank on its own gradients, so a local decision
-        # is the right one there.
-        self.checkpointer.settle()  # a sharded save's copy to CPU overlapped this step until here
-        if self.scaler is not None:
-            bad = (~torch.isfinite(loss_sum)).float()  # the scaler skips overflowing steps itself
-            self.scaler.step(opt)  # fused optimizers: no host sync (GradScaler passes found_inf)
-            self.scaler.update()
-        else:
-            finite = torch.isfinite(norm)
-            if not self.grads_synced or self.averager is not None:
-                finite = finite & torch.isfinite(loss_sum)
-            bad = (~finite).float()
-            step_unless(opt, bad)
-        if self.averager is not None:
-            # A collective on period steps; it averages parameters that have a .grad, so it runs
-            # before the gradients are cleared (and they are zeroed, not freed, in this mode).
-            self.averager.average_parameters(self.model.parameters())
-        opt.zero_grad(set_to_none=self.averager is None)
-        self.trainables.scheduler.step()
-        self.state.global_step += 1
-        self.state.samples_seen += n * self.dp_world
-        self.stats.add(loss_sum, correct, norm, bad, n, items, self.state.global_step,
-                       tc.nonfinite.max_consecutive)
-        self.stats.data_s += batches.wait_s - waited
-        if self.gauges:
-            m = self.gauges
-            m.steps.inc()
-            m.samples.inc(n)
-            m.step_seconds.observe(time.perf_counter() - t0)  # host time: in steady state, the device's pace
-            m.data_wait.observe(batches.wait_s - waited)
-            m.last_progress.set(time.time())
-            if self.recovered and not self._recovery_noted:
-                m.recovery_seconds.set(time.time() - self.t_start)
-                self._recovery_noted = True
-
-    def _accumulate(self, batches: DevicePrefetcher) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """Forward and backward over the step's loader batches, micro-batch by micro-batch; the
-        gradients end reduced over the ranks. Returns (loss x items, correct, samples, items:
-        what loss and accuracy average over, samples or tokens). Raises ``MicroBatchOOM`` when
-        any rank ran out of memory (guarded mode only)."""
-        accum = self.cfg.train.grad_accum_steps
-        # Guarded DDP: the gradient all-reduce waits until every micro-batch of the step succeeded.
-        deferred = self.micro.recoverable and self.is_ddp
-        loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros((), device=self.device)
-        n = items = 0
-        for i in range(accum):
-            x, y = self._loader_batch(batches, i)
-            pieces = self.micro.chunks(x, y)
-            for j, (xc, yc, share) in enumerate(pieces):
-                last = i == accum - 1 and j == len(pieces) - 1
-                try:
-                    loss, hits = self._forward_backward(xc, yc, share, sync=last and not deferred)
-                    failed = False
-                except torch.OutOfMemoryError:
-                    if not self.micro.recoverable:
-                        raise
-                    failed = True
-                if self.micro.any_failed(failed):
-                    raise MicroBatchOOM
-                loss_sum += loss * yc.numel()
-                correct += hits
-                n += yc.shape[0]
-                items += yc.numel()
-        if deferred and self.distributed:
-            self.stats.local_end()
-            allreduce_gradients(self.model.parameters(), self.world)
-        return loss_sum, correct, n, items
-
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, share: float,
-                          sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One micro-batch: forward, its loss weighted by its ``share`` of the loader batch and by
-        the accumulation, backward (gradients reduced over ranks only when ``sync``). Returns the
-        detached mean loss and the correct predictions."""
-        accum = self.cfg.train.grad_accum_steps
-        ctx = contextlib.nullcontext() if sync or not self.is_ddp else cast(Any, self.model).no_sync()
-        if self.is_fsdp:
-            cast(Any, self.raw_model).set_requires_gradient_sync(sync)
-        with ctx:
-            with autocast(self.device, self.amp_dtype):
-                out = self.model(x)
-                # Classes on the last axis: (batch, classes) for images, (batch, seq, vocab) for tokens.
-                loss = self.loss_fn(out.float().flatten(0, -2), y.flatten())
-            scaled = loss / accum if share == 1.0 else loss * share / accum
-            if sync:  # the backward that reduces gradients: peers can hold this rank up from here
-                self.stats.local_end()
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        return loss.detach(), (out.argmax(-1) == y).sum()
-
-    def _loader_batch(self, batches: DevicePrefetcher, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's ``i``-th loader batch: taken and counted once, kept until the step succeeds."""
-        if i == len(self._held):
-            x, y, pos = next(batches)
-            self.state.consume(pos, self.evaluator.epoch_ended)
-            self._held.append((x, y))
-        return self._held[i]
-
-    def _probe(self, batches: DevicePrefetcher) -> None:
-        """``data.micro_batch=auto``: the largest micro-batch that fits on every rank, tried on the
-        first loader batch (which the first step then trains on); the model is left as it was."""
-        x, y = self._loader_batch(batches, 0)
-        snapshot = Snapshot(self.raw_model, self.device)
-        probe: Probe = self.micro.probe(lambda size: self._probe_attempt(x[:size], y[:size]))
-        snapshot.restore()
-        self.metrics.note(describe(probe, self.micro))
-
-    def _probe_attempt(self, x: torch.Tensor, y: torch.Tensor) -> int:
-        """Forward and backward at ``len(x)`` samples; the peak device bytes it needed with the
-        optimizer state still to come (0 on the CPU). Raises ``torch.OutOfMemoryError``."""
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            self._forward_backward(x, y, 1.0, sync=False)
-            return torch.cuda.max_memory_allocated(self.device) + optimizer_state_to_come(
-                self.trainables.optimizer) if cuda else 0
-        finally:
-            self.trainables.optimizer.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.empty_cache()
 
     def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run evaluation or a checkpoint, keeping its time out of training throughput."""
@@ -532,17 +372,3 @@ class Trainer:
         self.checkpointer.close()
         if self.gauges is not None:
             self.gauges.close(linger_s=self.cfg.tracking.prometheus_linger_s)
-
-
-@contextlib.contextmanager
-def sync_checked(enabled: bool) -> Iterator[None]:
-    """With ``enabled`` (train.sync_debug on CUDA, a steady-state step), any ``.item()``, blocking
-    copy or stream sync inside the block raises."""
-    if not enabled:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
