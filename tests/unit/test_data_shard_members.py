@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runtime.data.shards.store import LocalStore
-from runtime.data.shards.stream import MAX_MEMBER_BYTES, load_index, read_shard
+from runtime.data.shards.tars import MAX_MEMBER_BYTES, load_index, read_shard
 from runtime.errors import ConfigError
 
 

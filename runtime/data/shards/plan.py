@@ -20,8 +20,11 @@ resume at any size continues it. It is made in four seeded steps:
 Position p of the order is one sample (a shard and its ordinal there). The epoch uses its first
 ``epoch_length(n, unit)`` positions and deals them as ``order.rank_indices`` does: rank r of W
 takes p = r, r + W, r + 2W..., so loader step k of all ranks is positions [k x b x W, (k+1) x b x W)
-and after k steps exactly the first k x b x W positions are used, whatever W was. Loader worker
-v of a rank makes the rank's batches v, v + L, v + 2L... (the order DataLoader collects them in).
+and after k steps exactly the first k x b x W positions are used, whatever W was.
+
+A rank's loader workers split its **pieces** (a shard's samples in one reader, read as one
+stream; ``assign_pieces``), not its batches: each piece is read by one worker, so the rank reads
+each once whatever data.loader_workers is, and every worker makes its part of every batch.
 
 Validation: every sample once, shards in name order; rank r takes its contiguous share, in
 batches of b (the last may be short).
@@ -30,6 +33,7 @@ batches of b (the last may be short).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -146,33 +150,72 @@ def batch_positions(batch: int, world: int, rank: int, batch_size: int) -> torch
     return batch * world * batch_size + rank + world * torch.arange(batch_size)
 
 
+Piece = tuple[int, int]  # (shard, reader): the samples of one shard one reader holds, read as one stream
+
+
 @dataclass(frozen=True)
 class WorkerPlan:
-    """A loader worker's batches, in the order it makes them, each its samples in order."""
+    """A rank's batches from its start batch on, each its samples in order, and the pieces this
+    loader worker reads: the worker makes its part of every batch (the samples of its pieces)."""
 
     batches: list[list[Sample]]
+    mine: frozenset[Piece]
 
-    def wanted(self) -> dict[tuple[int, int], list[int]]:
-        """Ordinals each (shard, reader) must give this worker, ascending (the order a tar is read
-        in). A shard split between two readers is read as two streams: one stream would hold the
-        first reader's samples until that reader's turn came, up to the end of the epoch."""
-        out: dict[tuple[int, int], set[int]] = {}
+    def parts(self) -> Iterator[list[tuple[int, Sample]]]:
+        """Per batch, (place in the batch, sample) of the samples this worker reads; maybe none."""
+        for batch in self.batches:
+            yield [(i, smp) for i, smp in enumerate(batch) if (smp[0], smp[2]) in self.mine]
+
+    def wanted(self) -> dict[Piece, list[int]]:
+        """Ordinals each of this worker's pieces must give, ascending (the order a tar is read in).
+        A shard split between two readers is two pieces: one stream would hold the first reader's
+        samples until that reader's turn came, up to the end of the epoch."""
+        out: dict[Piece, set[int]] = {}
         for batch in self.batches:
             for s, o, j in batch:
-                out.setdefault((s, j), set()).add(o)
+                if (s, j) in self.mine:
+                    out.setdefault((s, j), set()).add(o)
         return {k: sorted(v) for k, v in out.items()}
+
+
+def assign_pieces(batches: list[list[Sample]], workers: int) -> dict[Piece, int]:
+    """Each piece to one loader worker, so the rank downloads it once whatever data.loader_workers is.
+
+    Walking the samples in the order they are used, a piece seen for the first time goes to the
+    worker reading the fewest pieces at that point (then the fewest samples so far, then the lowest
+    id): the pieces read side by side (OPEN_SHARDS per reader) spread over the workers, so each
+    worker decodes about 1/workers of every batch."""
+    flat = [(smp[0], smp[2]) for batch in batches for smp in batch]
+    last = {piece: i for i, piece in enumerate(flat)}
+    size: dict[Piece, int] = {}
+    for piece in flat:
+        size[piece] = size.get(piece, 0) + 1
+    owner: dict[Piece, int] = {}
+    active, load = [0] * workers, [0] * workers
+    for i, piece in enumerate(flat):
+        if piece not in owner:
+            w = min(range(workers), key=lambda v: (active[v], load[v], v))
+            owner[piece] = w
+            active[w] += 1
+            load[w] += size[piece]
+        if last[piece] == i:
+            active[owner[piece]] -= 1
+    return owner
 
 
 def worker_plan(shards: ShardSet, *, train: bool, seed: int, epoch: int, world: int, rank: int, workers: int,
                 worker: int, batch_size: int, window: int, unit: int, start: int = 0) -> WorkerPlan:
     """What loader worker ``worker`` of ``rank`` reads in ``epoch`` from the rank's batch ``start``
-    on: batches start + worker, start + worker + workers, ... (see the module docstring)."""
+    on: its pieces' samples of every batch (see the module docstring)."""
     n = shards.total
     if train:
         order = epoch_order(shards, seed, epoch, window)
-        mine = range(start + worker, rank_batches(n, world, batch_size, unit), workers)
-        return WorkerPlan([order.samples(batch_positions(k, world, rank, batch_size)) for k in mine])
-    lo, hi = rank * n // world, (rank + 1) * n // world
-    seq = sequential_order(shards)
-    starts = range(lo + (start + worker) * batch_size, hi, workers * batch_size)
-    return WorkerPlan([seq.samples(torch.arange(a, min(a + batch_size, hi))) for a in starts])
+        batches = [order.samples(batch_positions(k, world, rank, batch_size))
+                   for k in range(start, rank_batches(n, world, batch_size, unit))]
+    else:
+        lo, hi = rank * n // world, (rank + 1) * n // world
+        seq = sequential_order(shards)
+        batches = [seq.samples(torch.arange(a, min(a + batch_size, hi)))
+                   for a in range(lo + start * batch_size, hi, batch_size)]
+    owner = assign_pieces(batches, workers)
+    return WorkerPlan(batches, frozenset(p for p, w in owner.items() if w == worker))

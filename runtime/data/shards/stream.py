@@ -1,33 +1,32 @@
-"""Reading tar shards, the shard index, and the per-rank dataset and loader that play an epoch's
-order (plan.py) from a store (store.py).
+"""The per-rank dataset and loader that play an epoch's order (plan.py) from a store (store.py),
+reading tars with tars.py.
 
 Resume (``set_position(epoch, b)``) at any world size and any data.loader_workers: the epoch's
 order does not depend on either, and b batches on each of W ranks are its first b x W x
 data.batch_size positions, the trainer's count of global samples consumed; so batches b, b+1...
 continue the order with nothing repeated or skipped (at the same size they are bit for bit
-those of an uninterrupted run: a sample's crop is seeded by its key). Each worker reads the
-shards holding its samples front to back, only those samples: a local file seeks over the
-rest; an object store's streaming read downloads them and drops them undecoded. A rank's
-shards are its 1/W of the set when W divides plan.READERS (else more), and on an object store
-each of its loader workers downloads all of them. Unreadable samples (corrupt image, missing
-member, truncated shard) are dropped from their batch, counted and named.
+those of an uninterrupted run: a sample's crop is seeded by its key). A rank's loader workers
+split its pieces (a shard's samples in one reader, plan.assign_pieces): each worker reads its
+pieces front to back, once, and sends its part of every batch; parts.py puts them together.
+So a rank reads each of its pieces once per epoch whatever data.loader_workers is: on an object
+store, one streaming download each (a split shard's second piece streams past the first's
+samples). A rank's shards are its 1/W of the set when W divides plan.READERS (else more).
+Unreadable samples (corrupt image, missing member, truncated shard) are dropped from their
+batch, counted and named.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
-import tarfile
 import time
-from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from runtime.config import DataConfig, short
+from runtime.config import DataConfig
 from runtime.data.base import DataBundle, Loaders
 from runtime.data.batches import Batches, loader_workers, recipes, use_gpu_decode
 from runtime.data.images import (
@@ -43,152 +42,19 @@ from runtime.data.images import (
     sample_rng,
 )
 from runtime.data.order import check_epoch
-from runtime.data.shards.plan import Sample, ShardSet, WorkerPlan, rank_batches, worker_plan
-from runtime.data.shards.store import INDEX, READ_ERRORS, SPLITS, Store, open_store, read_errors
+from runtime.data.shards.parts import Part, merge_parts
+from runtime.data.shards.plan import Piece, Sample, ShardSet, WorkerPlan, rank_batches, worker_plan
+from runtime.data.shards.store import INDEX, READ_ERRORS, Store, open_store, read_errors
+from runtime.data.shards.tars import IMAGE_MEMBERS, load_index, read_shard, sample_image, sample_label
 from runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 READ_ATTEMPTS = 3  # per shard piece: a dropped connection is retried, a truncated shard fails each time
-# One member is one sample's image or label: a header may declare any size, and everything read is
-# held in memory (times the shuffle buffer), so a larger member is refused before it is read.
-MAX_MEMBER_BYTES = 1 << 30
 
 
-def _split_name(member: str) -> tuple[str, str]:
-    """WebDataset's grouping: key = path up to the first dot of the file name, extension = the rest."""
-    head, _, base = member.rpartition("/")
-    stem, _, ext = base.partition(".")
-    return (f"{head}/{stem}" if head else stem), ext.lower()
-
-
-def _sample_member(m: tarfile.TarInfo) -> bool:
-    """True for a member holding a sample's bytes, False for a folder entry. Anything that reads
-    other than its own bytes in the file (a link, device or FIFO; a sparse member, which reads as
-    its declared size from a few bytes) or a member over MAX_MEMBER_BYTES refuses the shard."""
-    if m.isdir():
-        return False
-    if not m.isfile() or m.issparse():
-        kind = "sparse file" if m.isfile() else "link" if m.issym() or m.islnk() else "device or FIFO"
-        raise tarfile.ReadError(f"member {m.name!r} is a {kind}, not a regular file")
-    if m.size > MAX_MEMBER_BYTES:
-        raise tarfile.ReadError(f"member {m.name!r} declares {m.size} bytes, over the {MAX_MEMBER_BYTES} "
-                                "a sample's member may hold")
-    return True
-
-
-def read_shard(store: Store, name: str, want: Callable[[int], bool], stop: int | None = None
-               ) -> Iterator[tuple[int, str, dict[str, bytes]]]:
-    """Samples ``(ordinal, key, {ext: bytes})`` of one shard, for ordinals ``want`` accepts,
-    up to ``stop``. Unwanted members are seeked over (local) or streamed past (S3), never kept.
-    Raises one of READ_ERRORS for a truncated or garbled shard or a refused member (_sample_member)."""
-    fobj, seekable = store.open(name)
-    try:
-        with tarfile.open(fileobj=fobj, mode="r:" if seekable else "r|") as tf:
-            key: str | None = None
-            ordinal, wanted = -1, False
-            parts: dict[str, bytes] = {}
-            for m in tf:
-                if not _sample_member(m):
-                    continue
-                k, ext = _split_name(m.name)
-                if k != key:
-                    if key is not None and wanted:
-                        yield ordinal, key, parts
-                    key, ordinal, parts = k, ordinal + 1, {}
-                    if stop is not None and ordinal >= stop:
-                        return
-                    wanted = want(ordinal)
-                if wanted:
-                    f = tf.extractfile(m)
-                    data = f.read() if f else b""
-                    if len(data) != m.size:
-                        raise tarfile.ReadError(f"member {m.name} is truncated ({len(data)} of {m.size} bytes)")
-                    parts[ext] = data
-            if key is not None and wanted:
-                yield ordinal, key, parts
-    finally:
-        fobj.close()
-
-
-def sample_image(parts: dict[str, bytes]) -> bytes | None:
-    return next((parts[e] for e in IMAGE_MEMBERS if e in parts), None)
-
-
-def sample_label(parts: dict[str, bytes]) -> int:
-    raw = parts.get("cls")
-    if raw is None:
-        raise ValueError("no .cls member")
-    return int(raw.decode("ascii").strip())
-
-
-@dataclass
-class ShardIndex:
-    classes: list[str] | None
-    splits: dict[str, ShardSet]
-
-
-def load_index(store: Store) -> ShardIndex:
-    """index.json when present; otherwise list the tars and count their samples (a full read:
-    slow on S3, hence the warning; `data pack` writes the index)."""
-    raw = store.read_index()
-    if raw is not None:
-        try:
-            doc = json.loads(raw)
-            splits = {s: ShardSet([e["name"] for e in doc["splits"][s]], [int(e["samples"]) for e in doc["splits"][s]])
-                      for s in doc["splits"]}
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"data.path: {store.where}/{INDEX} is not a shard index ({e})") from e
-        for split, shards in splits.items():
-            _check_entries(store, split, shards)
-        classes = doc.get("classes")
-        if classes is not None and (not isinstance(classes, list) or not all(isinstance(c, str) for c in classes)):
-            raise ConfigError(f"data.path: {store.where}/{INDEX}: classes must be a list of class names (text), "
-                              f"got {short(classes)}")
-        return ShardIndex(classes, splits)
-    splits = {}
-    for split in SPLITS:
-        names = store.list_tars(split)
-        if names:
-            log.warning("data: %s has no %s; counting the samples of %d %s shards by reading them",
-                        store.where, INDEX, len(names), split)
-            splits[split] = ShardSet(names, [_count(store, n) for n in names])
-    if "train" not in splits:
-        raise ConfigError(f"data.path: no shards under {store.where}/train/ (expected train/000000.tar ...; "
-                          "write them with `python -m runtime data pack <imagefolder> <out>`)")
-    return ShardIndex(None, splits)
-
-
-def _check_entries(store: Store, split: str, shards: ShardSet) -> None:
-    """index.json names only tars directly in its split's folder: a name is joined to the data set's
-    path or S3 prefix, so ``..``, ``/`` or an absolute path would read outside it."""
-    for i, (name, count) in enumerate(zip(shards.names, shards.counts, strict=True)):
-        where = f"data.path: {store.where}/{INDEX}: splits.{split}[{i}]"
-        folder, slash, base = name.partition("/") if isinstance(name, str) else ("", "", "")
-        if (folder != split or not slash or "/" in base or "\\" in base or "\0" in base
-                or not base.endswith(".tar") or base.startswith(".")):
-            raise ConfigError(f"{where}.name is {name!r}; expected '{split}/<name>.tar' (a tar file directly "
-                              f"in the data set's {split}/ folder)")
-        if count < 0:
-            raise ConfigError(f"{where}.samples is {count}; expected a sample count >= 0")
-
-
-def _count(store: Store, name: str) -> int:
-    """Samples (consecutive key groups) in a shard, from the member headers."""
-    fobj, seekable = store.open(name)
-    try:
-        with tarfile.open(fileobj=fobj, mode="r:" if seekable else "r|") as tf:
-            keys = [_split_name(m.name)[0] for m in tf if _sample_member(m)]
-        return sum(1 for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k)
-    except READ_ERRORS as e:
-        raise ConfigError(f"data.path: shard {store.where}/{name} cannot be read ({e})") from e
-    finally:
-        fobj.close()
-
-
-class ShardStream(IterableDataset[HostBatch]):
-    """One rank's batches of one split, each DataLoader worker reading its own batches (plan.py).
+class ShardStream(IterableDataset[Part]):
+    """One rank's batches of one split as parts, one per DataLoader worker and batch (plan.py).
 
     ``epoch``/``start_batch`` are set in the main process before iterating; DataLoader
     workers are not persistent, so each epoch's workers start from them.
@@ -210,17 +76,20 @@ class ShardStream(IterableDataset[HostBatch]):
     def rank_batches(self) -> int:
         return rank_batches(self.shards.total, self.world, self.batch_size, self.unit)
 
-    def __iter__(self) -> Iterator[HostBatch]:
+    def __iter__(self) -> Iterator[Part]:
         info = get_worker_info()
         if (info.num_workers if info is not None else 1) != self.workers:
             raise RuntimeError("ShardStream built for a different number of loader workers")
-        # DataLoader collects worker v's items at turns v, v + W...: from batch start_batch on,
-        # worker v makes the rank's batches start_batch + v, start_batch + v + W...
+        # DataLoader collects worker v's items at turns v, v + L...: every worker sends one part
+        # of each batch from start_batch on, so batch start_batch + k is items k x L .. k x L + L - 1.
         plan = self.plan(info.id if info is not None else 0)
         reader = _Reader(self, plan.wanted())
         try:
-            for batch in plan.batches:
-                yield self._collate([self._decode(reader.take(sample)) for sample in batch])
+            for k, part in enumerate(plan.parts(), self.start_batch):
+                got = [(at, self._decode(reader.take(sample))) for at, sample in part]
+                skipped_at = [at for at, item in got if isinstance(item, Skip)]
+                yield Part(k, [at for at, item in got if not isinstance(item, Skip)],
+                           self._collate([item for _, item in got]), skipped_at)
         finally:
             reader.close()
 
@@ -272,27 +141,33 @@ class ShardStream(IterableDataset[HostBatch]):
 
 
 class _Reader:
-    """A worker's samples on request, each (shard, reader) part read front to back once: opened at
-    its first request and read up to the sample asked for; samples read on the way are held until
-    asked for. The readers' windows bound what is held to the worker's share of about
-    ``data.shuffle_buffer`` samples (each reader's runs of OPEN_SHARDS shards read side by side)."""
+    """A worker's samples on request, each of its pieces read front to back once: opened at its
+    first request, read up to the sample asked for, closed after its last. Samples read on the way
+    are held until asked for: the readers' windows bound what a rank's workers hold together to
+    about ``data.shuffle_buffer`` / W samples (each sample read by one worker; each reader's runs
+    of OPEN_SHARDS shards read side by side)."""
 
-    def __init__(self, stream: ShardStream, wanted: dict[tuple[int, int], list[int]]) -> None:
+    def __init__(self, stream: ShardStream, wanted: dict[Piece, list[int]]) -> None:
         self.stream, self.wanted = stream, wanted
-        self.open: dict[tuple[int, int], Generator[tuple[int, Any], None, None]] = {}
+        self.left = {piece: len(ordinals) for piece, ordinals in wanted.items()}
+        self.open: dict[Piece, Generator[tuple[int, Any], None, None]] = {}
         self.held: dict[tuple[int, int], Any] = {}
 
     def take(self, sample: Sample) -> Any:
         shard, ordinal, reader = sample
+        piece = (shard, reader)
         while (shard, ordinal) not in self.held:
-            it = self.open.get((shard, reader))
+            it = self.open.get(piece)
             if it is None:
-                it = self.open[(shard, reader)] = self.stream.samples(shard, self.wanted[(shard, reader)])
+                it = self.open[piece] = self.stream.samples(shard, self.wanted[piece])
             got = next(it, None)
             if got is None:  # cannot happen: samples() yields every wanted ordinal
                 return Skip(f"{self.stream.store.where}/{self.stream.shards.names[shard]} sample {ordinal}",
                             "missing from the stream")
             self.held[(shard, got[0])] = got[1]
+        self.left[piece] -= 1
+        if not self.left[piece]:  # its last sample: end the download now, not at the epoch's end
+            self.open.pop(piece).close()
         return self.held.pop((shard, ordinal))
 
     def close(self) -> None:  # the shards still open: a stream is abandoned with its loader
@@ -321,11 +196,34 @@ def _loader(stream: ShardStream, workers: int, pin: bool) -> DataLoader[Any]:
                       worker_init_fn=functools.partial(_take_environment, dict(os.environ)))
 
 
+class _Merged:
+    """A ShardStream's DataLoader yielding whole batches: each batch's parts, one per loader worker
+    (consecutive items, DataLoader's round robin), merged in the main process. With one worker or
+    none a part is the whole batch and the DataLoader pins it; with more the merge writes the batch
+    into pinned memory itself (the same one copy)."""
+
+    def __init__(self, stream: ShardStream, workers: int, pin: bool) -> None:
+        self.num_workers = workers  # batches.start_workers reads it
+        self.split, self.pin = workers > 1, pin
+        self.loader = _loader(stream, workers, pin and not self.split)
+
+    def __iter__(self) -> Iterator[HostBatch]:
+        parts = iter(self.loader)  # here, not in the generator: start_workers forks with the collector frozen
+        return self._batches(parts)
+
+    def _batches(self, parts: Iterator[Part]) -> Iterator[HostBatch]:
+        if not self.split:
+            yield from (part.host for part in parts)
+            return
+        for group in zip(*[parts] * self.num_workers, strict=False):
+            yield merge_parts(list(group), self.pin)
+
+
 class ShardLoader(Batches):
     """EpochLoader over a ShardStream (exact mid-epoch resume, see the module docstring)."""
 
     def __init__(self, stream: ShardStream, workers: int, pin: bool) -> None:
-        super().__init__(_loader(stream, workers, pin))
+        super().__init__(_Merged(stream, workers, pin))
         self.stream = stream
 
     def set_position(self, epoch: int, batch_index: int) -> None:
@@ -356,7 +254,7 @@ def build_shard_loaders(cfg: DataConfig, world: int, rank: int, on_gpu: bool, un
     val_set = index.splits.get("val")
     val = None
     if val_set is not None and val_set.total:
-        val = Batches(_loader(ShardStream(store, val_set, val_recipe, **common),  # type: ignore[arg-type]
+        val = Batches(_Merged(ShardStream(store, val_set, val_recipe, **common),  # type: ignore[arg-type]
                               workers, on_gpu))
     bundle = DataBundle(None, None, len(classes), 3, cfg.image_size, IMAGENET_MEAN, IMAGENET_STD, classes)
     stage = None

@@ -20,7 +20,7 @@ from PIL import UnidentifiedImageError
 from runtime.config.storage import parse_storage
 from runtime.data.images import DECODE_ERRORS, list_image_folder
 from runtime.data.shards.store import INDEX, INDEX_FORMAT, READ_ERRORS, SPLITS, LocalStore, Store, open_store
-from runtime.data.shards.stream import load_index, read_shard, sample_image, sample_label
+from runtime.data.shards.tars import load_index, read_shard, sample_image, sample_label
 from runtime.errors import ConfigError
 
 
