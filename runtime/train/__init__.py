@@ -21,6 +21,8 @@ nothing here imports it (the layer test in tests/unit/test_import_graph.py fails
   ``microbatch``: the micro-batch size (probe, split, out-of-memory redo).
 - ``stats``: step statistics kept on the device and read once per boundary, where the ranks also
   agree on control flags (preempt, stop, new commit).
+- ``hangwatch``: each rank's progress published to the process group's store from a thread; rank 0
+  names a hung rank, its host and where it is before the collective timeout fails the step.
 - ``reporter``: where a report goes (the driver's stream, Ray Train, Prometheus, cost gauges).
 - ``drain``: giving a drained node back to Ray once the run has committed on it.
 - ``spares``: spare worker processes for the next group; ``capacity``: refreshing Ray's view of

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.observe.hangs import Point
 from runtime.observe.host import Host
 
 # Tests only: "RANK@FIRST-LAST:SECONDS" makes that rank sleep SECONDS in the local part of steps
@@ -64,6 +65,9 @@ class StepStats:
         self._reset_window()
         self.first_step_s: float | None = None  # the first step of this process (compile, autotune, warm-up)
         self.slowed = _slowed_steps(rank)
+        # Where this rank is: (step, point, monotonic time it got there), read by the hang watch's
+        # thread (runtime.train.hangwatch); one tuple assignment at each mark, nothing else.
+        self.progress: tuple[int, Point, float] = (0, Point.AFTER, time.monotonic())
 
     def state_dict(self) -> dict[str, int]:
         """The non-finite counters a resume continues (read from the device: a checkpoint syncs anyway)."""
@@ -89,6 +93,7 @@ class StepStats:
 
     def local_begin(self, step: int = 0) -> None:
         """Step ``step`` starts: what follows until :meth:`local_end` is this rank's own work."""
+        self.progress = (step, Point.LOCAL, time.monotonic())
         if self.device.type == "cuda":  # device time: the host runs ahead of the device
             self._local_t0 = torch.cuda.Event(enable_timing=True)
             self._local_t0.record()
@@ -100,6 +105,7 @@ class StepStats:
     def local_end(self) -> None:
         """The step reaches its first collective with the other ranks (the synced backward).
         No host sync: CUDA events are read at the next exchange, after its sync."""
+        self.progress = (self.progress[0], Point.SYNC, time.monotonic())
         t0, self._local_t0 = self._local_t0, None
         if t0 is None:
             return
@@ -152,6 +158,8 @@ class StepStats:
         ``flags`` are (preempt, stop, commit) as this rank sees them; only rank 0's count,
         so the caller passes zeros elsewhere. Resets the window when ``want_metrics``.
         """
+        step = self.progress[0]
+        self.progress = (step, Point.EXCHANGE, time.monotonic())
         self.sync()  # the window ends when the device has done its steps, not when the host queued them
         elapsed = time.perf_counter() - self.t0 - self.excluded_s
         timed_n = self.n - self.timed_from_n
@@ -167,6 +175,7 @@ class StepStats:
             dist.all_reduce(shared)
         own = torch.stack([self.nonfinite_total, self.in_row, self.crossed_at])
         vals = torch.cat([shared, own]).tolist()  # the boundary's one device-to-host read
+        self.progress = (step, Point.AFTER, time.monotonic())
         rank_local_s = vals[9:9 + world]
         del vals[9:9 + world]
         loss, correct, grad_norm, crossed_n, timed_total, elapsed_sum, pre, stop, commit, nf_total, in_row, at = vals

@@ -1,0 +1,87 @@
+"""Each rank's progress published to the process group's store, and rank 0's hang verdicts.
+
+The loop only assigns a tuple where it already marks its steps (``StepStats.progress``); this
+thread, one per rank, copies it to the store every ``interval_s`` (one small ``set`` on the store
+the process group was made with: no collective, nothing on the device), and on rank 0 reads every
+rank's and feeds runtime.observe.hangs. A thread, so a rank whose loop waits in a collective or a
+read still publishes, and rank 0 names the others while it waits itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from runtime.observe.hangs import HangDetector, Point, Progress
+from runtime.observe.host import Host
+
+log = logging.getLogger("runtime.train")
+
+KEY = "rt_progress/{rank}"
+# A publication every warn_s / WARN_POLLS: a hang is named within about 1/WARN_POLLS of warn_s late.
+WARN_POLLS = 10
+MIN_INTERVAL_S = 0.2
+
+
+def process_group_store() -> Any:
+    """The store the default process group was made with (Ray Train's TCPStore on rank 0), or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+class HangWatch:
+    """Publishes ``progress()`` (step, point, monotonic time entered) for ``rank``; rank 0 also judges."""
+
+    def __init__(self, store: Any, rank: int, world: int, hosts: Sequence[Host], warn_s: float,
+                 progress: Callable[[], tuple[int, Point, float]], emit: Callable[[str], None],
+                 interval_s: float | None = None) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.progress, self.emit = progress, emit
+        self.interval_s = interval_s if interval_s is not None else max(MIN_INTERVAL_S, warn_s / WARN_POLLS)
+        self.detector = HangDetector(hosts, warn_s) if rank == 0 else None
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hang-watch", daemon=True)
+
+    def start(self) -> HangWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _publish(self) -> None:
+        step, point, entered = self.progress()
+        self._seq += 1
+        self.store.set(KEY.format(rank=self.rank),
+                       Progress(self._seq, step, point, time.monotonic() - entered).encode())
+
+    def _read(self) -> dict[int, Progress]:
+        out = {}
+        for r in range(self.world):
+            key = KEY.format(rank=r)
+            if self.store.check([key]):  # get() would wait for a rank that has not published yet
+                out[r] = Progress.decode(self.store.get(key).decode())
+        return out
+
+    def _run(self) -> None:
+        failed = ""
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._publish()
+                if self.detector is not None:
+                    for line in self.detector.observe(time.monotonic(), self._read()):
+                        log.warning(line)
+                        self.emit(line)
+                failed = ""
+            except Exception as err:  # the store's host gone (the group is failing): say so once, go on
+                if str(err) != failed:
+                    log.warning("hang watch: the process group's store did not answer: %s", err)
+                failed = str(err)
