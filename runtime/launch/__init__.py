@@ -2,9 +2,12 @@
 Ray Train's controller on the driver's node. The per-worker loop it starts is ``runtime.train``
 (imported here, never the other way round).
 
-- ``driver``: ``train(cfg)``: connect, build the ``TorchTrainer``, stream rank 0's reports, the
-  attempts of a run the spot price paused, the summary; ``StreamingFit`` and ``InProcessFit``
-  (a run's report stream, shared with Tune's trials).
+- ``driver``: ``train(cfg)``: the run's lock, its attempts (more than one only when the spot price
+  paused it), each report shown, kept and logged, the outcome and its summary.
+- ``setup``: a run's set-up: ``connect`` (and what the workers inherit), GPUs or not, the run's
+  identity and folders, the ``TorchTrainer`` and its controller callbacks (``FailureNotices``).
+- ``stream``: one attempt executed while rank 0's reports stream back: ``StreamingFit`` (a Ray
+  Train run) and ``InProcessFit`` (one rank on a thread), shared with Tune's trials.
 - ``attempts``: the attempt loop's states and transitions (waiting for the price, running,
   finished, stopped while paused).
 - ``torch_trainer``: Ray Train's ``TorchTrainer`` less the Ray Data actor a run never uses.

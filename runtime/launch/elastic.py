@@ -164,7 +164,7 @@ class ElasticWatch(ControllerCallback):
 
 
 def _start_timeout_s() -> float:
-    """Ray Train's worker-group start timeout (runtime.launch.driver sets 20 s for elastic runs)."""
+    """Ray Train's worker-group start timeout (runtime.launch.setup sets 20 s for elastic runs)."""
     return float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20"))
 
 

@@ -24,7 +24,8 @@ import torch
 
 from runtime import cluster as rc
 from runtime.checkpoint import CheckpointReader
-from runtime.launch.driver import StreamingFit, connect
+from runtime.launch.setup import connect
+from runtime.launch.stream import StreamingFit
 from runtime.run import Resized
 from runtime.train.capacity import refresh_capacity
 from tests.support import job, wait_for

@@ -182,7 +182,7 @@ def test_the_cli_exits_4_when_the_budget_stopped_the_run(tmp_path: Path, monkeyp
 
 def test_each_attempt_tells_rank0_what_the_earlier_ones_spent(tmp_path: Path) -> None:
     """Through RunInfo, not the run folder: rank 0 may run on a node without it."""
-    from runtime.launch.driver import new_run
+    from runtime.launch.setup import new_run
 
     cfg = load_job("digits_smoke", [f"checkpoint.storage={tmp_path}"], environ={})
     assert new_run(cfg, "r").spent_before_usd == 0.0

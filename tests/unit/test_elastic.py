@@ -16,7 +16,6 @@ from runtime.config import config_from_dict
 from runtime.data.loaders import ResumableSampler
 from runtime.data.synthetic import SyntheticLoader
 from runtime.errors import ConfigError
-from runtime.launch.driver import ReportStream
 from runtime.launch.elastic import (
     ElasticWatch,
     MinWorkersTimeout,
@@ -25,6 +24,7 @@ from runtime.launch.elastic import (
     give_back,
     resize_line,
 )
+from runtime.launch.stream import ReportStream
 from runtime.run import DrainNotice, Report, Resized, RunInfo
 from runtime.train import drain
 from runtime.train.setup import for_world

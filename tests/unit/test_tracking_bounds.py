@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.launch.driver import _worker_env
+from runtime.launch.setup import _worker_env
 from runtime.observe.history import HistoryLog, read_history
 from runtime.observe.mlflow_http import MLFLOW_HTTP_DEFAULTS, bound_mlflow_http
 

@@ -158,7 +158,7 @@ def test_a_multi_worker_trials_driver_reserves_memory_but_no_cpu_by_default() ->
 
 
 def test_a_one_worker_trial_trains_in_its_own_process_and_reserves_its_workers_resources() -> None:
-    from runtime.launch.driver import runs_in_process
+    from runtime.launch.stream import runs_in_process
     from runtime.tune.trial import trial_job, trial_placement
 
     spec = parse_tune(_job())

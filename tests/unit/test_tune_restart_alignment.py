@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runtime.launch.driver import InProcessFit
+from runtime.launch.stream import InProcessFit
 from runtime.tune.trial import SOURCE_FILE, align_with_tune, copy_checkpoint
 from tests.support import job
 

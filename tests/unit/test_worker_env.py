@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.launch.driver import _worker_env
+from runtime.launch.setup import _worker_env
 
 SECRETS = {
     "AWS_ACCESS_KEY_ID": "AKIASENTINEL",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runtime.launch.driver import InProcessFit
+from runtime.launch.stream import InProcessFit
 from runtime.run import CANCELLED
 from tests.support import job
 
