@@ -204,7 +204,7 @@ def hold_out(drainer: Drainer, address: str, held: Held | None, deadline_s: int,
 
 
 def watch(imds: str, drainer: Drainer, node_address: str, interval_s: float,
-          on_rebalance: str = "log", rebalance_deadline_s: int = REBALANCE_DEADLINE_S) -> str:
+          on_rebalance: str = "drain", rebalance_deadline_s: int = REBALANCE_DEADLINE_S) -> str:
     """Poll until a notice comes, then drain this node by its deadline; returns the drain's result.
 
     A drain Ray cannot take yet (the GCS restarting) is asked again each poll until the notice's
@@ -249,7 +249,7 @@ def _still_held(drainer: Drainer, address: str, held: Held, notice_at: float) ->
     earlier deadline. Unknown (the GCS not answering) counts as not: the notice's drain is asked."""
     try:
         return notice_at >= held.deadline_at and not raylets_here(drainer, address) - held.node_ids
-    except Exception:  # noqa: BLE001  (the notice's own drain follows and reports the error)
+    except Exception:  # the notice's own drain follows and reports the error
         return False
 
 
