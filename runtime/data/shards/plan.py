@@ -22,9 +22,12 @@ Position p of the order is one sample (a shard and its ordinal there). The epoch
 takes p = r, r + W, r + 2W..., so loader step k of all ranks is positions [k x b x W, (k+1) x b x W)
 and after k steps exactly the first k x b x W positions are used, whatever W was.
 
-A rank's loader workers split its **pieces** (a shard's samples in one reader, read as one
-stream; ``assign_pieces``), not its batches: each piece is read by one worker, so the rank reads
-each once whatever data.loader_workers is, and every worker makes its part of every batch.
+On an object store a rank's loader workers split its **pieces** (a shard's samples in one
+reader, read as one stream; ``assign_pieces``): each piece is read by one worker, so the rank
+downloads each once whatever data.loader_workers is, and every worker makes its part of every
+batch. From local files, where a stream seeks over the samples it does not want, loader worker
+v makes whole batches v, v + L, v + 2L... (the order DataLoader collects them in), each worker
+decoding exactly 1/L of the samples.
 
 Validation: every sample once, shards in name order; rank r takes its contiguous share, in
 batches of b (the last may be short).
@@ -155,16 +158,20 @@ Piece = tuple[int, int]  # (shard, reader): the samples of one shard one reader 
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """A rank's batches from its start batch on, each its samples in order, and the pieces this
-    loader worker reads: the worker makes its part of every batch (the samples of its pieces)."""
+    """The rank's batches a loader worker takes part in (their numbers in the rank's epoch), each
+    its samples in order, and the pieces it reads (``mine``; None: every piece of its batches)."""
 
+    numbers: range
     batches: list[list[Sample]]
-    mine: frozenset[Piece]
+    mine: frozenset[Piece] | None
 
-    def parts(self) -> Iterator[list[tuple[int, Sample]]]:
-        """Per batch, (place in the batch, sample) of the samples this worker reads; maybe none."""
-        for batch in self.batches:
-            yield [(i, smp) for i, smp in enumerate(batch) if (smp[0], smp[2]) in self.mine]
+    def _reads(self, sample: Sample) -> bool:
+        return self.mine is None or (sample[0], sample[2]) in self.mine
+
+    def parts(self) -> Iterator[tuple[int, list[tuple[int, Sample]]]]:
+        """(batch number, [(place in the batch, sample)]) of the samples this worker reads; maybe none."""
+        for k, batch in zip(self.numbers, self.batches, strict=True):
+            yield k, [(i, smp) for i, smp in enumerate(batch) if self._reads(smp)]
 
     def wanted(self) -> dict[Piece, list[int]]:
         """Ordinals each of this worker's pieces must give, ascending (the order a tar is read in).
@@ -173,49 +180,68 @@ class WorkerPlan:
         out: dict[Piece, set[int]] = {}
         for batch in self.batches:
             for s, o, j in batch:
-                if (s, j) in self.mine:
+                if self._reads((s, o, j)):
                     out.setdefault((s, j), set()).add(o)
         return {k: sorted(v) for k, v in out.items()}
 
 
 def assign_pieces(batches: list[list[Sample]], workers: int) -> dict[Piece, int]:
-    """Each piece to one loader worker, so the rank downloads it once whatever data.loader_workers is.
+    """Each piece to one loader worker, so the rank reads it once whatever data.loader_workers is.
 
-    Walking the samples in the order they are used, a piece seen for the first time goes to the
-    worker reading the fewest pieces at that point (then the fewest samples so far, then the lowest
-    id): the pieces read side by side (OPEN_SHARDS per reader) spread over the workers, so each
-    worker decodes about 1/workers of every batch."""
-    flat = [(smp[0], smp[2]) for batch in batches for smp in batch]
-    last = {piece: i for i, piece in enumerate(flat)}
+    A piece's samples are spread over the batches from its first to its last (``rate`` per batch,
+    its share of its reader's run of OPEN_SHARDS). Walking the batches in order, a piece seen for
+    the first time goes to the worker whose pieces then being read give it the fewest samples per
+    batch (then the lowest id), so each worker decodes about 1/workers of every batch: a piece is
+    never moved, so the split is only as even as the pieces being read side by side allow."""
+    first: dict[Piece, int] = {}
+    last: dict[Piece, int] = {}
     size: dict[Piece, int] = {}
-    for piece in flat:
-        size[piece] = size.get(piece, 0) + 1
+    for k, batch in enumerate(batches):
+        for s, _, j in batch:
+            first.setdefault((s, j), k)
+            last[(s, j)] = k
+            size[(s, j)] = size.get((s, j), 0) + 1
+    rate = {piece: size[piece] / (last[piece] - first[piece] + 1) for piece in size}
+    ending: dict[int, list[Piece]] = {}
+    for piece, k in last.items():
+        ending.setdefault(k, []).append(piece)
     owner: dict[Piece, int] = {}
-    active, load = [0] * workers, [0] * workers
-    for i, piece in enumerate(flat):
-        if piece not in owner:
-            w = min(range(workers), key=lambda v: (active[v], load[v], v))
-            owner[piece] = w
-            active[w] += 1
-            load[w] += size[piece]
-        if last[piece] == i:
-            active[owner[piece]] -= 1
+    load = [0.0] * workers  # samples per batch of each worker's pieces being read
+    for k, batch in enumerate(batches):
+        for s, _, j in batch:
+            if (s, j) not in owner:
+                w = min(range(workers), key=lambda v: (load[v], v))
+                owner[(s, j)] = w
+                load[w] += rate[(s, j)]
+        for piece in ending.get(k, []):
+            load[owner[piece]] -= rate[piece]
     return owner
 
 
 def worker_plan(shards: ShardSet, *, train: bool, seed: int, epoch: int, world: int, rank: int, workers: int,
-                worker: int, batch_size: int, window: int, unit: int, start: int = 0) -> WorkerPlan:
+                worker: int, batch_size: int, window: int, unit: int, start: int = 0,
+                by_piece: bool = True) -> WorkerPlan:
     """What loader worker ``worker`` of ``rank`` reads in ``epoch`` from the rank's batch ``start``
-    on: its pieces' samples of every batch (see the module docstring)."""
+    on. ``by_piece``: its pieces' samples of every batch (assign_pieces); else whole batches,
+    start + worker, start + worker + workers... (where skipping others' samples costs nothing)."""
     n = shards.total
     if train:
         order = epoch_order(shards, seed, epoch, window)
-        batches = [order.samples(batch_positions(k, world, rank, batch_size))
-                   for k in range(start, rank_batches(n, world, batch_size, unit))]
+        n_batches = rank_batches(n, world, batch_size, unit)
+
+        def batch(k: int) -> list[Sample]:
+            return order.samples(batch_positions(k, world, rank, batch_size))
     else:
         lo, hi = rank * n // world, (rank + 1) * n // world
         seq = sequential_order(shards)
-        batches = [seq.samples(torch.arange(a, min(a + batch_size, hi)))
-                   for a in range(lo + start * batch_size, hi, batch_size)]
+        n_batches = -(-(hi - lo) // batch_size)
+
+        def batch(k: int) -> list[Sample]:
+            return seq.samples(torch.arange(lo + k * batch_size, min(lo + (k + 1) * batch_size, hi)))
+    if not by_piece:
+        numbers = range(start + worker, n_batches, workers)
+        return WorkerPlan(numbers, [batch(k) for k in numbers], None)
+    numbers = range(start, n_batches)
+    batches = [batch(k) for k in numbers]
     owner = assign_pieces(batches, workers)
-    return WorkerPlan(batches, frozenset(p for p, w in owner.items() if w == worker))
+    return WorkerPlan(numbers, batches, frozenset(p for p, w in owner.items() if w == worker))

@@ -34,6 +34,7 @@ class LocalStore:
     """Shards in a folder (local disk or a shared filesystem)."""
 
     forks_cleanly = True  # see FsStore
+    seeks = True  # a stream skips the members it does not want at no cost (shards.plan: whole batches per worker)
 
     def __init__(self, root: str) -> None:
         self.root = Path(root).expanduser()
@@ -65,6 +66,7 @@ class S3Store:
     """
 
     forks_cleanly = True  # boto3 clients are made per process (see FsStore)
+    seeks = False  # a stream downloads what it skips (shards.plan: each piece read by one worker)
 
     def __init__(self, location: S3Location, endpoint_url: str | None) -> None:
         self.bucket, self.prefix = location.bucket, location.prefix
@@ -132,6 +134,7 @@ class FsStore:
     # then read one connection's replies (a worker died in `stoi`, others got 412s or lost samples).
     # Loader workers of such a store start from a fresh process instead (shards.stream).
     forks_cleanly = False
+    seeks = False  # as S3Store
 
     def __init__(self, location: ObjectLocation, endpoint_url: str | None) -> None:
         self.location, self.endpoint_url = location, endpoint_url

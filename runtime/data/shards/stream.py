@@ -61,8 +61,10 @@ class ShardStream(IterableDataset[Part]):
     """
 
     def __init__(self, store: Store, shards: ShardSet, recipe: Recipe, *, seed: int, world: int, rank: int,
-                 workers: int, batch_size: int, buffer: int, gpu: bool, unit: int | None = None) -> None:
+                 workers: int, batch_size: int, buffer: int, gpu: bool, unit: int | None = None,
+                 by_piece: bool | None = None) -> None:
         self.store, self.shards, self.recipe = store, shards, recipe
+        self.by_piece = not store.seeks if by_piece is None else by_piece  # plan.worker_plan
         self.seed, self.world, self.rank, self.workers = seed, world, rank, max(1, workers)
         self.batch_size, self.buffer, self.gpu = batch_size, buffer, gpu
         self.unit = unit or world * batch_size
@@ -71,7 +73,8 @@ class ShardStream(IterableDataset[Part]):
     def plan(self, worker: int) -> WorkerPlan:
         return worker_plan(self.shards, train=self.recipe.train, seed=self.seed, epoch=self.epoch,
                            world=self.world, rank=self.rank, workers=self.workers, worker=worker,
-                           batch_size=self.batch_size, window=self.buffer, unit=self.unit, start=self.start_batch)
+                           batch_size=self.batch_size, window=self.buffer, unit=self.unit, start=self.start_batch,
+                           by_piece=self.by_piece)
 
     def rank_batches(self) -> int:
         return rank_batches(self.shards.total, self.world, self.batch_size, self.unit)
@@ -80,12 +83,13 @@ class ShardStream(IterableDataset[Part]):
         info = get_worker_info()
         if (info.num_workers if info is not None else 1) != self.workers:
             raise RuntimeError("ShardStream built for a different number of loader workers")
-        # DataLoader collects worker v's items at turns v, v + L...: every worker sends one part
-        # of each batch from start_batch on, so batch start_batch + k is items k x L .. k x L + L - 1.
+        # DataLoader collects worker v's items at turns v, v + L...: by piece, every worker sends
+        # one part of each batch from start_batch on, so batch start_batch + k is items k x L ..
+        # k x L + L - 1; by batch, worker v sends whole batches start_batch + v, + v + L...
         plan = self.plan(info.id if info is not None else 0)
         reader = _Reader(self, plan.wanted())
         try:
-            for k, part in enumerate(plan.parts(), self.start_batch):
+            for k, part in plan.parts():
                 got = [(at, self._decode(reader.take(sample))) for at, sample in part]
                 skipped_at = [at for at, item in got if isinstance(item, Skip)]
                 yield Part(k, [at for at, item in got if not isinstance(item, Skip)],
@@ -197,14 +201,14 @@ def _loader(stream: ShardStream, workers: int, pin: bool) -> DataLoader[Any]:
 
 
 class _Merged:
-    """A ShardStream's DataLoader yielding whole batches: each batch's parts, one per loader worker
-    (consecutive items, DataLoader's round robin), merged in the main process. With one worker or
-    none a part is the whole batch and the DataLoader pins it; with more the merge writes the batch
-    into pinned memory itself (the same one copy)."""
+    """A ShardStream's DataLoader yielding whole batches. Workers splitting pieces send each batch
+    in parts, one per worker (consecutive items, DataLoader's round robin), merged here in the main
+    process, which writes the batch into pinned memory itself; otherwise (whole batches per worker,
+    or one worker) a part is the whole batch and the DataLoader pins it (the same one copy)."""
 
     def __init__(self, stream: ShardStream, workers: int, pin: bool) -> None:
         self.num_workers = workers  # batches.start_workers reads it
-        self.split, self.pin = workers > 1, pin
+        self.split, self.pin = workers > 1 and stream.by_piece, pin
         self.loader = _loader(stream, workers, pin and not self.split)
 
     def __iter__(self) -> Iterator[HostBatch]:
