@@ -5,9 +5,7 @@ checkpoint 25" lands anywhere on a loaded machine). With ``RT_TEST_HOLD="<step>:
 the workers' environment (the driver forwards it, runtime.launch.setup.WORKER_ENV), each rank,
 at the boundary of ``<step>``, writes ``<folder>/held_<step>_rank<r>`` and waits until
 ``<folder>/release`` exists; then the boundary goes on (the preemption check, saves, the report).
-``"<step>@<rank>:<folder>"`` holds that rank alone: its peers go on into the boundary's all-reduce
-and wait there for it (a hung rank, named by runtime.observe.hangs). Unset, nothing is read at
-any step. Never set outside tests.
+Unset, nothing is read at any step. Never set outside tests.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ def held_file(folder: Path, step: int, rank: int) -> Path:
 class StepHold:
     step: int
     folder: Path
-    rank: int | None = None  # None: every rank
 
     @classmethod
     def from_env(cls) -> StepHold | None:
@@ -39,15 +36,14 @@ class StepHold:
         value = os.environ.get(HOLD_ENV, "")
         if not value:
             return None
-        where, sep, folder = value.partition(":")
-        step, at, rank = where.partition("@")
-        if not sep or not step.isdigit() or not folder or (at and not rank.isdigit()):
-            raise ValueError(f"{HOLD_ENV}={value!r}: expected '<step>:<folder>' or '<step>@<rank>:<folder>'")
-        return cls(int(step), Path(folder), int(rank) if at else None)
+        step, sep, folder = value.partition(":")
+        if not sep or not step.isdigit() or not folder:
+            raise ValueError(f"{HOLD_ENV}={value!r}: expected '<step>:<folder>'")
+        return cls(int(step), Path(folder))
 
     def wait(self, step: int, rank: int) -> None:
         """At ``self.step``: announce this rank is held, then wait for the release file."""
-        if step != self.step or self.rank not in (None, rank):
+        if step != self.step:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         held_file(self.folder, step, rank).touch()
