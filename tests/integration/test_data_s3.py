@@ -1,9 +1,15 @@
-"""Tar shards streamed from a real S3-compatible server on loopback (moto_server), no staging."""
+"""Tar shards streamed from a real S3-compatible server on loopback (moto_server), no staging; the
+server's own request recorder counts the downloads an epoch makes."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import urllib.request
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import boto3
 import pytest
@@ -24,8 +30,10 @@ BUCKET = "datasets"
 @pytest.fixture(scope="module")
 def s3_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """48 one-image classes packed into shards of 5 and uploaded under s3://datasets/tiny."""
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "MOTO_RECORDER_FILEPATH")}
     os.environ.update(CREDENTIALS)
+    # where the server's request recorder writes (started and stopped by shard_gets)
+    os.environ["MOTO_RECORDER_FILEPATH"] = str(tmp_path_factory.mktemp("moto") / "requests.jsonl")
     proc, endpoint = start_moto_server(free_port(), buckets=[BUCKET])
     try:
         src = tmp_path_factory.mktemp("src")
@@ -49,8 +57,8 @@ def s3_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def cfg(endpoint: str, path: str = f"s3://{BUCKET}/tiny", **kw: object) -> DataConfig:
-    return DataConfig(source="shards", path=path, endpoint_url=endpoint, image_size=8, batch_size=4,
-                      shuffle_buffer=6, **kw)  # type: ignore[arg-type]
+    settings: dict[str, object] = {"image_size": 8, "batch_size": 4, "shuffle_buffer": 6, **kw}
+    return DataConfig(source="shards", path=path, endpoint_url=endpoint, **settings)  # type: ignore[arg-type]
 
 
 def test_every_sample_is_read_once_per_epoch_across_two_ranks_from_s3(s3_shards: str) -> None:
@@ -90,3 +98,49 @@ def test_s3_paths_without_shards_are_refused_with_a_clear_message(s3_shards: str
     with pytest.raises(ConfigError, match=message):
         file_loaders(cfg(s3_shards, path=path), 1, 0, on_gpu=False)
 
+
+@contextlib.contextmanager
+def shard_gets(endpoint: str) -> Iterator[Counter[str]]:
+    """GET requests for tar shards the server answers inside the block, by key (moto's recorder),
+    in the Counter given, filled when the block ends."""
+    def recorder(what: str, method: str = "POST") -> bytes:
+        req = urllib.request.Request(f"{endpoint}/moto-api/recorder/{what}", method=method)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return bytes(r.read())
+
+    gets: Counter[str] = Counter()
+    recorder("reset-recording")
+    recorder("start-recording")
+    try:
+        yield gets
+    finally:
+        recorder("stop-recording")
+    requests = [json.loads(line) for line in recorder("download-recording", "GET").decode().splitlines() if line]
+    gets.update(r["url"].partition(f"/{BUCKET}/")[2] for r in requests
+                if r["method"] == "GET" and r["url"].endswith(".tar"))
+
+
+def test_a_rank_downloads_each_of_its_shard_pieces_once_per_epoch_whatever_its_loader_workers(
+        s3_shards: str, tmp_path: Path) -> None:
+    # 480 one-image classes in 12 shards of 40; each of the 48 readers holds 10 samples, so at 4
+    # ranks rank 0 reads one piece of each shard, and every batch of 12 takes one sample of each
+    # of its 12 readers: before, each loader worker streamed all 12 (12 x workers GETs).
+    src = tmp_path / "src"
+    for i in range(480):
+        d = src / "train" / f"c{i:03d}"
+        d.mkdir(parents=True)
+        Image.new("RGB", (10 + i % 4, 10), (i % 256, 255 - i % 256, 40)).save(d / "a.jpg")
+    pack(src, tmp_path / "many", shard_size=40)
+    s3 = boto3.client("s3", endpoint_url=s3_shards)
+    for f in sorted(p for p in (tmp_path / "many").rglob("*") if p.is_file()):
+        s3.upload_file(str(f), BUCKET, f"many/{f.relative_to(tmp_path / 'many')}")
+    epochs: dict[int, list[int]] = {}
+    for workers in (1, 2, 4):
+        loaders = file_loaders(cfg(s3_shards, path=f"s3://{BUCKET}/many", batch_size=12, shuffle_buffer=96,
+                                   loader_workers=workers), 4, 0, on_gpu=False)
+        loaders.train.set_position(3, 0)
+        with shard_gets(s3_shards) as gets:
+            epochs[workers] = [label for _, y in loaders.train for label in y.tolist()]
+        assert gets == Counter({f"many/train/{i:06d}.tar": 1 for i in range(12)}), (workers, gets)
+    assert len(epochs[1]) == len(set(epochs[1])) == 120  # 480 samples / 4 ranks
+    assert epochs[2] == epochs[4] == epochs[1]  # the same batches in the same order
