@@ -202,3 +202,56 @@ def test_index_negative_sample_count_is_refused_naming_the_entry(shards: Path, t
     (planted / "index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=r"index.json: splits.val\[0\].samples is -3; expected a sample count >= 0"):
         file_loaders(DataConfig(source="shards", path=str(planted), batch_size=2), 1, 0, on_gpu=False)
+
+
+def _garble(tar: Path, every: int) -> None:
+    """Rewrite ``tar`` with every ``every``-th image member's bytes replaced by text (an undecodable sample)."""
+    with tarfile.open(tar) as tf:
+        members = [(m, tf.extractfile(m).read()) for m in tf]  # type: ignore[union-attr]
+    with tarfile.open(tar, "w") as tf:
+        for k, (m, data) in enumerate(members):
+            if m.name.endswith(".jpg") and k // 2 % every == 0:
+                data = b"not a jpeg " * 20
+                m.size = len(data)
+            tf.addfile(m, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("gpu", [False, True])  # crops decoded by the workers, or JPEG bytes for nvJPEG
+def test_workers_splitting_pieces_make_the_same_batches_as_workers_making_whole_batches(
+        shards: Path, tmp_path: Path, gpu: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Object stores' mode (each piece read by one loader worker, the batch merged from every
+    worker's part) against local files' (whole batches per worker), read from the same files:
+    byte-identical batches, the same samples skipped in the same order."""
+    import shutil
+
+    from runtime.data.batches import recipes
+    from runtime.data.shards.store import open_store
+    from runtime.data.shards.stream import ShardLoader, ShardStream
+    from runtime.data.shards.tars import load_index
+
+    garbled = tmp_path / "garbled"
+    shutil.copytree(shards, garbled)
+    _garble(garbled / "train/000001.tar", 3)
+    store = open_store(str(garbled))
+    train_set = load_index(store).splits["train"]
+    recipe = recipes(DataConfig(source="shards", path=str(garbled), image_size=8))[0]
+    runs = []
+    for by_piece, workers in ((False, 2), (True, 3)):
+        stream = ShardStream(store, train_set, recipe, seed=0, world=2, rank=1, workers=workers, batch_size=4,
+                             buffer=8, gpu=gpu, by_piece=by_piece)
+        loader = ShardLoader(stream, workers, pin=False)
+        loader.set_position(2, 1)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="runtime.data"):
+            batches = list(loader)
+        runs.append((batches, loader.skipped, [r.getMessage().split(" (")[0] for r in caplog.records]))
+    (whole, whole_skipped, whole_log), (merged, merged_skipped, merged_log) = runs
+    assert len(whole) == len(merged) == 4 and whole_skipped == merged_skipped > 0 and whole_log == merged_log
+    for (x, y), (mx, my) in zip(whole, merged, strict=True):
+        assert torch.equal(y, my)
+        if gpu:
+            assert torch.equal(x.data, mx.data) and torch.equal(x.decoded, mx.decoded)
+            assert (x.offsets, x.boxes, x.flips, x.names, x.decoded_at) == (
+                mx.offsets, mx.boxes, mx.flips, mx.names, mx.decoded_at)
+        else:
+            assert torch.equal(x, mx) and x.stride() == mx.stride()  # NCHW over an NHWC buffer, as collated
