@@ -177,8 +177,9 @@ class Held:
 
 
 def _log_action(signal: str, result: str, node: str, deadline_s: int) -> None:
-    LOG.info(json.dumps({"event": "action", "action": "drain", "signal": signal, "result": result,
-                         "node": node, "deadline_s": deadline_s}))
+    # The first four fields as the service's own action lines (and the tests reading them) have them.
+    LOG.info(json.dumps({"event": "action", "action": "drain", "result": result, "node": node,
+                         "signal": signal, "deadline_s": deadline_s}))
 
 
 def hold_out(drainer: Drainer, address: str, held: Held | None, deadline_s: int, errors: Errors) -> Held | None:
