@@ -112,3 +112,46 @@ def test_a_world_size_dividing_the_readers_reads_each_shard_on_one_rank_but_wher
         assert min(len({s for s, _, _ in b}) for p in plans for b in p.batches) >= 2  # a batch mixes shards
     # 120 shards cut into 48 readers of 250 samples: 24 shards are split between two readers.
     assert sum(map(len, read)) <= 120 + 24
+
+
+def test_a_ranks_loader_workers_read_each_piece_once_holding_their_share_of_the_shuffle_buffer(
+        tmp_path: Path) -> None:
+    """Object stores' mode: the rank's pieces (a shard's samples in one reader) split among its
+    loader workers, each read by one; what the workers hold read ahead together stays within
+    data.shuffle_buffer / W samples, and a piece's stream closes after its last sample."""
+    from runtime.data.batches import recipes
+    from runtime.data.shards.plan import OPEN_SHARDS
+    from runtime.data.shards.store import open_store
+    from runtime.data.shards.stream import PieceReader, ShardStream
+    from runtime.data.shards.tars import load_index
+
+    # 480 samples in shards of 2: each of the 48 readers holds 10 samples from 5 or 6 pieces, more
+    # than the OPEN_SHARDS it reads side by side. 4 ranks: rank 3 reads 12 readers.
+    pack(one_image_per_class_tree(tmp_path / "src", 480), tmp_path / "out", shard_size=2)
+    store = open_store(str(tmp_path / "out"))
+    recipe = recipes(DataConfig(source="shards", path=str(tmp_path / "out"), image_size=8))[0]
+    world, workers, buffer = 4, 3, 480
+    stream = ShardStream(store, load_index(store).splits["train"], recipe, seed=0, world=world, rank=3,
+                         workers=workers, batch_size=12, buffer=buffer, gpu=False, by_piece=True)
+    stream.epoch = 1
+    held, opened = 0, 0
+    mine: list[frozenset[tuple[int, int]]] = []
+    taken: list[int] = []
+    for v in range(workers):
+        plan = stream.plan(v)
+        reader = PieceReader(stream, plan.wanted())
+        most_held = most_open = 0
+        for _, part in plan.parts():
+            for _, sample in part:
+                item = reader.take(sample)
+                taken.append(int(item[1]["cls"]))
+                most_held, most_open = max(most_held, len(reader.held)), max(most_open, len(reader.open))
+        assert not reader.open
+        held, opened = held + most_held, opened + most_open
+        assert plan.mine is not None
+        mine.append(plan.mine)
+    pieces = {(s, j) for batch in stream.plan(0).batches for s, _, j in batch}
+    assert len(pieces) == 60 and sum(map(len, mine)) == 60 and set().union(*mine) == pieces  # each by one worker
+    assert sorted(taken) == sorted(set(taken)) and len(taken) == 480 // world
+    assert held <= buffer // world
+    assert opened <= (READERS // world) * OPEN_SHARDS < len(pieces)

@@ -87,7 +87,7 @@ class ShardStream(IterableDataset[Part]):
         # one part of each batch from start_batch on, so batch start_batch + k is items k x L ..
         # k x L + L - 1; by batch, worker v sends whole batches start_batch + v, + v + L...
         plan = self.plan(info.id if info is not None else 0)
-        reader = _Reader(self, plan.wanted())
+        reader = PieceReader(self, plan.wanted())
         try:
             for k, part in plan.parts():
                 got = [(at, self._decode(reader.take(sample))) for at, sample in part]
@@ -144,7 +144,7 @@ class ShardStream(IterableDataset[Part]):
         return collate_crops(samples, self.recipe.size)
 
 
-class _Reader:
+class PieceReader:
     """A worker's samples on request, each of its pieces read front to back once: opened at its
     first request, read up to the sample asked for, closed after its last. Samples read on the way
     are held until asked for: the readers' windows bound what a rank's workers hold together to
