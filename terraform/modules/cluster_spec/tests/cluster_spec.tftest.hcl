@@ -71,6 +71,11 @@ run "good_spec_renders_inventory_groups_and_host_vars" {
   }
 
   assert {
+    condition     = yamldecode(output.inventory).all.children.gpu_workers.hosts["train-a-spot-00"].spot_agent_enabled == true
+    error_message = "a spot pool's worker must run the spot agent (spot_agent_enabled: true); on-demand workers carry no such variable (the exact host vars above)"
+  }
+
+  assert {
     condition     = yamldecode(output.inventory).all.children.head.hosts["train-a-head"].ray_node_ip_address == "10.42.0.10" && yamldecode(output.inventory).all.children.head.hosts["train-a-head"].ray_num_gpus == 0
     error_message = "the head must advertise its private address to Ray and no GPUs"
   }
@@ -106,9 +111,9 @@ run "inventory_variables_follow_the_role_prefix_convention" {
         keys(yamldecode(output.inventory).all.children.monitoring.vars),
         flatten([for h in values(yamldecode(output.inventory).all.children.gpu_workers.hosts) : keys(h)]),
         keys(yamldecode(output.inventory).all.children.head.hosts["train-a-head"]),
-      ) : can(regex("^(ansible|ray|nvidia_driver|nccl|prometheus|mlflow|node_exporter|dcgm_exporter|grafana|common|log_shipping)_", k))
+      ) : can(regex("^(ansible|ray|nvidia_driver|nccl|prometheus|mlflow|node_exporter|dcgm_exporter|grafana|common|log_shipping|spot_agent)_", k))
     ])
-    error_message = "every inventory variable must start with ansible_ or a role prefix (ray_, nvidia_driver_, nccl_, prometheus_, mlflow_, node_exporter_, dcgm_exporter_, grafana_, common_, log_shipping_)"
+    error_message = "every inventory variable must start with ansible_ or a role prefix (ray_, nvidia_driver_, nccl_, prometheus_, mlflow_, node_exporter_, dcgm_exporter_, grafana_, common_, log_shipping_, spot_agent_)"
   }
 }
 
