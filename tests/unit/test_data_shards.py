@@ -255,3 +255,38 @@ def test_workers_splitting_pieces_make_the_same_batches_as_workers_making_whole_
                 mx.offsets, mx.boxes, mx.flips, mx.names, mx.decoded_at)
         else:
             assert torch.equal(x, mx) and x.stride() == mx.stride()  # NCHW over an NHWC buffer, as collated
+
+
+def test_merging_parts_stops_with_its_reader_and_hands_it_a_workers_error(shards: Path) -> None:
+    """The thread merging parts (object stores' mode) ends when the loop reading batches leaves
+    early, and an error in a loader worker reaches that loop, not the thread."""
+    import threading
+
+    from runtime.data.batches import recipes
+    from runtime.data.shards.store import open_store
+    from runtime.data.shards.stream import ShardLoader, ShardStream
+    from runtime.data.shards.tars import load_index
+
+    store = open_store(str(shards))
+    recipe = recipes(DataConfig(source="shards", path=str(shards), image_size=8))[0]
+
+    def loader(stream_workers: int, loader_workers: int) -> ShardLoader:
+        stream = ShardStream(store, load_index(store).splits["train"], recipe, seed=0, world=1, rank=0,
+                             workers=stream_workers, batch_size=4, buffer=8, gpu=False, by_piece=True)
+        return ShardLoader(stream, loader_workers, pin=False)
+
+    def mergers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "shard-batch-merge"]
+
+    for i, _ in enumerate(loader(2, 2)):
+        assert mergers()
+        if i == 1:
+            break
+    for t in mergers():
+        t.join(30)  # a hang guard: it leaves at its next part or within parts.POLL_S
+    assert not mergers()
+    with pytest.raises(RuntimeError, match="ShardStream built for a different number of loader workers"):
+        list(loader(3, 2))
+    for t in mergers():
+        t.join(30)  # it returns right after handing the error over
+    assert not mergers()

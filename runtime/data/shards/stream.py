@@ -42,7 +42,7 @@ from runtime.data.images import (
     sample_rng,
 )
 from runtime.data.order import check_epoch
-from runtime.data.shards.parts import Part, merge_parts
+from runtime.data.shards.parts import Part, merged_batches
 from runtime.data.shards.plan import Piece, Sample, ShardSet, WorkerPlan, rank_batches, worker_plan
 from runtime.data.shards.store import INDEX, READ_ERRORS, Store, open_store, read_errors
 from runtime.data.shards.tars import IMAGE_MEMBERS, load_index, read_shard, sample_image, sample_label
@@ -202,9 +202,9 @@ def _loader(stream: ShardStream, workers: int, pin: bool) -> DataLoader[Any]:
 
 class _Merged:
     """A ShardStream's DataLoader yielding whole batches. Workers splitting pieces send each batch
-    in parts, one per worker (consecutive items, DataLoader's round robin), merged here in the main
-    process, which writes the batch into pinned memory itself; otherwise (whole batches per worker,
-    or one worker) a part is the whole batch and the DataLoader pins it (the same one copy)."""
+    in parts, one per worker, merged in the main process by a thread that writes the batch into
+    pinned memory itself (parts.merged_batches); otherwise (whole batches per worker, or one
+    worker) a part is the whole batch and the DataLoader pins it (the same one copy)."""
 
     def __init__(self, stream: ShardStream, workers: int, pin: bool) -> None:
         self.num_workers = workers  # batches.start_workers reads it
@@ -212,15 +212,10 @@ class _Merged:
         self.loader = _loader(stream, workers, pin and not self.split)
 
     def __iter__(self) -> Iterator[HostBatch]:
-        parts = iter(self.loader)  # here, not in the generator: start_workers forks with the collector frozen
-        return self._batches(parts)
-
-    def _batches(self, parts: Iterator[Part]) -> Iterator[HostBatch]:
-        if not self.split:
-            yield from (part.host for part in parts)
-            return
-        for group in zip(*[parts] * self.num_workers, strict=False):
-            yield merge_parts(list(group), self.pin)
+        parts = iter(self.loader)  # here, not in a generator: start_workers forks with the collector frozen
+        if self.split:
+            return merged_batches(parts, self.num_workers, self.pin)
+        return (part.host for part in parts)
 
 
 class ShardLoader(Batches):
