@@ -255,6 +255,15 @@ def test_workers_splitting_pieces_make_the_same_batches_as_workers_making_whole_
                 mx.offsets, mx.boxes, mx.flips, mx.names, mx.decoded_at)
         else:
             assert torch.equal(x, mx) and x.stride() == mx.stride()  # NCHW over an NHWC buffer, as collated
+    if not gpu:  # validation: every sample once, in order, in both modes
+        val_set = load_index(store).splits["val"]
+        val_recipe = recipes(DataConfig(source="shards", path=str(garbled)))[1]
+        labels = []
+        for by_piece, workers in ((False, 2), (True, 3)):
+            stream = ShardStream(store, val_set, val_recipe, seed=0, world=2, rank=0, workers=workers, batch_size=2,
+                                 buffer=8, gpu=False, by_piece=by_piece)
+            labels.append([label for _, y in ShardLoader(stream, workers, pin=False) for label in y.tolist()])
+        assert labels[0] == labels[1] == list(range(5))  # rank 0's 5 of 11, in batches of 2
 
 
 def test_merging_parts_stops_with_its_reader_and_hands_it_a_workers_error(shards: Path) -> None:
