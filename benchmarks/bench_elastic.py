@@ -39,7 +39,7 @@ SETTLE_S = float(os.environ.get("BENCH_ELASTIC_SETTLE_S", "0"))
 def _measure(cluster_dir: Path, storage: Path) -> dict[str, Any]:
     from runtime import cluster as rc
     from runtime.config import load_job
-    from runtime.launch.driver import StreamingFit
+    from runtime.launch.stream import StreamingFit
     from runtime.run import PREEMPT_FILE
 
     cfg = load_job("digits_smoke", [

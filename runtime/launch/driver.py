@@ -22,9 +22,9 @@ from runtime.config import JobConfig, validate_run_name
 from runtime.launch.attempts import Attempts, Phase
 from runtime.launch.elastic import record_resize, resize_line
 from runtime.launch.runlock import RunLock
-from runtime.launch.setup import connect, default_run_name, resolve_use_gpu
+from runtime.launch.setup import connect, default_run_name
 from runtime.launch.signals import StopSignals
-from runtime.launch.stream import InProcessFit, StreamingFit, runs_in_process
+from runtime.launch.stream import StreamingFit
 from runtime.layout import storage_paths
 from runtime.observe import traces
 from runtime.observe.history import CURVES_FILE, HistoryLog, read_history
@@ -197,6 +197,4 @@ def outcome_summary(outcome: TrainOutcome) -> str:
 
 
 
-# The launch package's public names: the CLI, Tune and the Python API import them from here.
-__all__ = ["ClusterError", "InProcessFit", "StreamingFit", "TrainOutcome", "connect", "default_run_name",
-           "outcome_summary", "resolve_use_gpu", "runs_in_process", "train"]
+__all__ = ["ClusterError", "TrainOutcome", "connect", "default_run_name", "outcome_summary", "train"]

@@ -118,7 +118,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     from ray import tune as rt
 
     from runtime.cluster import tracking_uri
-    from runtime.launch.driver import connect, resolve_use_gpu
+    from runtime.launch.setup import connect, resolve_use_gpu
     from runtime.observe.tracking import Tracker
 
     spec = parse_tune(cfg)

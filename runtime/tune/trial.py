@@ -3,7 +3,7 @@
 Each trial is a Tune *function trainable*. A multi-worker trial launches one Ray Train
 ``TorchTrainer`` (Ray 2.60's Tune + Train V2 pattern): the trial itself asks for almost no CPU,
 its Train workers take the resources of the job's ``distributed`` section. A one-worker trial
-trains in its own process instead (runtime.launch.driver.InProcessFit) and reserves its worker's
+trains in its own process instead (runtime.launch.stream.InProcessFit) and reserves its worker's
 resources: same loop, same checkpoints, none of Train's start-up.
 
 Reports reach Tune through :class:`TrialRun`, which relays rank 0's reports (streamed to the
@@ -64,7 +64,7 @@ def trial_resources(tc: TuneConfig, cfg: JobConfig, use_gpu: bool) -> dict[str, 
     """What a trial's process reserves: a trial that trains in its own process (one worker) also
     reserves its worker's; one that starts a Train run reserves only its driver's (its workers ask
     for their own)."""
-    from runtime.launch.driver import runs_in_process
+    from runtime.launch.stream import runs_in_process
 
     out = {"CPU": tc.trial_cpus, "memory": tc.trial_memory_mb * 2**20}
     if runs_in_process(cfg):
@@ -80,7 +80,7 @@ def reuses_processes(spec: TuneSpec) -> bool:
     (one Python start and torch import less per trial; a stopped one cancels its rank first,
     TrialRun.run). A trial that starts a Train run does not: its run would outlive the trial in
     a reused process. Decided for the whole search, so no searched key may change the worker count."""
-    from runtime.launch.driver import runs_in_process
+    from runtime.launch.stream import runs_in_process
 
     return runs_in_process(spec.job) and not any(k.startswith("distributed.") for k in spec.tune.space)
 
@@ -265,7 +265,7 @@ class TrialRun:
         self.runner = ""  # "process" (the loop runs here) or "train" (a Ray Train run), decided in run()
 
     def run(self) -> None:
-        from runtime.launch.driver import InProcessFit, StreamingFit, runs_in_process
+        from runtime.launch.stream import InProcessFit, StreamingFit, runs_in_process
         from runtime.observe.tracking import Tracker
         from runtime.run import TrainOutcome
 
