@@ -5,12 +5,13 @@ Resume (``set_position(epoch, b)``) at any world size and any data.loader_worker
 order does not depend on either, and b batches on each of W ranks are its first b x W x
 data.batch_size positions, the trainer's count of global samples consumed; so batches b, b+1...
 continue the order with nothing repeated or skipped (at the same size they are bit for bit
-those of an uninterrupted run: a sample's crop is seeded by its key). A rank's loader workers
-split its pieces (a shard's samples in one reader, plan.assign_pieces): each worker reads its
-pieces front to back, once, and sends its part of every batch; parts.py puts them together.
-So a rank reads each of its pieces once per epoch whatever data.loader_workers is: on an object
-store, one streaming download each (a split shard's second piece streams past the first's
-samples). A rank's shards are its 1/W of the set when W divides plan.READERS (else more).
+those of an uninterrupted run: a sample's crop is seeded by its key). On an object store a
+rank's loader workers split its pieces (a shard's samples in one reader, plan.assign_pieces):
+each worker reads its pieces front to back, once, and sends its part of every batch, which
+parts.py puts together; so a rank downloads each of its pieces once per epoch whatever
+data.loader_workers is (a split shard's second piece streams past the first's samples). From
+local files, where a stream seeks over what it does not want, each worker makes whole batches.
+A rank's shards are its 1/W of the set when W divides plan.READERS (else more).
 Unreadable samples (corrupt image, missing member, truncated shard) are dropped from their
 batch, counted and named.
 """
