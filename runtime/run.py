@@ -96,6 +96,15 @@ class Resized:
     at: float  # unix time
 
 
+@dataclass(frozen=True)
+class RankHang:
+    """Rank 0 named a hung rank, or the hang ended (runtime.train.hangwatch): sent while the loop
+    may itself be waiting, so it is an event of its own, not a report."""
+
+    line: str  # one console line (runtime.observe.hangs)
+    at: float  # unix time
+
+
 # ---------------------------------------------------------------- worker <-> driver contracts
 # What crosses the process boundary between the driver (runtime.launch) and the workers
 # (runtime.train): dataclasses, versioned by their fields, never dicts told apart by keys.

@@ -24,7 +24,7 @@ from runtime.config import JobConfig, preflight
 from runtime.launch.elastic import Release, give_back, resize_line
 from runtime.launch.setup import build_trainer, new_run, resolve_use_gpu
 from runtime.observe import traces
-from runtime.run import Report, Resized, RunInfo, WorkerGroupFailed
+from runtime.run import RankHang, Report, Resized, RunInfo, WorkerGroupFailed
 from runtime.train import drain
 from runtime.train.worker import run_rank
 
@@ -87,6 +87,9 @@ class ReportStream:
                     self.on_resize(item, self.last_step, self.resizes)
                 else:
                     log.warning(resize_line(item, self.last_step))
+                continue
+            if isinstance(item, RankHang):  # rank 0's hang watch, sent while the loop may be waiting
+                log.warning(item.line)
                 continue
             if isinstance(item, WorkerGroupFailed):  # from the controller (FailureNotices)
                 if on_event is not None:

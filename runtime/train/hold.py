@@ -5,7 +5,9 @@ checkpoint 25" lands anywhere on a loaded machine). With ``RT_TEST_HOLD="<step>:
 the workers' environment (the driver forwards it, runtime.launch.setup.WORKER_ENV), each rank,
 at the boundary of ``<step>``, writes ``<folder>/held_<step>_rank<r>`` and waits until
 ``<folder>/release`` exists; then the boundary goes on (the preemption check, saves, the report).
-Unset, nothing is read at any step. Never set outside tests.
+``"<step>@<rank>:<folder>"`` holds that rank alone: its peers go on into the boundary's all-reduce
+and wait there for it (a hung rank, named by runtime.observe.hangs). Unset, nothing is read at
+any step. Never set outside tests.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def held_file(folder: Path, step: int, rank: int) -> Path:
 class StepHold:
     step: int
     folder: Path
+    rank: int | None = None  # None: every rank
 
     @classmethod
     def from_env(cls) -> StepHold | None:
@@ -36,14 +39,15 @@ class StepHold:
         value = os.environ.get(HOLD_ENV, "")
         if not value:
             return None
-        step, sep, folder = value.partition(":")
-        if not sep or not step.isdigit() or not folder:
-            raise ValueError(f"{HOLD_ENV}={value!r}: expected '<step>:<folder>'")
-        return cls(int(step), Path(folder))
+        where, sep, folder = value.partition(":")
+        step, at, rank = where.partition("@")
+        if not sep or not step.isdigit() or not folder or (at and not rank.isdigit()):
+            raise ValueError(f"{HOLD_ENV}={value!r}: expected '<step>:<folder>' or '<step>@<rank>:<folder>'")
+        return cls(int(step), Path(folder), int(rank) if at else None)
 
     def wait(self, step: int, rank: int) -> None:
         """At ``self.step``: announce this rank is held, then wait for the release file."""
-        if step != self.step:
+        if step != self.step or self.rank not in (None, rank):
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         held_file(self.folder, step, rank).touch()

@@ -20,7 +20,7 @@ from typing import Any
 
 from runtime.checkpoint import CheckpointRef
 from runtime.observe.catalog import reported_gauges
-from runtime.run import DrainNotice, Report, RunInfo, StopReason
+from runtime.run import DrainNotice, RankHang, Report, RunInfo, StopReason
 
 log = logging.getLogger("runtime.train")
 
@@ -70,6 +70,17 @@ class Reporter:
             self._stream(report, wait=final)
         if final or self.report_all:
             self.report_fn(report.flat(sent_at=False))  # no checkpoint: see the module's docstring
+
+    def hang(self, line: str) -> None:
+        """Rank 0's hang watch (its own thread): a line for the driver's console now, past the reports
+        in the outbox, which may be waiting behind the hang. Not in a lockstep Tune trial, whose
+        one-slot queue holds reports only, nor to an in-process caller (one rank: no peer to wait for)."""
+        if self.rank != 0 or self.progress is None or self.lockstep or isinstance(self.progress, queue.Queue):
+            return
+        try:
+            self.progress.put(RankHang(line, time.time()), timeout=5)
+        except Exception as e:  # the driver's console must never stop the watch
+            log.warning("could not send the hang notice to the driver: %s", e)
 
     def _export(self, metrics: dict[str, Any], comm_seconds: float) -> None:
         g = self.gauges

@@ -41,6 +41,7 @@ from runtime.run import PREEMPTED, DrainNotice, RunInfo, StopReason
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import DevicePrefetcher, host_batches, make_stage
 from runtime.train.evaluator import Evaluator
+from runtime.train.hangwatch import HangWatch, process_group_store
 from runtime.train.hold import StepHold
 from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import MicroBatcher, describe
@@ -152,6 +153,11 @@ class Trainer(OptimizerStep):
         self.checkpoints = build_checkpointer(cfg, run, self.gauges)
         self.reporter = Reporter(self.rank, self.world, run, progress, lockstep, self.gauges, self.checkpoints,
                                  report_fn or ray.train.report, report_all=not self.in_ray)
+        # Every rank publishes where it is in its step; rank 0 names one its peers wait for (observe.hangs).
+        warn_s, store = cfg.distributed.hang_warning_s(), process_group_store() if self.distributed else None
+        self.hang_watch = (HangWatch(store, self.rank, self.world, self.hosts, warn_s, lambda: self.stats.progress,
+                                     self.reporter.hang).start()
+                           if store is not None and self.world > 1 and warn_s > 0 else None)
         # The components: each decides its own cadence; fit asks them after every step.
         self.stop = StopPolicy(tc, self.total_steps, run.run_dir, build_cost_watch(cfg, run, self.rank, self.world),
                                checkpoint_at=cfg.checkpoint.at_steps, cancel=cancel,
@@ -367,6 +373,9 @@ class Trainer(OptimizerStep):
         return h.hexdigest()
 
     def close(self) -> None:
+        watch = getattr(self, "hang_watch", None)  # None until built, and when off
+        if watch is not None:
+            watch.stop()
         if getattr(self, "prefetcher", None) is not None:  # fit() ran: stop its producer thread
             self.prefetcher.close()
         self.checkpointer.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from runtime.config.base import MAX_WAIT_S, MAX_WORKERS, Strict
 
@@ -73,6 +73,10 @@ class DistributedConfig(Strict):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     timeout_s: int = Field(120, ge=5, le=MAX_WAIT_S,
                            description="Collective timeout: a dead peer fails the step, not hangs.")
+    hang_warn_s: float | None = Field(
+        None, ge=0, le=MAX_WAIT_S,
+        description="Rank 0 names a rank its peers have waited this long for (rank, host, where in the step), "
+                    "before the collective timeout fails the step; unset = half of timeout_s, 0 = off.")
     poll_interval_s: float = Field(
         0.5, gt=0, le=60,
         description="How often Ray Train's controller polls the workers: checkpoint registrations, the end "
@@ -120,6 +124,17 @@ class DistributedConfig(Strict):
         """The worker counts a run may have: whole tensor-parallel groups between min and max."""
         step = self.tp_size
         return range(-(-self.min_workers // step) * step, self.max_workers + 1, step)
+
+    def hang_warning_s(self) -> float:
+        """Seconds before a hang is named (0: never): half the collective timeout unless set."""
+        return self.timeout_s / 2 if self.hang_warn_s is None else self.hang_warn_s
+
+    @model_validator(mode="after")
+    def _hang_before_timeout(self) -> DistributedConfig:
+        if self.hang_warn_s and self.hang_warn_s >= self.timeout_s:
+            raise ValueError(f"distributed.hang_warn_s={self.hang_warn_s:g} must be below distributed.timeout_s="
+                             f"{self.timeout_s} (a hang is named before the timeout fails the step), or 0 for off")
+        return self
 
     @field_validator("resources_per_worker")
     @classmethod

@@ -9,21 +9,26 @@ only once the line is there), then rank 1 frozen by SIGSTOP (continued once name
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from runtime.observe.hangs import HangDetector, Point, Progress
 from runtime.observe.host import Host
 from runtime.train.hangwatch import KEY, HangWatch, process_group_store
+from runtime.train.hold import HOLD_ENV, RELEASE_FILE, held_file
 from runtime.train.stats import StepStats
 from tests.support import wait_for
 from tests.support.calibration import scaled
 from tests.support.ranks import spawn_ranks
+from tests.support.trainer import REPORTS_FILE, train_job
 
 HOSTS = [Host("gpu-1", "10.0.0.1"), Host("gpu-2", "10.0.0.2"), Host("gpu-3", "10.0.0.3")]
 
@@ -137,3 +142,53 @@ def test_two_gloo_ranks_name_a_held_rank_then_a_frozen_one_while_rank_0_waits_in
     assert frozen and frozen[0].startswith(f"hang: rank 1 on host {HOSTS[1]} has published no progress for ")
     assert frozen[0].endswith("last in its own part of step 2 (data, forward, backward before the gradient sync))")
     assert seen[-1] == "hang over: rank 1 moved on"
+
+
+def _logged_trainer_rank(rank: int, world: int, folder: Path, overrides: tuple[str, ...]) -> None:
+    """The real trainer as one rank, its ``runtime.train`` log lines in rank<r>.log."""
+    handler = logging.FileHandler(folder / f"rank{rank}.log")
+    logging.getLogger("runtime.train").addHandler(handler)
+    try:
+        reports = train_job("digits_smoke", folder, rank, world, *overrides)
+    finally:
+        logging.getLogger("runtime.train").removeHandler(handler)
+        handler.close()
+    if rank == 0:
+        (folder / REPORTS_FILE).write_text(json.dumps(reports))
+
+
+def test_the_trainer_names_a_rank_held_at_a_boundary_while_rank_0_waits_in_its_all_reduce(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 alone is held at step 8's boundary (``RT_TEST_HOLD=8@1:...``), after its step; rank 0
+    goes on into the boundary's all-reduce. The hold is released only once rank 0 has named rank 1."""
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(HOLD_ENV, f"8@1:{hold}")
+    sets = ("model.name=mlp", "train.max_steps=12", "train.log_every_steps=4", "checkpoint.interval_steps=100",
+            "tracking.mlflow=false", "tracking.prometheus=false", f"distributed.hang_warn_s={scaled(2.0):.1f}")
+    log0 = tmp_path / "rank0.log"
+    failure: list[BaseException] = []
+
+    def ranks() -> None:
+        try:
+            spawn_ranks(_logged_trainer_rank, 2, tmp_path, sets)
+        except BaseException as err:  # reported by the test's own thread below
+            failure.append(err)
+
+    runner = threading.Thread(target=ranks)
+    runner.start()
+    try:
+        wait_for(lambda: log0.exists() and "hang: rank 1" in log0.read_text(), "rank 0 to name rank 1", 180)
+        assert held_file(hold, 8, 1).exists() and not held_file(hold, 8, 0).exists()
+    finally:
+        hold.mkdir(exist_ok=True)
+        (hold / RELEASE_FILE).touch()
+    runner.join(timeout=300)
+    assert not runner.is_alive() and not failure, failure
+    lines = [ln for ln in log0.read_text().splitlines() if ln.startswith("hang")]
+    assert lines[0].startswith(f"hang: rank 1 on host {Host.here()} is still in the gradient sync, optimizer, "
+                               "evaluation or commit of step 8 after ")
+    assert lines[0].endswith("in the boundary all-reduce of step 8") and "rank 0 has waited" in lines[0]
+    assert lines[1:] == ["hang over: rank 1 moved on"]
+    reports = json.loads((tmp_path / REPORTS_FILE).read_text())
+    assert reports[-1]["step"] == 12  # the run went on to its end once released
+    assert not (tmp_path / "rank1.log").read_text().count("hang:")  # only rank 0 judges
