@@ -78,7 +78,7 @@ class TrainOutcome:
 
 @dataclass(frozen=True)
 class WorkerGroupFailed:
-    """Ray Train's controller saw the worker group fail (runtime.launch.driver.FailureNotices)."""
+    """Ray Train's controller saw the worker group fail (runtime.launch.setup.FailureNotices)."""
 
     message: str  # one line naming the dead rank or the error (runtime.observe.progress.failure_line)
     failures: int  # failures so far in this run

@@ -96,7 +96,7 @@ class Progress:
             print(f"[runtime] {text}", file=self.stream, flush=True)
 
     def failure(self, item: WorkerGroupFailed) -> None:
-        """Ray Train's controller saw a worker-group failure (runtime.launch.driver.FailureNotices)."""
+        """Ray Train's controller saw a worker-group failure (runtime.launch.setup.FailureNotices)."""
         self.failures += 1
         count, allowed = item.failures, item.max_failures
         if allowed >= 0 and count > allowed:
