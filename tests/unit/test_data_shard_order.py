@@ -10,7 +10,7 @@ import torch
 
 from runtime.config import DataConfig
 from runtime.data.shards.plan import READERS, ShardSet, epoch_order, window_bounds, worker_plan
-from runtime.data.shards.stream import build_shard_loaders
+from runtime.data.shards.stream import ShardLoader, build_shard_loaders
 from runtime.data.shards.tools import pack
 from tests.unit.test_data_shards import one_image_per_class_tree
 
@@ -27,22 +27,29 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def rank_batches(path: Path, world: int, rank: int, epoch: int, start: int, count: int | None,
-                 workers: int) -> list[list[int]]:
-    """Labels (= sample ids) of ``count`` batches (None: the rest) of ``rank`` from its batch ``start``."""
+                 workers: int, by_piece: bool = False) -> list[list[int]]:
+    """Labels (= sample ids) of ``count`` batches (None: the rest) of ``rank`` from its batch ``start``;
+    ``by_piece``: its loader workers split pieces, as on an object store (local files: whole batches)."""
     cfg = DataConfig(source="shards", path=str(path), image_size=8, batch_size=UNIT // world,
                      loader_workers=workers, shuffle_buffer=WINDOW)
     loaders = build_shard_loaders(cfg, world, rank, on_gpu=False, unit=UNIT)
     assert loaders.batches_per_epoch == USED // UNIT
-    loaders.train.set_position(epoch, start)
+    train = loaders.train
+    if by_piece:
+        stream = loaders.train.stream  # type: ignore[attr-defined]
+        stream.by_piece = True
+        train = ShardLoader(stream, workers, pin=False)
+    train.set_position(epoch, start)
     out: list[list[int]] = []
-    for _, y in loaders.train:
+    for _, y in train:
         if count is not None and len(out) == count:
             break
         out.append(y.tolist())
     return out
 
 
-def read_in_phases(path: Path, epoch: int, phases: list[tuple[int, int | None, int]]) -> list[int | None]:
+def read_in_phases(path: Path, epoch: int, phases: list[tuple[int, int | None, int]],
+                   by_piece: bool = False) -> list[int | None]:
     """The epoch read in phases of (world size, global batches or None: to the end, loader workers),
     each resuming at the global samples consumed so far; every sample put at the position of the
     order its rank's deal says it holds (rank r of W, batch k, i-th sample: k x W x b + r + W x i)."""
@@ -52,7 +59,7 @@ def read_in_phases(path: Path, epoch: int, phases: list[tuple[int, int | None, i
         b = UNIT // world
         start = consumed // (world * b)  # TrainState.reshard: the same global samples, as whole steps
         for rank in range(world):
-            for k, labels in enumerate(rank_batches(path, world, rank, epoch, start, steps, workers), start):
+            for k, labels in enumerate(rank_batches(path, world, rank, epoch, start, steps, workers, by_piece), start):
                 assert len(labels) == b
                 for i, label in enumerate(labels):
                     p = k * world * b + rank + world * i
@@ -71,6 +78,13 @@ def test_an_epoch_resumed_at_other_world_sizes_reads_every_sample_once_in_the_un
     assert resized == uninterrupted
     assert len(set(resized)) == USED and all(0 <= s < N for s in resized)  # type: ignore[operator]
     assert read_in_phases(shards, 2, [(1, None, 0)]) != uninterrupted  # each epoch its own order
+
+
+def test_an_epoch_resumed_at_other_world_sizes_with_workers_splitting_pieces_reads_every_sample_once_in_order(
+        shards: Path) -> None:
+    """As above, with the object stores' loader (each piece read by one worker, batches merged)."""
+    uninterrupted = read_in_phases(shards, 1, [(1, None, 0)])
+    assert read_in_phases(shards, 1, [(4, 3, 2), (2, 2, 3), (3, None, 2)], by_piece=True) == uninterrupted
 
 
 def test_the_order_mixes_many_shards_and_each_reader_reads_its_shards_front_to_back() -> None:
