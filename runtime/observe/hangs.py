@@ -32,12 +32,14 @@ class Point(enum.IntEnum):
     SYNC = 2  # the synced backward's gradient all-reduce, the optimizer, evaluation, a commit's save
     EXCHANGE = 3  # the boundary's all-reduce (metrics and rank 0's flags)
     AFTER = 4  # after the boundary: an interval save, the report
+    DONE = 5  # the rank closed its loop: it waits for no one and no one waits for it
 
     def where(self, step: int) -> str:
         return {Point.LOCAL: f"its own part of step {step} (data, forward, backward before the gradient sync)",
                 Point.SYNC: f"the gradient sync, optimizer, evaluation or commit of step {step}",
                 Point.EXCHANGE: f"the boundary all-reduce of step {step}",
-                Point.AFTER: f"the save or report after step {step}'s boundary"}[self]
+                Point.AFTER: f"the save or report after step {step}'s boundary",
+                Point.DONE: f"its end after step {step}"}[self]
 
 
 @dataclass(frozen=True)
@@ -108,10 +110,11 @@ class HangDetector:
     def _judge(self, now: float) -> tuple[tuple[str, tuple[int, ...], object] | None, str]:
         """The verdict now and its line. A rank is named behind only once it has sat at its point
         for ``warn_s`` too: one that moves, however slowly, is a straggler (runtime.observe.stragglers)."""
-        if len(self._seen) < 2:
+        running = {r: s for r, s in self._seen.items() if s.position[1] != Point.DONE}
+        if len(running) < 2:
             return None, ""
-        silent = sorted(r for r, s in self._seen.items() if now - s.heard >= self.warn_s)
-        live = {r: s for r, s in self._seen.items() if r not in silent}
+        silent = sorted(r for r, s in running.items() if now - s.heard >= self.warn_s)
+        live = {r: s for r, s in running.items() if r not in silent}
         if silent:
             parts = [f"rank {r} on host {self._host(r)} has published no progress for "
                      f"{now - self._seen[r].heard:.0f} s (stopped or frozen; last in "

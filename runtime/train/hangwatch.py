@@ -54,11 +54,19 @@ class HangWatch:
         return self
 
     def stop(self) -> None:
+        """End the thread, then say this rank is done: rank 0, still saving or exporting after its
+        peers closed, must not read their silence as a hang."""
         self._stop.set()
         self._thread.join(timeout=5)
+        try:
+            self._publish(done=True)
+        except Exception as err:  # the group is going away anyway
+            log.debug("hang watch: could not publish the end: %s", err)
 
-    def _publish(self) -> None:
+    def _publish(self, done: bool = False) -> None:
         step, point, entered = self.progress()
+        if done:
+            point, entered = Point.DONE, time.monotonic()
         self._seq += 1
         self.store.set(KEY.format(rank=self.rank),
                        Progress(self._seq, step, point, time.monotonic() - entered).encode())

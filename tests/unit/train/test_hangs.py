@@ -62,6 +62,13 @@ def test_a_rank_whose_publications_stop_is_named_silent_with_where_it_was_last()
         "the save or report after step 7's boundary)"]
 
 
+def test_a_rank_that_closed_its_loop_is_never_named_while_rank_0_goes_on_alone() -> None:
+    """Rank 0 exports the model after the last report while rank 1 has closed: no hang."""
+    d = HangDetector(HOSTS[:2], warn_s=10)
+    assert d.observe(0.0, {0: _at(1, 120, Point.AFTER), 1: _at(1, 120, Point.DONE)}) == []
+    assert d.observe(100.0, {0: _at(9, 120, Point.AFTER, 100), 1: _at(1, 120, Point.DONE)}) == []
+
+
 def test_every_rank_waiting_in_the_boundary_all_reduce_names_the_collective_and_slow_work_is_no_hang() -> None:
     d = HangDetector(HOSTS[:2], warn_s=10)
     long_eval = {0: _at(1, 7, Point.SYNC, 30), 1: _at(1, 7, Point.SYNC, 30)}  # both evaluating for 30 s
