@@ -1,7 +1,7 @@
 """Checkpoints on Google Cloud Storage (``gs://``) and Azure Blob (``az://``) against their real
 emulators on 127.0.0.1: gcp-storage-emulator and Azurite (``make azurite-tools``), one of each per
 module. The same commit protocol as S3 (runtime.checkpoint.objects): save, verify, resume-read,
-re-save and prune; and bad input said in one line."""
+re-save and prune; FSDP2's sharded (DCP) checkpoints from 2 gloo ranks; and bad input said in one line."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointReader, open_storage
 from runtime.checkpoint.cli import main as checkpoints_cli
 from runtime.checkpoint.objects import FsObjectStorage
 from runtime.config.storage import parse_storage
 from tests.support.object_stores import AZURITE_ACCOUNT, AZURITE_KEY, free_port, start_azurite, start_gcs_emulator, stop
+from tests.support.ranks import spawn_ranks
 
 BUCKET = "rt-checkpoints"
 
@@ -150,3 +154,34 @@ def test_ray_train_persists_through_the_path_and_filesystem_the_location_gives(s
     with store.raw("ray").open_input_stream(f"{persisted.path}/state.txt") as src:
         assert src.readall() == b"step 7"
     assert persisted.path == f"{BUCKET}/ray/run-1/checkpoint_1"
+
+
+def _sharded_rank(rank: int, world: int, uri: str, endpoint: str, out: str) -> None:
+    """One rank of a 2-rank FSDP2 model: two sharded commits (the second rotates the first away),
+    then the whole model gathered (a collective) for the test to compare with what was stored."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    msd = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))[0]
+    with CheckpointManager(uri, endpoint_url=endpoint, keep=1) as mgr:
+        for step in (1, 2):
+            mgr.save_sharded({"model": msd, "trainer": {"step": step}}, step=step, meta={})
+    full = {k: v.full_tensor() for k, v in msd.items() if isinstance(v, DTensor)}
+    if rank == 0:
+        torch.save(full, out)
+
+
+def test_an_fsdp_sharded_checkpoint_commits_every_ranks_shards_and_loads_whole(store: Store, tmp_path: Path) -> None:
+    uri, out = store.uri("sharded"), str(tmp_path / "full.pt")
+    spawn_ranks(_sharded_rank, 2, uri, store.endpoint, out)
+    reader = CheckpointReader(uri, endpoint_url=store.endpoint)
+    assert [(r.step, status) for r, status in reader.list()] == [(2, "valid")]
+    ref, whole, warnings = reader.load_latest()
+    assert ref is not None and whole is not None and not warnings
+    assert set(reader.manifest(ref)["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"}
+    expected = torch.load(out, weights_only=True)
+    assert expected and all(torch.equal(whole["model"][k], v) for k, v in expected.items())
+    assert whole["trainer"] == {"step": 2}
