@@ -40,9 +40,9 @@ def job_state() -> tuple[dict[str, Any], dict[str, Any]]:
     """(state, meta) as runtime.train.resume.build_payload builds it for jobs/resnet50.yaml."""
     from runtime.checkpoint import capture_rng_state
     from runtime.config import load_job
-    from runtime.train.models import build_model
+    from runtime.train.loop_state import TrainState
+    from runtime.train.model_zoo import build_model
     from runtime.train.setup import build_optimizer, lr_lambda
-    from runtime.train.state import TrainState
 
     cfg = load_job("resnet50", [], environ={})
     model = build_model(cfg.model, cfg.data.num_classes, 3, cfg.data.image_size)
@@ -91,11 +91,11 @@ def _sharded_worker(rank: int, world: int, work: str) -> None:
 
     from runtime.checkpoint import CheckpointManager
     from runtime.config import load_job
-    from runtime.train.models import build_model
+    from runtime.train.loop_state import TrainState
+    from runtime.train.model_zoo import build_model
     from runtime.train.parallel import apply_fsdp
     from runtime.train.resume import Trainables, build_payload
     from runtime.train.setup import build_optimizer, lr_lambda
-    from runtime.train.state import TrainState
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     cfg = load_job("resnet50", [], environ={})

@@ -50,7 +50,7 @@ def child(cache_base: str, load: str | None, save: str | None) -> dict[str, Any]
 
     from runtime.config import ModelConfig
     from runtime.config.schema import TransformerConfig
-    from runtime.train.models import build_model
+    from runtime.train.model_zoo import build_model
     from runtime.train.worker import use_compile_cache
 
     use_compile_cache("bench", base=cache_base)

@@ -126,7 +126,7 @@ def bare_loop(compiled: bool, device: torch.device, fsdp: bool = False, profile:
     whether a slow step waits on the GPU or on Python (per-op DTensor dispatch, FSDP hooks).
     """
     from runtime.config import FSDPConfig, ModelConfig
-    from runtime.train.models import build_model
+    from runtime.train.model_zoo import build_model
     from runtime.train.parallel import apply_fsdp
 
     torch.manual_seed(0)
@@ -185,7 +185,7 @@ def bare_gpt(compiled: bool, device: torch.device, size: dict[str, int]) -> dict
     ``rate``: tokens/s, counted as the runtime counts them (batch x seq_len a step)."""
     from runtime.config import ModelConfig
     from runtime.config.schema import TransformerConfig
-    from runtime.train.models import build_model
+    from runtime.train.model_zoo import build_model
 
     torch.manual_seed(0)
     cuda = device.type == "cuda"

@@ -26,7 +26,7 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
 def bare_loop() -> float:
     """The baseline: a plain PyTorch loop. Returns steady-state samples/s (after WARMUP steps)."""
     from runtime.config import ModelConfig
-    from runtime.train.models import build_model
+    from runtime.train.model_zoo import build_model
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)

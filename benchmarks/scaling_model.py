@@ -124,7 +124,7 @@ NETWORKS = ("efa", "tcp25")
 
 
 def gpt_parameters(layers: int, dim: int, seq_len: int, vocab: int = 256) -> int:
-    """runtime.train.models.parameter_count for a GPT of this shape (a test keeps the two equal)."""
+    """runtime.train.model_zoo.parameter_count for a GPT of this shape (a test keeps the two equal)."""
     return vocab * dim * 2 + seq_len * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim
 
 
@@ -509,7 +509,7 @@ def measure(model_name: str = "resnet50", batch: int = 256, image_size: int = 22
 
     from runtime.config.schema import ModelConfig, TransformerConfig
     from runtime.ports import free_port
-    from runtime.train.models import build_model
+    from runtime.train.model_zoo import build_model
 
     device = torch.device(device_name or "cuda")
     cuda = device.type == "cuda"

@@ -83,7 +83,7 @@ def collate_encoded(samples: Sequence[EncodedSample | Skip], size: int) -> HostB
 
 
 def _nvjpeg(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    from runtime.tv import import_torchvision
+    from runtime.torchvision_import import import_torchvision
 
     import_torchvision()
     from torchvision.io import ImageReadMode, decode_jpeg

@@ -11,11 +11,11 @@ nothing here imports it (the layer test in tests/unit/test_import_graph.py fails
 - Components that own a cadence: ``checkpointer`` (when to save), ``evaluator`` (when and how to
   evaluate), ``stop_policy`` (when to end: length, non-finite steps, preemption, cost),
   ``metrics_assembler`` (what a boundary reports).
-- ``state``: the loop's resumable state (``TrainState``, ``Stateful``, where a resized run resumes
+- ``loop_state``: the loop's resumable state (``TrainState``, ``Stateful``, where a resized run resumes
   in the epoch); ``resume``: the checkpoint payload and restoring the newest one that verifies.
 - ``setup``: builders (placement, precision, optimizer, schedule, seeding, DDP comm hooks,
   compile) and the device-side skip of a non-finite step; ``parallel``: DDP, or FSDP2 block by block.
-- ``models``: the model zoo (torchvision ResNets/ViT, an MLP, the GPT-style decoder); ``export``:
+- ``model_zoo``: the model zoo (torchvision ResNets/ViT, an MLP, the GPT-style decoder); ``export``:
   a run's final checkpoint as an MLflow model.
 - ``device_input``: host batches with their epoch position, copied to the device one batch ahead;
   ``microbatch``: the micro-batch size (probe, split, out-of-memory redo).

@@ -68,7 +68,7 @@ def _network(cfg: JobConfig, classes: list[str] | None) -> tuple[nn.Module, np.n
     In-memory sources (digits, cifar10) give real validation samples; the others (files, shards,
     synthetic) a batch of the right shape at the normalised mean, so that no export lists a data set.
     """
-    from runtime.train.models import build_model
+    from runtime.train.model_zoo import build_model
 
     d, m = cfg.data, cfg.model.model_copy(update={"channels_last": False, "sync_batchnorm": False,
                                                    "gradient_checkpointing": False})

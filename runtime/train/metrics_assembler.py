@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from runtime.config import JobConfig
-from runtime.train.state import TrainState
+from runtime.train.loop_state import TrainState
 from runtime.train.stats import Boundary
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity): the MFU denominator.
@@ -23,7 +23,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 def language_model_rates(cfg: JobConfig, samples_per_s: float, device: torch.device,
                          world: int) -> dict[str, float]:
     """tokens/s and, on a GPU in the table, model FLOPs utilisation (PaLM's 6N + 12 L T d per token)."""
-    from runtime.train.models import parameter_count
+    from runtime.train.model_zoo import parameter_count
 
     t = cfg.model.transformer
     tokens = samples_per_s * t.seq_len

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from runtime.config import FSDPConfig
+from runtime.errors import ConfigError
 from runtime.parallelism.tensor_parallel import apply_tp, make_mesh
 from runtime.parallelism.tensor_parallel import full_tensor as tp_full_tensor
 
-# Containers whose children are the model's repeated blocks, per architecture in runtime.train.models.
+# Containers whose children are the model's repeated blocks, per architecture in runtime.train.model_zoo.
 BLOCK_CONTAINERS = ("layer1", "layer2", "layer3", "layer4", "encoder.layers", "features", "net", "blocks")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -74,7 +75,7 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
     if tp_size > 1:
-        mesh2d = make_mesh(device.type, world // tp_size, tp_size)
+        mesh2d = make_mesh(device.type, tp_groups(world, tp_size), tp_size)
         # Logits gathered whole (no loss parallel): the loop's loss takes a plain tensor.
         apply_tp(model, mesh2d["tp"], loss_parallel=False)
         mesh = mesh2d["dp_shard"]
@@ -103,11 +104,22 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     return model
 
 
+def tp_groups(world: int, tp_size: int) -> int:
+    """How many tensor-parallel groups ``world`` ranks form; a ConfigError naming both when they do
+    not divide. The launcher starts only whole groups (runtime.launch.elastic.WholeGroupsPolicy);
+    a world that slipped past it fails here, at set-up, not deep in DeviceMesh or as a group
+    whose last ranks read no data."""
+    if world % tp_size:
+        raise ConfigError(f"distributed.tp_size={tp_size} does not divide the world size {world} this worker "
+                          f"group started with: tensor parallelism needs whole groups of {tp_size} workers")
+    return world // tp_size
+
+
 def data_parallel_rank(rank: int, world: int, tp_size: int) -> tuple[int, int]:
     """(this rank's data-parallel index, the data-parallel size) for the loader: the ``tp_size``
     consecutive ranks of one TP group (``make_mesh``'s layout) read the same shard, since tensor
     parallelism splits the model, not the batch."""
-    return rank // tp_size, world // tp_size
+    return rank // tp_size, tp_groups(world, tp_size)
 
 
 def fsdp_param_dtype(cfg: FSDPConfig, amp_dtype: torch.dtype | None, has_batch_norm: bool) -> torch.dtype | None:

@@ -1,7 +1,7 @@
 """The checkpoint payload a rank writes, and restoring the newest one that verifies.
 
 Unit-testable without Ray: the functions take the model, optimizer, scheduler, the loop
-components' merged state (``train.state``) and a CheckpointReader (or for a new run the
+components' merged state (``train.loop_state``) and a CheckpointReader (or for a new run the
 CheckpointManager), not the trainer.
 """
 
@@ -41,7 +41,7 @@ class Trainables:
 
 def build_payload(t: Trainables, trainer: Mapping[str, int], distributed: bool, world: int,
                   sharded: bool = False) -> dict[str, Any]:
-    """The state to save, with ``trainer`` the loop components' merged state (``train.state``).
+    """The state to save, with ``trainer`` the loop components' merged state (``train.loop_state``).
     A collective when distributed (every rank's RNG): all ranks call it.
 
     Model and optimizer state are keyed by parameter name (torch's
@@ -255,7 +255,7 @@ def _complete(ref: CheckpointRef, payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-def build_checkpointer(cfg: JobConfig, run: RunInfo, gauges: WorkerMetrics | None) -> CheckpointManager | None:
+def build_checkpoint_manager(cfg: JobConfig, run: RunInfo, gauges: WorkerMetrics | None) -> CheckpointManager | None:
     """The run's CheckpointManager (its timings and failures exported when gauges exist), or None."""
     if not cfg.checkpoint.enabled:
         return None

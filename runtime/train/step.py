@@ -23,6 +23,7 @@ from runtime.config import JobConfig
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import DevicePrefetcher
 from runtime.train.evaluator import Evaluator
+from runtime.train.loop_state import TrainState
 from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import (
     MicroBatcher,
@@ -36,7 +37,6 @@ from runtime.train.microbatch import (
 from runtime.train.parallel import grad_norm
 from runtime.train.resume import Trainables
 from runtime.train.setup import autocast, step_unless
-from runtime.train.state import TrainState
 from runtime.train.stats import StepStats
 
 

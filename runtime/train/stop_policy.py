@@ -18,7 +18,7 @@ from runtime.config.schema import JobConfig, NonFiniteConfig, TrainConfig
 from runtime.errors import ConfigError
 from runtime.observe.cost.watch import CostWatch
 from runtime.run import CANCELLED, PREEMPT_FILE, StopKind, StopReason
-from runtime.train.state import TrainState
+from runtime.train.loop_state import TrainState
 from runtime.train.stats import Boundary
 
 

@@ -43,12 +43,13 @@ from runtime.train.device_input import DevicePrefetcher, host_batches, make_stag
 from runtime.train.evaluator import Evaluator
 from runtime.train.hangwatch import HangWatch, process_group_store
 from runtime.train.hold import StepHold
+from runtime.train.loop_state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import MicroBatcher, describe
-from runtime.train.models import build_model
+from runtime.train.model_zoo import build_model
 from runtime.train.parallel import apply_ddp, apply_fsdp, data_parallel_rank, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
-from runtime.train.resume import Trainables, build_checkpointer, build_payload, restore_latest
+from runtime.train.resume import Trainables, build_checkpoint_manager, build_payload, restore_latest
 from runtime.train.setup import (
     CommTimer,
     Placement,
@@ -61,7 +62,6 @@ from runtime.train.setup import (
     resolve_precision,
     seed_everything,
 )
-from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats, gather_hosts
 from runtime.train.step import OptimizerStep, sync_checked
 from runtime.train.stop_policy import StopPolicy, total_steps, watches_drains
@@ -147,10 +147,10 @@ class Trainer(OptimizerStep):
         self.hosts = gather_hosts(self.distributed, self.world)  # every rank: one collective at start-up
         self.stragglers = (StragglerDetector(self.hosts, tc.stragglers.ratio, tc.stragglers.windows)
                            if self.rank == 0 and self.world > 1 else None)
-        # What a resume continues besides the trainables: each keeps its own state (train.state).
+        # What a resume continues besides the trainables: each keeps its own state (train.loop_state).
         self.stateful: tuple[Stateful, ...] = (self.state, self.stats, self.micro)
         self.gauges = build_gauges(cfg, run, self.rank, self.world)
-        self.checkpoints = build_checkpointer(cfg, run, self.gauges)
+        self.checkpoints = build_checkpoint_manager(cfg, run, self.gauges)
         self.reporter = Reporter(self.rank, self.world, run, progress, lockstep, self.gauges, self.checkpoints,
                                  report_fn or ray.train.report, report_all=not self.in_ray)
         # Every rank publishes where it is in its step; rank 0 names one its peers wait for (observe.hangs).

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.config import ModelConfig
-from runtime.train.models import build_model
+from runtime.train.model_zoo import build_model
 from runtime.train.setup import resolve_precision
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime.config import JobConfig, ModelConfig
-from runtime.train.models import build_model
+from runtime.train.model_zoo import build_model
 from tests.support.trainer import train_in_process
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -17,8 +17,8 @@ from runtime.data import ResumableSampler, build_loaders, write_tiny_cifar10
 from runtime.data.order import epoch_permutation
 from runtime.errors import ConfigError
 from runtime.train.device_input import Position, host_batches
+from runtime.train.loop_state import TrainState, load_merged, merged_state
 from runtime.train.setup import for_world
-from runtime.train.state import TrainState, load_merged, merged_state
 
 CPU = torch.device("cpu")
 B = 16  # data.batch_size: per rank and loader step, the same at every size

@@ -27,8 +27,8 @@ from runtime.launch.elastic import (
 from runtime.launch.stream import ReportStream
 from runtime.run import DrainNotice, Report, Resized, RunInfo
 from runtime.train import drain
+from runtime.train.loop_state import reshard_position
 from runtime.train.setup import for_world
-from runtime.train.state import reshard_position
 from tests.support import FakeClock
 
 

@@ -135,7 +135,7 @@ def test_host_decode_budget_caps_throughput() -> None:
 
 def test_gpt_parameter_count_is_the_runtimes() -> None:
     from runtime.config.schema import ModelConfig, TransformerConfig
-    from runtime.train.models import parameter_count
+    from runtime.train.model_zoo import parameter_count
 
     for shape in (sm.GPT_SMALL, sm.GPT_1B):
         cfg = ModelConfig(name="gpt", transformer=TransformerConfig(heads=shape["dim"] // 64, **shape))

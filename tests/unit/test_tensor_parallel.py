@@ -38,7 +38,7 @@ from runtime.parallelism.tensor_parallel import (
     parallelize,
     restore_from_view,
 )
-from runtime.train.models import GPT
+from runtime.train.model_zoo import GPT
 from runtime.train.parallel import apply_fsdp, data_parallel_rank, grad_norm
 from tests.support.ranks import spawn_ranks
 from tests.support.trainer import train_job

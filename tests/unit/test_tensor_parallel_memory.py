@@ -7,7 +7,7 @@ import pytest
 
 from runtime.parallelism.memory import GB, GPTShape, check_divisible, check_fits, memory_budget
 from runtime.parallelism.tensor_parallel import loss_parallel_pays
-from runtime.train.models import GPT
+from runtime.train.model_zoo import GPT
 
 GPT_10B = GPTShape(layers=32, dim=5120, heads=40, seq_len=4096, vocab_size=256)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointManager
+from runtime.train.loop_state import TrainState
 from runtime.train.resume import Trainables, build_payload, restore_latest
-from runtime.train.state import TrainState
 from tests.support import job
 
 

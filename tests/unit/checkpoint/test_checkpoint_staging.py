@@ -15,8 +15,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from runtime.checkpoint import CheckpointManager, CheckpointMetrics
+from runtime.train.loop_state import TrainState
 from runtime.train.resume import Trainables, build_payload
-from runtime.train.state import TrainState
 from tests.support import free_port
 
 

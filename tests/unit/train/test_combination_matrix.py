@@ -53,9 +53,9 @@ import torch
 from torch import nn
 
 from runtime.run import RunInfo
+from runtime.torchvision_import import import_torchvision
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
-from runtime.tv import import_torchvision
 from tests.support import job
 from tests.support.ranks import spawn_ranks
 

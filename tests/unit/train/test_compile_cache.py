@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = """
 import json, sys, torch
 from runtime.config import ModelConfig
-from runtime.train.models import build_model
+from runtime.train.model_zoo import build_model
 from runtime.train.worker import use_compile_cache
 folder = use_compile_cache("job", base=sys.argv[1])
 torch.manual_seed(0)

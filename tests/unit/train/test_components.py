@@ -17,9 +17,9 @@ from runtime.train import drain
 from runtime.train.checkpointer import Checkpointer
 from runtime.train.device_input import Position
 from runtime.train.evaluator import Evaluator
+from runtime.train.loop_state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.metrics_assembler import MetricsAssembler
 from runtime.train.microbatch import MicroBatcher
-from runtime.train.state import Stateful, TrainState, load_merged, merged_state
 from runtime.train.stats import Boundary, StepStats
 from runtime.train.stop_policy import StopPolicy, total_steps, watches_drains
 from tests.support import job_config
@@ -241,7 +241,7 @@ def test_checkpointer_save_failure_asks_to_stop_and_the_end_does_not_save_again(
     ck.close()
 
 
-# ------------------------------------------------------------------ the resumable state (train.state)
+# ------------------------------------------------------------------ the resumable state (train.loop_state)
 
 
 def test_train_state_counts_loader_batches_and_ends_epochs_full_or_short() -> None:

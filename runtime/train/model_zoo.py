@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from runtime.config import ModelConfig
 from runtime.errors import ConfigError
-from runtime.tv import import_torchvision
+from runtime.torchvision_import import import_torchvision
 
 # Below this input size the ImageNet stem (7x7/2 conv + maxpool) shrinks a 32x32
 # image to 8x8 before the first block; use the usual CIFAR stem instead.
