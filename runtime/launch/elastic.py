@@ -14,6 +14,10 @@ the size changed. It
 - fails the run with a message naming ``distributed.elastic.min_wait_s`` when fewer than
   ``min`` workers fit for that long (Ray itself would wait forever).
 
+With ``distributed.tp_size`` > 1, ``WholeGroupsTrainer`` hands Ray's controller
+``WholeGroupsPolicy`` in place of Ray's elastic policy: every size it starts is a whole number of
+tensor-parallel groups (the loop cannot build its mesh on any other).
+
 ``give_back`` is the driver's half of a drain (``checkpoint.on_node_drain``): it gives a drained
 node back to Ray once rank 0's report of the drain's commit has reached the driver.
 """
@@ -30,7 +34,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, ScalingPolicy
+from ray.train.v2.api.config import ScalingConfig
 
+from runtime.launch.torch_trainer import LeanTorchTrainer
 from runtime.run import Report, Resized
 from runtime.train import drain
 from runtime.train.capacity import refresh_capacity
@@ -161,6 +168,50 @@ class ElasticWatch(ControllerCallback):
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+class WholeGroupsPolicy(ElasticScalingPolicy):
+    """Ray's elastic policy counting whole groups of ``group_size`` workers only.
+
+    Ray sizes a group from the workers its reserved resources hold (capped at max), any count in
+    [min, max]; a tensor-parallel run can use only multiples of ``tp_size``. Rounding that count
+    down where Ray computes it (as Ray does itself for TPU slices) leaves every decision Ray's
+    own: below min it waits (no decision) as for too few workers, and a running group is resized
+    only when the rounded count differs from its size, so a spare worker's worth of room that
+    comes back does not restart the group at the size it already has.
+    """
+
+    def __init__(self, scaling_config: ScalingConfig, group_size: int) -> None:
+        super().__init__(scaling_config)
+        self.group_size = group_size
+
+    def _count_possible_workers(self, reserved_resources: Any) -> int:
+        n = int(super()._count_possible_workers(reserved_resources))
+        return n - n % self.group_size
+
+
+class WholeGroupsTrainer(LeanTorchTrainer):
+    """``LeanTorchTrainer`` whose elastic controller decides sizes with ``WholeGroupsPolicy``.
+
+    Ray 2.60 builds the policy inside ``fit`` from the ScalingConfig alone and offers no setting
+    for another; the controller takes it as an argument, so it is swapped where ``fit`` hands
+    the controller its arguments. Fixed-size runs (and groups of one) keep Ray's own policy.
+    """
+
+    def __init__(self, *args: Any, group_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group_size = group_size
+
+    def scaling_policy(self, rays: ScalingPolicy) -> ScalingPolicy:
+        """The policy the controller gets in place of ``rays``, the one Ray's ``fit`` built."""
+        config = rays.scaling_config  # the trainer's own, typed as Train V2's
+        if config.elasticity_enabled and self.group_size > 1:
+            return WholeGroupsPolicy(config, self.group_size)
+        return rays
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+        controller_init_kwargs["scaling_policy"] = self.scaling_policy(controller_init_kwargs["scaling_policy"])
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
 def _start_timeout_s() -> float:

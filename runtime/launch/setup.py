@@ -120,7 +120,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
     # What ray.train's configs are under Train V2 (the typed ones LeanTorchTrainer takes).
     from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
-    from runtime.launch.torch_trainer import LeanTorchTrainer
+    from runtime.launch.elastic import WholeGroupsTrainer
 
     use_gpu = resolve_use_gpu(cfg)
     preflight(cfg, use_gpu)
@@ -156,8 +156,11 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
                                       d.elastic.resize_check_interval_s))
     if progress is not None and not lockstep:  # a trial under a scheduler: its one-slot queue is for reports
         callbacks.append(FailureNotices(progress, cfg.checkpoint.max_failures))
-    trainer = LeanTorchTrainer(
+    trainer = WholeGroupsTrainer(
         train_loop_per_worker,
+        # An elastic run starts only whole tensor-parallel groups: the controller's policy rounds the
+        # count that fits down to a multiple of tp_size (runtime.launch.elastic.WholeGroupsPolicy).
+        group_size=d.tp_size,
         train_loop_config={"handoff": handoff},  # Ray's API takes a dict; the contract is the dataclass
         # NCCL on GPUs, gloo on CPUs; the timeout turns a dead peer into a failure, not a hang.
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=d.timeout_s),
