@@ -12,12 +12,12 @@ for a location (``runtime.config.storage``).
 """
 
 from runtime.checkpoint.backends import open_storage
+from runtime.checkpoint.extra_state import capture_rng_state, restore_rng_state, snapshot_to_cpu
 from runtime.checkpoint.format import CheckpointRef, step_name
 from runtime.checkpoint.manager import CheckpointManager, CheckpointMetrics
 from runtime.checkpoint.pointer import read_pointer
 from runtime.checkpoint.reader import CheckpointReader
 from runtime.checkpoint.s3 import S3Storage
-from runtime.checkpoint.state import capture_rng_state, restore_rng_state, snapshot_to_cpu
 from runtime.checkpoint.storage import CheckpointError, LocalStorage, Storage
 
 __all__ = [

@@ -24,6 +24,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
+from runtime.checkpoint.extra_state import SnapshotBuffers
 from runtime.checkpoint.format import (
     KEY_RE,
     CheckpointRef,
@@ -33,7 +34,6 @@ from runtime.checkpoint.format import (
     step_name,
 )
 from runtime.checkpoint.reader import CheckpointReader
-from runtime.checkpoint.state import SnapshotBuffers
 from runtime.checkpoint.storage import CheckpointError, LocalStorage, Staging, Storage, is_disk_full
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ def test_fp16_grad_scaler_step_on_gpu() -> None:
 
 
 def test_cuda_snapshot_lands_in_reused_pinned_buffers_with_the_values_of_the_moment() -> None:
-    from runtime.checkpoint.state import SnapshotBuffers
+    from runtime.checkpoint.extra_state import SnapshotBuffers
 
     bufs = SnapshotBuffers()
     w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")

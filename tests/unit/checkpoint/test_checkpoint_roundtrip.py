@@ -113,7 +113,7 @@ def test_meta_manifest_metrics_and_ray_pointer(tmp_path, trainer) -> None:
 
 
 def test_snapshot_buffers_are_reused_and_independent_of_later_training() -> None:
-    from runtime.checkpoint.state import SnapshotBuffers
+    from runtime.checkpoint.extra_state import SnapshotBuffers
 
     bufs = SnapshotBuffers()
     w = torch.ones(4, 4)
