@@ -114,6 +114,7 @@ def _held_then_frozen(rank: int, world: int, folder: Path, warn_s: float) -> Non
     watch.stop()
 
 
+@pytest.mark.slow  # make test-quick: the same path runs in its Ray Train run (test_training.py)
 def test_two_gloo_ranks_name_a_held_rank_then_a_frozen_one_while_rank_0_waits_in_the_all_reduce(
         tmp_path: Path) -> None:
     lines = tmp_path / "lines"
@@ -164,6 +165,7 @@ def _logged_trainer_rank(rank: int, world: int, folder: Path, overrides: tuple[s
         (folder / REPORTS_FILE).write_text(json.dumps(reports))
 
 
+@pytest.mark.slow
 def test_the_trainer_names_a_rank_held_at_a_boundary_while_rank_0_waits_in_its_all_reduce(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 alone is held at step 8's boundary (``RT_TEST_HOLD=8@1:...``), after its step; rank 0
