@@ -46,7 +46,7 @@ def _ray_address() -> None:
     if os.environ.get("RAY_ADDRESS"):
         return
     from runtime.cluster.connect import ray_address
-    from runtime.cluster.state import ClusterError
+    from runtime.cluster.state_file import ClusterError
 
     try:
         ray_address()

@@ -3,7 +3,7 @@
 The runtime only needs an address: ``RAY_ADDRESS`` wins, else the state that
 ``make cluster-up`` left in ``.cluster/``.
 
-- ``state``: the state file, port settings and ``ClusterError``, which every module reads.
+- ``state_file``: the state file, port settings and ``ClusterError``, which every module reads.
 - ``connect``: what a client needs (Ray address, ``authenticate``, MLflow URI, Prometheus discovery).
 - ``local``: the local embedded cluster (``python -m runtime cluster up|down|status``, extra raylets).
 - ``services``: MLflow, node exporter and Prometheus beside the local Ray head.
@@ -19,7 +19,7 @@ from runtime.cluster.connect import (
     use_cluster_auth,
 )
 from runtime.cluster.local import add_node, down, ray_temp_dir, remove_node, status, up
-from runtime.cluster.state import DEFAULT_PORTS, ROOT, ClusterError, load_state
+from runtime.cluster.state_file import DEFAULT_PORTS, ROOT, ClusterError, load_state
 
 __all__ = [
     "DEFAULT_PORTS", "ROOT", "ClusterError", "add_node", "authenticate", "down", "job_env", "load_state",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cluster.processes import port_open
-from runtime.cluster.state import ClusterError, default_cluster_dir, load_state
+from runtime.cluster.state_file import ClusterError, default_cluster_dir, load_state
 
 
 def ray_address(cdir: Path | None = None) -> str:

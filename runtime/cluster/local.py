@@ -32,7 +32,7 @@ from runtime.cluster.processes import (
     wait_until,
 )
 from runtime.cluster.services import mlflow_up, node_exporter_up, prometheus_up, redis_tls_env, redis_up
-from runtime.cluster.state import STATE_FILE, ClusterError, default_cluster_dir, load_state, port, save_state
+from runtime.cluster.state_file import STATE_FILE, ClusterError, default_cluster_dir, load_state, port, save_state
 from runtime.ports import free_port, worker_ports
 
 # How the start-ups below are waited for: by progress, not by a clock. A process group that has used

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from runtime.cluster.state import ClusterError
+from runtime.cluster.state_file import ClusterError
 
 
 def venv_bin(name: str) -> str:

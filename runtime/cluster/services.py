@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cluster.processes import http_ok, spawn, venv_bin, wait_until
-from runtime.cluster.state import ROOT, port
+from runtime.cluster.state_file import ROOT, port
 
 # MLflow 3's server job runner (GenAI scorers, prompt optimisation, trace roll-ups: nothing training
 # tracking uses) is a job-runner process plus seven huey consumers, each a Python process importing
@@ -193,7 +193,7 @@ def redis_up(cluster_dir: Path) -> dict[str, Any]:
     of ``gcs_server``, the raylet and every worker it starts (ray/_private/services.py), where every
     local account reads it with ``ps``; the GCS reads the certificate's paths from RAY_REDIS_CLIENT_*
     in its environment (readable by its own user only), and the key file is mode 600."""
-    from runtime.cluster.state import ClusterError
+    from runtime.cluster.state_file import ClusterError
 
     binary = redis_bin()
     if binary is None:

@@ -32,7 +32,7 @@ RUNTIME_SETTINGS = (
     "RT_TRAIN_SPARES",  # runtime.train.spares: 0 turns off the spare worker processes kept for a restart
     "RT_TEST_HOLD",  # runtime.train.hold: tests only, every rank waits at a named step for a file
     "RT_TEST_CENSUS",  # tests/support/census.py: the test session's marker on the processes it starts
-    # runtime.cluster.state.port(): RT_<SERVICE>_PORT moves a local cluster's service
+    # runtime.cluster.state_file.port(): RT_<SERVICE>_PORT moves a local cluster's service
     *(f"RT_{service.upper()}_PORT" for service in DEFAULT_PORTS),
 )
 

@@ -352,7 +352,7 @@ def render(ln: Line) -> str:
 def default_ray_logs() -> list[Path]:
     """The local cluster's Ray temp dir (``make cluster-up``), and Ray's own default ``/tmp/ray``."""
     from runtime.cluster.local import ray_temp_dir
-    from runtime.cluster.state import default_cluster_dir
+    from runtime.cluster.state_file import default_cluster_dir
 
     return [Path(ray_temp_dir(default_cluster_dir())), Path("/tmp/ray")]
 

@@ -29,7 +29,7 @@ import requests
 import yaml
 
 from runtime import cluster as rc
-from runtime.cluster.state import load_state
+from runtime.cluster.state_file import load_state
 from tests.observability.conftest import (
     PROMETHEUS_BIN,
     PrometheusServer,

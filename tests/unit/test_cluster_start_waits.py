@@ -17,7 +17,7 @@ import pytest
 from runtime.cluster.gcs_watchdog import running
 from runtime.cluster.local import wait_started
 from runtime.cluster.processes import spawn
-from runtime.cluster.state import ClusterError
+from runtime.cluster.state_file import ClusterError
 from tests.support import wait_for
 from tests.support.calibration import scaled
 
