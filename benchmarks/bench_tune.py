@@ -101,7 +101,7 @@ def _overhead(trials: list[Any]) -> dict[str, Any]:
 
 def run(results_dir: Path) -> dict[str, Any]:
     from runtime.launch.driver import connect
-    from runtime.tune.report import plot_trials
+    from runtime.tune.search_report import plot_trials
 
     connect()
     with tempfile.TemporaryDirectory(prefix="bench-tune-") as storage:

@@ -27,7 +27,7 @@ MAX_YAML_NODES = 100_000  # values after expanding aliases: stops "billion laugh
 RUNTIME_SETTINGS = (
     "RT_CLUSTER_DIR", "RT_PROMETHEUS_BIN", "RT_NODE_EXPORTER_BIN", "RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST",
     "RT_METRICS_BIND", "RT_METRICS_PORT", "RT_INSTANCE_TYPE", "RT_S3_SSE", "RT_S3_SSE_KMS_KEY_ID",
-    "RT_TUNE_STATE_KEY_FILE",  # runtime.tune.state: the key that seals Tune's search state
+    "RT_TUNE_STATE_KEY_FILE",  # runtime.tune.sealed_state: the key that seals Tune's search state
     "RT_GCS_FT", "RT_REDIS_SERVER_BIN",  # runtime.cluster: `make cluster-up GCS_FT=1` (Redis for the GCS)
     "RT_TRAIN_SPARES",  # runtime.train.spares: 0 turns off the spare worker processes kept for a restart
     "RT_TEST_HOLD",  # runtime.train.hold: tests only, every rank waits at a named step for a file

@@ -3,6 +3,6 @@ job without a cluster, ``tune`` runs (or resumes) the search and returns a ``Sea
 
 from runtime.tune.config import parse_tune
 from runtime.tune.driver import tune
-from runtime.tune.report import SearchOutcome
+from runtime.tune.search_report import SearchOutcome
 
 __all__ = ["SearchOutcome", "parse_tune", "tune"]

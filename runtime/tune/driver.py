@@ -5,7 +5,7 @@
 :func:`runtime.tune.trial.run_trial`; a driver-side callback times every trial and keeps
 the search folder under ``tune.max_disk_mb``. The search folder is fixed by the run name
 (runtime.layout.search_paths), so ``--resume`` finds it; the report and the MLflow parent
-run come from runtime.tune.report.
+run come from runtime.tune.search_report.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from runtime.config.storage import parse_storage
 from runtime.errors import ConfigError
 from runtime.layout import TRIAL_TRAINABLE, search_paths, storage_filesystem, trial_checkpoints, trial_folder
 from runtime.tune.config import SCHEDULERS, TuneSpec, parse_tune
-from runtime.tune.report import SearchOutcome, collect_trials, finish_parent, pick_best, write_report
 from runtime.tune.schedulers import param_space, scheduler, search_alg
-from runtime.tune.state import sealed_filesystem, verify_sealed
+from runtime.tune.sealed_state import sealed_filesystem, verify_sealed
+from runtime.tune.search_report import SearchOutcome, collect_trials, finish_parent, pick_best, write_report
 from runtime.tune.trial import WALL_FILE, SearchContext, reuses_processes, run_trial, trial_base, trial_placement
 
 log = logging.getLogger("runtime.tune")
@@ -126,7 +126,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     name = run_name or f"{cfg.name}-tune"
     storage, search_dir = search_paths(cfg, name)
     # Tune reads and writes its search state through this filesystem: state files are sealed with
-    # the driver's key and checked on every read (runtime.tune.state), as the storage is worker-writable.
+    # the driver's key and checked on every read (runtime.tune.sealed_state), as the storage is worker-writable.
     fs = sealed_filesystem(storage, search_dir, storage_filesystem(cfg))
     connect(address)
     if resume and not rt.Tuner.can_restore(search_dir, storage_filesystem=fs):

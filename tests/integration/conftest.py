@@ -22,7 +22,7 @@ from tests.support.cluster import local_cluster, own_cluster_env
 CLUSTER_DIR = Path(tempfile.mkdtemp(prefix="rt-test-cluster-"))
 os.environ.update(own_cluster_env(CLUSTER_DIR))
 os.environ.pop("MLFLOW_TRACKING_URI", None)
-# The drivers the tests start seal Tune state with a key of their own, not the developer's (runtime.tune.state).
+# The drivers the tests start seal Tune state with a key of their own, not the developer's (runtime.tune.sealed_state).
 os.environ["RT_TUNE_STATE_KEY_FILE"] = str(CLUSTER_DIR / "tune_state.key")
 # Ray Train's own metrics and JSON logs (its dashboard's Train view) are on in the product, off here: no
 # test reads them, and they cost every Train run ~3.4 of its ~24 CPU-seconds (median of 3 runs each, digits).

@@ -49,7 +49,7 @@ def test_tune_itself_refuses_state_changed_after_the_driver_sealed_it(cluster: d
     from ray import tune
     from ray.tune import ExperimentAnalysis
 
-    from runtime.tune.state import SearchStateError, sealed_filesystem, verify_sealed
+    from runtime.tune.sealed_state import SearchStateError, sealed_filesystem, verify_sealed
 
     def _trainable(config: dict[str, Any]) -> None:  # local: pickled by value, as workers cannot import tests
         for i in range(2):

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from runtime.tune.config import parse_tune
 from runtime.tune.driver import _finish_parent
-from runtime.tune.report import SearchOutcome
+from runtime.tune.search_report import SearchOutcome
 from tests.support import free_port, job
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from runtime.tune.report import trial_progress
+from runtime.tune.search_report import trial_progress
 
 
 def test_progress_rows_keep_all_digit_trial_ids_as_text(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.tune.state import MAC_SUFFIX, SearchStateError, driver_key, sealed_filesystem, verify_sealed
+from runtime.tune.sealed_state import MAC_SUFFIX, SearchStateError, driver_key, sealed_filesystem, verify_sealed
 from tests.support import ROOT
 
 
