@@ -62,7 +62,8 @@ def for_world(cfg: JobConfig, world: int) -> JobConfig:
 
     keep=global_batch: accumulation is set so that the global batch stays what it is at max
     workers, e.g. {min: 1, max: 3}, 8 per worker, accumulation 2 at 3 workers = 48 global:
-    3 x 8 x 2 = 2 x 8 x 3 = 1 x 8 x 6 (JobConfig refuses ranges where this cannot hold).
+    3 x 8 x 2 = 2 x 8 x 3 = 1 x 8 x 6 (JobConfig refuses ranges where this cannot hold); with
+    distributed.tp_size a group of tp_size workers is one data-parallel rank, so the count is of groups.
     keep=per_worker_batch: accumulation stays and the learning rate scales with the global
     batch (linear scaling rule): lr x world / max. A fixed-size run is returned unchanged.
     """
@@ -75,7 +76,7 @@ def for_world(cfg: JobConfig, world: int) -> JobConfig:
     # The sized job is a fixed-size job of `world` workers (and validates as one).
     fixed = d.model_copy(update={"num_workers": world})
     if d.elastic.keep == "global_batch":
-        accum = cfg.global_batch_size() // (world * cfg.data.batch_size)
+        accum = cfg.global_batch_size() // (world // d.tp_size * cfg.data.batch_size)
         return cfg.model_copy(update={"distributed": fixed,
                                       "train": cfg.train.model_copy(update={"grad_accum_steps": accum})})
     lr = cfg.optimizer.lr * world / d.max_workers

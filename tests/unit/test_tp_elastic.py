@@ -13,10 +13,11 @@ from ray.train.v2._internal.execution.worker_group import WorkerGroupState
 from ray.train.v2.api.config import ScalingConfig
 from torch import nn
 
-from runtime.config import FSDPConfig
+from runtime.config import FSDPConfig, config_from_dict
 from runtime.errors import ConfigError
 from runtime.launch.elastic import WholeGroupsPolicy, WholeGroupsTrainer
 from runtime.train.parallel import apply_fsdp, data_parallel_rank, tp_groups
+from runtime.train.setup import for_world
 
 
 class _Snapshot:
@@ -153,3 +154,13 @@ def test_a_world_that_is_not_whole_tp_groups_fails_at_set_up_naming_tp_size_and_
 def test_whole_groups_give_the_data_parallel_size(world: int, tp: int, groups: int) -> None:
     assert tp_groups(world, tp) == groups
     assert data_parallel_rank(world - 1, world, tp) == (groups - 1, groups)
+
+
+def test_keep_global_batch_counts_tp_groups_as_the_data_parallel_ranks() -> None:
+    # max 4 workers at tp_size 2 = 2 groups x 8 x 2 accumulation = 32 samples per step:
+    # 2 groups keep accumulation 2, 1 group (2 workers) accumulates 4.
+    cfg = config_from_dict({"name": "t", "model": {"name": "gpt"}, "data": {"batch_size": 8, "source": "tokens"},
+                            "train": {"grad_accum_steps": 2},
+                            "distributed": {"strategy": "fsdp", "tp_size": 2, "num_workers": {"min": 2, "max": 4}}})
+    assert cfg.global_batch_size() == 32
+    assert [for_world(cfg, w).train.grad_accum_steps for w in (4, 2)] == [2, 4]
