@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cluster":
         return _cluster(args)
     if args.command == "report":
-        from runtime.observe.report import main as report_main
+        from runtime.observe.run_summary import main as report_main
         from runtime.train.export import save_final_model
 
         return report_main(args.run, sync=args.sync, export_model=save_final_model)
@@ -314,7 +314,7 @@ def _train(cfg: Any, args: argparse.Namespace) -> int:
     from runtime.launch.driver import default_run_name, outcome_summary, train
     from runtime.launch.runlock import RunLocked
     from runtime.layout import storage_paths
-    from runtime.observe.report import logs_command
+    from runtime.observe.run_summary import logs_command
     from runtime.run import StopKind
 
     run_name = args.run_name or default_run_name(cfg)  # named here: a failure's summary names its logs

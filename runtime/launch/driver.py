@@ -85,7 +85,7 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
     (run_dir / PREEMPT_FILE).unlink(missing_ok=True)
     signals = StopSignals(run_dir, run_name)
     signals.install()
-    # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.observe.report).
+    # Appended as reports arrive, so a crashed or resumed run keeps its curves (runtime.observe.run_summary).
     history = HistoryLog(run_dir)
     committed: int | None = None  # the final reports' committed_step (runtime.run.Report)
     fitting: StreamingFit | None = None

@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace, uri: str) -> int:
         return 0
     from runtime.observe.mlflow_sync import register_run
     from runtime.observe.mlflow_upload import STATE_FILE
-    from runtime.observe.report import HISTORY_FILE, find_run, refuse_special_files
+    from runtime.observe.run_summary import HISTORY_FILE, find_run, refuse_special_files
     from runtime.train.export import save_final_model
 
     run_dir = find_run(args.run)

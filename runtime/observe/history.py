@@ -1,6 +1,6 @@
 """The run folder's report history: every report the driver received, one JSON object a line.
 
-Kept apart from ``report`` (the summary) and ``tracking`` (MLflow), which both read it.
+Kept apart from ``run_summary`` (the summary) and ``tracking`` (MLflow), which both read it.
 """
 
 from __future__ import annotations

@@ -410,7 +410,7 @@ def main(argv: list[str], runs_root: Path | None = None) -> int:
     import time
 
     from runtime.layout import LOCAL_RUNS
-    from runtime.observe.report import find_run
+    from runtime.observe.run_summary import find_run
 
     args = parser().parse_args(argv)
     try:

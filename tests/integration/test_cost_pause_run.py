@@ -18,7 +18,7 @@ import pytest
 from runtime.launch.driver import train
 from runtime.observe.cost.meter import LEDGER_FILE, PRICE_PAUSE_REASON, CostLedger
 from runtime.observe.history import HISTORY_FILE
-from runtime.observe.report import summary_table
+from runtime.observe.run_summary import summary_table
 from tests.support import job, wait_for
 
 pytestmark = pytest.mark.slow

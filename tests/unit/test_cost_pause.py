@@ -16,7 +16,7 @@ from runtime.observe.cost.meter import BUDGET_REASON, LEDGER_FILE, CostLedger
 from runtime.observe.cost.prices import Quote
 from runtime.observe.cost.spend import DriverCosts
 from runtime.observe.progress import Progress
-from runtime.observe.report import summary_table
+from runtime.observe.run_summary import summary_table
 from runtime.run import TrainOutcome
 from tests.support import FakeClock
 

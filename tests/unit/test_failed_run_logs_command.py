@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 from runtime.observe import logs
-from runtime.observe.report import logs_command
+from runtime.observe.run_summary import logs_command
 
 
 def a_run(root: Path, starts: int) -> Path:

@@ -216,7 +216,7 @@ DAMAGE = ["garbage", "list", "uploaded-string", "uploaded-bool", "negative", "no
 def test_a_damaged_mlflow_json_is_one_line_naming_the_file_and_exit_2(
         tmp_path: Path, kind: str, listener: Listener, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from runtime.observe.report import main
+    from runtime.observe.run_summary import main
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", listener.url)  # a damaged folder must not reach even this
     run_dir = _run_folder(tmp_path, listener.url)
@@ -232,7 +232,7 @@ def test_a_damaged_mlflow_json_is_one_line_naming_the_file_and_exit_2(
 
 def test_a_damaged_resolved_config_is_named(tmp_path: Path, listener: Listener,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    from runtime.observe.report import main
+    from runtime.observe.run_summary import main
 
     run_dir = _run_folder(tmp_path, listener.url)
     (run_dir / CONFIG_FILE).write_text("train: {max_steps: many}\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from runtime.models.cli import main as models_main
-from runtime.observe.report import main as report_main
+from runtime.observe.run_summary import main as report_main
 from tests.support import free_port
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from runtime.observe.curves import curve_rows, plot_curves
-from runtime.observe.report import CURVES_FILE, HISTORY_FILE, HistoryLog, main, report
+from runtime.observe.run_summary import CURVES_FILE, HISTORY_FILE, HistoryLog, main, report
 
 
 def _history(run_dir: Path, items: list[dict], tail: str = "") -> None:
@@ -84,7 +84,7 @@ def test_report_subcommand_runs_from_the_cli_and_refuses_a_missing_run(tmp_path:
 def test_a_full_disk_costs_the_history_file_not_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / HISTORY_FILE).symlink_to("/dev/full")  # every write: ENOSPC, as on a full run-folder disk
     history = HistoryLog(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="runtime.observe.report"):
+    with caplog.at_level(logging.WARNING, logger="runtime.observe.history"):
         history.append({"step": 1, "train/loss": 1.0})
         history.append({"step": 2, "train/loss": 0.5})  # given up: no second warning, no error
     history.close()
