@@ -1,5 +1,5 @@
 """``python flows/train_flow.py run --job digits_tune`` (or ``make flow JOB=digits_tune``): from a
-search to a served model, as a Metaflow flow over the platform's Python API (issue 30).
+search to a served model, as a Metaflow flow over the platform's Python API.
 
     start     load and validate the job: a config error fails here, before anything starts
     tune      the search on the Ray cluster (runtime.tune.tune), ``--budget`` trials

@@ -70,8 +70,8 @@ def _train_locked(cfg: JobConfig, run_name: str, costs: DriverCosts, *, address:
     run_dir = Path(run_folder)
     connect(address, verbose=verbose)
     progress = Progress(total=None, enabled=show_progress)
-    # Best-effort: MLflow down (at start or mid-run) costs one console line, never the run (issue 27).
-    # The final weights go to MLflow as an MLflow model, registered as tracking.register_as (issue 30).
+    # Best-effort: MLflow down (at start or mid-run) costs one console line, never the run.
+    # The final weights go to MLflow as an MLflow model, registered as tracking.register_as.
     tracker = Tracker.for_job(cfg, run_name, keeps_history=True, notify=progress.event, export_model=save_final_model)
     costs.notify, costs.tracker = progress.event, tracker
 

@@ -164,7 +164,7 @@ class SyncState:
     checkpoint_uri: str | None = None
     closed: bool = False  # the end state, end tags and artifacts are in MLflow
     events: list[dict[str, Any]] = field(default_factory=list)  # run events (Tracker.log_event) not yet sent
-    model_step: int | None = None  # the step of the final model logged as runs:/<run_id>/model (issue 30)
+    model_step: int | None = None  # the step of the final model logged as runs:/<run_id>/model
     registered: str | None = None  # "<name>/<version>" once tracking.register_as registered it
 
     @classmethod

@@ -6,7 +6,7 @@ workers start and passes its id to them; rank 0 attaches to it for system metric
 mean loss/accuracy, global throughput). Artifacts at the end: resolved config, a training-curve PNG
 and the final model. Without a server, tracking falls back to a local sqlite store and says where.
 
-A tracking server is a convenience: a run's outcome never depends on it (issue 27).
+A tracking server is a convenience: a run's outcome never depends on it.
 - Bounded: MLflow's own HTTP settings are lowered for the runtime's calls
   (runtime.observe.mlflow_http; settings the user exported win).
 - Off the report path: one sender thread per run (``Tracker``) makes every MLflow call; the driver

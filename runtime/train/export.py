@@ -1,4 +1,4 @@
-"""The final checkpoint of a run as an MLflow PyTorch model (issue 30).
+"""The final checkpoint of a run as an MLflow PyTorch model.
 
 Here, in the layer that builds networks; tracking (below) is handed ``save_final_model`` by the
 driver and the ``models`` commands.

@@ -1,4 +1,4 @@
-"""Spare worker processes, started by Ray's raylet before a worker-group restart needs them (issue 33).
+"""Spare worker processes, started by Ray's raylet before a worker-group restart needs them.
 
 94-97% of a restart is new worker processes starting and importing Ray, Ray Train's worker, torch
 and the trainer (docs/performance.md). Ray's raylet can start idle workers of a job ahead of need

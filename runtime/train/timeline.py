@@ -1,4 +1,4 @@
-"""Where the seconds of a worker-group restart go (issue 33): timestamps from both sides of it.
+"""Where the seconds of a worker-group restart go: timestamps from both sides of it.
 
 A recovery or an elastic resize pays, in series: the controller noticing (its poll or its resize
 check), tearing the old group down, placing and starting new worker processes, their imports,

@@ -195,7 +195,7 @@ class Trainer(OptimizerStep):
             return
         from runtime.checkpoint import read_pointer
 
-        restore_start = time.time()  # the restart's timeline (issue 33): read + verify + load from here
+        restore_start = time.time()  # the restart's timeline: read + verify + load from here
         pointer_step = None
         ray_ckpt = ray.train.get_checkpoint() if self.in_ray else None
         if ray_ckpt is not None:
