@@ -6,7 +6,7 @@ max: 3}``, one worker per raylet. Three times: once the run trains on 3 workers,
 process group (the node is lost), time until the first step completed on 2 workers (failure
 detection, Ray's resize decision, new worker group, restore, first step), count the steps redone,
 then add a node back and time until the run is on 3 workers again. Median of the three losses.
-Goal: <= 15 s each way on a quiet 2-core machine (issue 33), with at most one checkpoint interval
+Goal: <= 15 s each way on a quiet 2-core machine, with at most one checkpoint interval
 (10 steps) redone. Each shrink and grow is split into phases as the recovery benchmark's are
 (runtime.train.timeline): ``shrink``/``grow`` hold their medians and shares; a grow's ``node_start``
 (the new raylet joining) comes before them and is part of its total.

@@ -1,4 +1,4 @@
-"""What micro-batch sizing costs (issue 32): the ``auto`` probe against a 1-hour run, and the
+"""What micro-batch sizing costs: the ``auto`` probe against a 1-hour run, and the
 guarded step (``data.micro_batch`` set, one rank) against the plain step.
 
 ResNet-50 (CIFAR stem, 32x32) on synthetic data, trained in-process on one CPU rank (the trainer

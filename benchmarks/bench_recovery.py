@@ -3,7 +3,7 @@
 One 2-worker digits job (``log_every_steps=1`` so every step is reported) is killed three times,
 each time shortly after a checkpoint commits; the figure is the time from the SIGKILL to the
 first report of a step after the restart (failure detection, gloo teardown, new worker group,
-restore, first step). Median of the kills. Goal: <= 5 s on a quiet 2-core machine (issue 33).
+restore, first step). Median of the kills. Goal: <= 5 s on a quiet 2-core machine.
 Each recovery is also split into phases (runtime.train.timeline.PHASES: the controller's stamps in the
 run's timeline.jsonl and the first resumed report's ``timeline``): ``phases_median_s`` and
 ``phases_share`` hold their medians and shares, ``phase_<name>_seconds`` each recovery's, and

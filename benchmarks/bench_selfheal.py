@@ -1,4 +1,4 @@
-"""``make bench BENCH=selfheal``: the self-healing loop's figures on the nspawn test hosts (issue 29).
+"""``make bench BENCH=selfheal``: the self-healing loop's figures on the nspawn test hosts.
 
 Runs tests/hosts/test_selfheal.py (a fresh lab: site.yml on a head and two workers, an elastic run
 on the workers, the remediation service on the controller) ``SELFHEAL_ROUNDS`` times (default 1: a
@@ -6,7 +6,7 @@ round is a quarter of an hour, most of it the alerts' 2-minute ``for:`` and the 
 playbook). Each round's figures are the ones the test prints under "nspawn lab timings", read from
 the JSON its conftest writes (``LAB_TIMINGS_JSON``): per fault, seconds to the first step on fewer
 workers and at full size again, the seconds until Ray's GCS declared the node dead (Ray's part
-of the shrink; the rest is Ray Train's restart), the playbook's seconds and the steps redone. Goals (issue 29):
+of the shrink; the rest is Ray Train's restart), the playbook's seconds and the steps redone. Goals:
 fault -> fewer workers <= 30 s, fault -> full size <= 300 s, steps redone <= one checkpoint interval
 (10) for a lost host and 0 for a spot notice.
 

@@ -1,4 +1,4 @@
-"""Micro-batches against a real CUDA out-of-memory error (issue 32): the device is capped with
+"""Micro-batches against a real CUDA out-of-memory error: the device is capped with
 ``torch.cuda.set_per_process_memory_fraction`` so that the configured batch does not fit.
 
 Skipped without CUDA; run on a GPU node: `make gpu-check` (or `pytest tests/gpu -m gpu`).

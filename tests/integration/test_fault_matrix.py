@@ -1,4 +1,4 @@
-"""The fault matrix (issue 27): a run survives its services; each row checks exit code, history, checkpoints
+"""The fault matrix: a run survives its services; each row checks exit code, history, checkpoints
 and console.
 
 Faults share runs where that is honest, so the matrix costs two training runs and one small search:

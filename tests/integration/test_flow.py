@@ -1,4 +1,4 @@
-"""The Metaflow pipeline end to end (issue 30): tune -> train -> evaluate -> register on the session's
+"""The Metaflow pipeline end to end: tune -> train -> evaluate -> register on the session's
 Ray cluster, Metaflow's local runtime and datastore, an MLflow server of the test's own.
 
 The registry is down for the first run: training succeeds (tracking is best-effort), ``register``

@@ -1,4 +1,4 @@
-"""A run's final weights as a registered MLflow model (issue 30), on the session's real MLflow server.
+"""A run's final weights as a registered MLflow model, on the session's real MLflow server.
 
 The session's shared digits run (tests/support/digits_run.py: 120 steps, 2 workers, with
 ``tracking.register_as``) is what the tests read: the version and its tags, loading

@@ -56,7 +56,7 @@ def test_mlflow_server_holds_params_metrics_tags_and_artifacts(observed_run: dic
     artifacts = {a.path for a in client.list_artifacts(out.mlflow_run_id)}
     assert {"resolved_config.yaml", "training_curves.png", "model"} <= artifacts, artifacts
     model_files = [a.path for a in client.list_artifacts(out.mlflow_run_id, "model")]
-    assert "model/MLmodel" in model_files, model_files  # an MLflow model (issue 30), not a bare state_dict
+    assert "model/MLmodel" in model_files, model_files  # an MLflow model, not a bare state_dict
 
 
 def test_prometheus_scraped_training_metrics_with_job_rank_node_labels(observed_run: dict) -> None:

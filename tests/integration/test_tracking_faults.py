@@ -1,4 +1,4 @@
-"""A run survives its tracking server (issue 27): MLflow killed mid-run, down at start-up, back later.
+"""A run survives its tracking server: MLflow killed mid-run, down at start-up, back later.
 
 Each test runs an MLflow server of its own (tests.support.mlflow) and SIGKILLs it; the session
 cluster's server is left alone. MLflow SIGKILLed in the middle of a training run is a row of the fault

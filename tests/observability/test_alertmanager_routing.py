@@ -1,6 +1,6 @@
 """The alertmanager role's configuration, rendered from its template and run by the real
 Alertmanager and amtool: the remediation service gets every alert on a route of its own, one
-notification per node, while the people's receivers keep theirs (issue 29)."""
+notification per node, while the people's receivers keep theirs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the test suites and the benchmarks (one home for each, issue 21).
+"""Helpers shared by the test suites and the benchmarks (one home for each).
 
 Light on imports: ``tests.support.cluster`` and ``tests.support.s3`` are used by benchmarks and by
 tests that start no trainer; the in-process trainer lives in ``tests.support.trainer``.

@@ -1,4 +1,4 @@
-"""Step lists past an epoch-bounded run's end are refused when the trainer starts (issue 28).
+"""Step lists past an epoch-bounded run's end are refused when the trainer starts.
 
 With ``train.max_steps=null`` the run's length depends on the data set's size, so the job's schema
 cannot check ``checkpoint.at_steps`` / ``train.eval_at_steps``; the trainer does, once it has

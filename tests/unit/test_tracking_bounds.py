@@ -1,5 +1,5 @@
 """MLflow's HTTP client is bounded for the runtime's calls, the user's own settings win, and the
-console gets no urllib3 line per retry (issue 27). No server: a refused loopback port is the fault."""
+console gets no urllib3 line per retry. No server: a refused loopback port is the fault."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A search's end-of-run MLflow uploads (the parent run) never fail a finished search (issue 27)."""
+"""A search's end-of-run MLflow uploads (the parent run) never fail a finished search."""
 
 from __future__ import annotations
 

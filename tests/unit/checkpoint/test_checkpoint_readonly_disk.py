@@ -1,4 +1,4 @@
-"""A checkpoint disk that turns read-only mid-run, on a real read-only filesystem (issue 27).
+"""A checkpoint disk that turns read-only mid-run, on a real read-only filesystem.
 
 Root ignores permission bits (``chmod a-w`` stops nobody here), so the disk is a real tmpfs mounted
 for the test and remounted read-only: every write then fails with EROFS in the kernel, as on a disk

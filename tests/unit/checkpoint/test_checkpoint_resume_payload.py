@@ -1,4 +1,4 @@
-"""A resume skips a checkpoint that verifies but lacks a part of the training state (issue 28)."""
+"""A resume skips a checkpoint that verifies but lacks a part of the training state."""
 
 from __future__ import annotations
 

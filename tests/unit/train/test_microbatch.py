@@ -1,4 +1,4 @@
-"""Micro-batches (issue 32): a batch split on the device trains like the whole batch, an
+"""Micro-batches: a batch split on the device trains like the whole batch, an
 out-of-memory step is redone at half the micro-batch with the global batch unchanged, and
 ``auto`` finds the largest size that fits. Out-of-memory is injected on the CPU with torch's
 own exception type from inside the forward (``RUNTIME_INJECT_OOM``)."""
