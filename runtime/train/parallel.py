@@ -47,11 +47,15 @@ def shard_units(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None, device: torch.device,
-               world: int, compile_mode: str | None = None, tp_size: int = 1) -> nn.Module:
+               world: int, compile_mode: str | None = None, tp_size: int = 1,
+               force_tp_plan: bool = False) -> nn.Module:
     """Shard ``model`` (already on ``device``) over all ranks; returns the same module, now FSDP.
 
     ``tp_size`` > 1 (a GPT; the job schema refuses anything else): tensor parallelism over groups
     of ``tp_size`` consecutive ranks first, then FSDP2 over the ``world // tp_size`` groups.
+    ``force_tp_plan`` takes that path at ``tp_size`` 1 too (the 2-D mesh, every block split by the
+    plan over one rank): what the plan itself costs a step, for tests/gpu and ``make bench
+    BENCH=gpu``'s ``tp`` part on one GPU. No job setting reaches it: a job at tp_size 1 runs plain FSDP.
 
     FSDP2 refuses non-contiguous parameters, so a ``channels_last`` model's weights go back to
     the contiguous format first: the input stays channels_last, and cuDNN picks NHWC kernels
@@ -74,7 +78,7 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, amp_dtype: torch.dtype | None,
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype])
     offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
-    if tp_size > 1:
+    if tp_size > 1 or force_tp_plan:
         mesh2d = make_mesh(device.type, tp_groups(world, tp_size), tp_size)
         # Logits gathered whole (no loss parallel): the loop's loss takes a plain tensor.
         apply_tp(model, mesh2d["tp"], loss_parallel=False)
