@@ -46,6 +46,7 @@ class HangWatch:
         self.interval_s = interval_s if interval_s is not None else max(MIN_INTERVAL_S, warn_s / WARN_POLLS)
         self.detector = HangDetector(hosts, warn_s) if rank == 0 else None
         self._seq = 0
+        self._failing = False  # the last store call failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watch", daemon=True)
 
@@ -58,6 +59,8 @@ class HangWatch:
         peers closed, must not read their silence as a hang."""
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._thread.is_alive() or self._failing:  # the store is gone or stuck: never wait on it here
+            return
         try:
             self._publish(done=True)
         except Exception as err:  # the group is going away anyway
@@ -88,8 +91,8 @@ class HangWatch:
                     for line in self.detector.observe(time.monotonic(), self._read()):
                         log.warning(line)
                         self.emit(line)
-                failed = ""
+                failed, self._failing = "", False
             except Exception as err:  # the store's host gone (the group is failing): say so once, go on
                 if str(err) != failed:
                     log.warning("hang watch: the process group's store did not answer: %s", err)
-                failed = str(err)
+                failed, self._failing = str(err), True
