@@ -18,6 +18,11 @@ windows (warm-up and compilation left out), each with the peak GPU memory of its
   eager and compiled, under DDP (plain) and FSDP2, beside the bare loop (eager and compiled)
   over the same model: tokens/s and model FLOPs utilisation. Goals: runtime/bare compiled
   >= 0.97, FSDP/plain >= 0.95.
+- ``tp``: the tensor-parallel plan's cost where it splits nothing (tp=1 is all one GPU allows):
+  the GPT of ``gpt`` in a bare loop under the runtime's ``apply_fsdp`` on a one-rank group, plain
+  FSDP2 against the plan at tp=1 (``force_tp_plan``: the 2-D mesh ("dp_shard", "tp") of (1, 1),
+  every block split over one rank), eager and compiled block by block, with the runtime's
+  gradient clipping. Goal: tp1/fsdp step time <= 1.02 (the plan must not tax a run without it).
 - ``microbatch``: the runtime's ResNet-50 (eager) with ``data.micro_batch`` equal to the batch
   (one micro-step, guarded against running out of memory) against the unguarded step: the
   guard's per-step cost. Goal: >= 0.97.
@@ -63,7 +68,7 @@ STEPS = int(os.environ.get("BENCH_GPU_STEPS", "60"))  # measured steps a variant
 WARMUP = int(os.environ.get("BENCH_GPU_WARMUP", "15"))
 ROUNDS = int(os.environ.get("BENCH_GPU_ROUNDS", "2"))
 JPEGS = int(os.environ.get("BENCH_GPU_JPEGS", "2048"))
-PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch", "recovery")
+PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch", "recovery", "tp")
 RECOVERY_KILLS = int(os.environ.get("BENCH_GPU_RECOVERY_KILLS", "3"))
 RECOVERY_INTERVAL = 20  # steps between checkpoints in the recovery part (~1 s of compiled ResNet-50 on an H200)
 CLASSES = 1000
@@ -183,16 +188,9 @@ def bare_gpt(compiled: bool, device: torch.device, size: dict[str, int]) -> dict
     """The bare loop a user would write for the runtime's GPT: tokens made once on the device, bf16
     autocast, fused AdamW (the runtime's settings: lr 1e-3, betas 0.9/0.95, weight decay 0.1), no DDP.
     ``rate``: tokens/s, counted as the runtime counts them (batch x seq_len a step)."""
-    from runtime.config import ModelConfig
-    from runtime.config.schema import TransformerConfig
-    from runtime.train.model_zoo import build_model
-
-    torch.manual_seed(0)
     cuda = device.type == "cuda"
-    model = build_model(ModelConfig(name="gpt", transformer=TransformerConfig(**size)), 0, 0, 0).to(device)
+    model, x, y = _gpt_and_tokens(device, size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
-    tokens = torch.randint(size["vocab_size"], (GPT_BATCH, size["seq_len"] + 1), device=device)
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     step_model = torch.compile(model) if compiled else model
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -202,6 +200,54 @@ def bare_gpt(compiled: bool, device: torch.device, size: dict[str, int]) -> dict
             logits = step_model(x)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _timed(step, device, GPT_BATCH * size["seq_len"])
+
+
+def _gpt_and_tokens(device: torch.device, size: dict[str, int]) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The runtime's GPT at ``size`` (seed 0) on ``device``, and one batch of inputs and targets made there."""
+    from runtime.config import ModelConfig
+    from runtime.config.schema import TransformerConfig
+    from runtime.train.model_zoo import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="gpt", transformer=TransformerConfig(**size)), 0, 0, 0).to(device)
+    tokens = torch.randint(size["vocab_size"], (GPT_BATCH, size["seq_len"] + 1), device=device)
+    return model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def sharded_gpt(compiled: bool, device: torch.device, size: dict[str, int], tp_plan: bool) -> dict[str, float]:
+    """The GPT loop under the runtime's ``apply_fsdp`` on a one-rank group (``tp_plan``: with the
+    tensor-parallel plan at tp=1), then its cached memory and compiled graphs given back."""
+    with one_rank_group(device):
+        result = _sharded_gpt_loop(compiled, device, size, tp_plan)
+    _release(device)
+    return _bare_mfu(result, size, device)
+
+
+def _sharded_gpt_loop(compiled: bool, device: torch.device, size: dict[str, int], tp_plan: bool) -> dict[str, float]:
+    """``bare_gpt``'s step under the loop's own FSDP set-up: bf16 parameters under autocast on a
+    GPU, blocks compiled one by one (``compiled``) as the runtime compiles them under FSDP, and the
+    runtime's gradient norm with clipping at gpt_small's 1.0 (over the 2-D mesh when ``tp_plan``)."""
+    from runtime.config import FSDPConfig, ModelConfig
+    from runtime.train.parallel import apply_fsdp, grad_norm
+
+    cuda = device.type == "cuda"
+    model, x, y = _gpt_and_tokens(device, size)
+    model = apply_fsdp(model, FSDPConfig(), torch.bfloat16 if cuda else None, device, 1,
+                       compile_mode=ModelConfig().compile_mode if compiled else None, force_tp_plan=tp_plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        grad_norm(model.parameters(), max_norm=1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -471,6 +517,31 @@ def part_gpt(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any
             "rounds": rounds, "goal": "runtime/bare compiled >= 0.97, fsdp/ddp >= 0.95, MFU >= 45%"}
 
 
+def part_tp(device: torch.device, use_gpu: bool) -> dict[str, Any]:
+    """What the tensor-parallel plan costs a step on one GPU, where it splits nothing: plain FSDP2
+    against the plan at tp=1, eager and (on a GPU) compiled, over ``gpt``'s model and batch."""
+    size = GPT if use_gpu else GPT_CPU
+    modes = {"eager": False, **({"compiled": True} if use_gpu else {})}
+    variants: dict[str, Callable[[], dict[str, float]]] = {}
+    for mode, compiled in modes.items():
+        variants[f"fsdp_{mode}"] = functools.partial(sharded_gpt, compiled, device, size, False)
+        variants[f"tp1_{mode}"] = functools.partial(sharded_gpt, compiled, device, size, True)
+    rounds = _interleave(variants)
+    rate = {n: _median(r, "rate") for n, r in rounds.items()}
+    # Step time is tokens per step over the rate: the ratio of times is the inverse ratio of rates.
+    ratio = {f"tp1_step_time_over_fsdp_{mode}": round(rate[f"fsdp_{mode}"] / rate[f"tp1_{mode}"], 4) for mode in modes}
+    return {"description": "gpt_small scaled up (" + ", ".join(f"{k} {v}" for k, v in size.items())
+                           + f"), batch {GPT_BATCH}, bf16, AdamW, clip 1.0, a bare loop under the runtime's "
+                           "apply_fsdp on one GPU: fsdp_* plain FSDP2 (1-D mesh), tp1_* the tensor-parallel plan "
+                           "at tp=1 (2-D mesh (dp_shard 1, tp 1)); *_compiled blocks compiled one by one",
+            "tokens_per_s_median": {n: round(v, 1) for n, v in rate.items()},
+            "mfu_median": {n: round(_median(r, "mfu"), 4) if all("mfu" in x for x in r) else None
+                           for n, r in rounds.items()},
+            "ratio": ratio,
+            "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
+            "rounds": rounds, "goal": "tp1/fsdp step time <= 1.02, eager and compiled"}
+
+
 def part_microbatch(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
     """The out-of-memory guard's cost: ``data.micro_batch`` = the batch (one micro-step, guarded)
     against no micro_batch (unguarded), the runtime's eager ResNet-50 on 1 GPU worker."""
@@ -597,6 +668,8 @@ def run(results_dir: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         if part in ("jpeg", "fsdp"):
             result[part] = {"jpeg": part_jpeg, "fsdp": part_fsdp}[part](device, storage, use_gpu, results_dir)
+        elif part == "tp":  # no runtime run: nothing stored
+            result[part] = part_tp(device, use_gpu)
         else:
             result[part] = {"synthetic": part_synthetic, "gpt": part_gpt, "microbatch": part_microbatch,
                             "recovery": part_recovery}[part](device, storage, use_gpu)

@@ -1,7 +1,8 @@
 """The bare arms of ``make bench BENCH=gpu`` run on a CPU (``BENCH_GPU_DEVICE=cpu`` plumbing): the
 loop under DDP on a one-rank group (DDP's own cost), the bare GPT loop the runtime's GPT is
-compared with, and the decode path alone (the real-JPEG ceiling). Shrunk to a few small steps; a
-gloo group, so run under ``flock /tmp/ray-tests.lock``.
+compared with, the decode path alone (the real-JPEG ceiling), and the ``tp`` part whole (plain
+FSDP against the tensor-parallel plan at tp=1). Shrunk to a few small steps; a gloo group, so run
+under ``flock /tmp/ray-tests.lock``.
 """
 
 from __future__ import annotations
@@ -79,3 +80,34 @@ def test_decode_only_ceiling_stages_real_jpegs_with_no_step_and_stops_its_thread
     result = bench_gpu.decode_only(sets, str(tmp_path / "runs"), False, CPU)
     assert len(staged) == 1 + 4 and result["rate"] > 0  # warm-up + measured batches, each of the bench's batch
     assert not any(t.name == "device-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_tp_part_times_plain_fsdp_against_the_plan_at_tp1_on_its_2d_mesh(
+        small: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.tensor import DTensor
+
+    layouts: list[set[tuple[tuple[str, ...] | None, tuple[int, ...], tuple[str, ...]]]] = []
+    original = bench_gpu._timed
+
+    def spy(step, device, per_step):  # type: ignore[no-untyped-def]
+        # The model the step closes over: the arm's layout is what its parameters are laid out on.
+        model = next(c.cell_contents for c in step.__closure__ or ()
+                     if isinstance(c.cell_contents, torch.nn.Module))
+        layouts.append({(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape),
+                         tuple(type(pl).__name__ for pl in p.placements))
+                        for p in model.parameters() if isinstance(p, DTensor)})
+        return original(step, device, per_step, 1, 4)
+
+    monkeypatch.setattr(bench_gpu, "_timed", spy)
+    monkeypatch.setattr(bench_gpu, "ROUNDS", 1)
+    result = bench_gpu.part_tp(CPU, False)
+    plain, tp1 = layouts  # interleaved: fsdp_eager, then tp1_eager
+    assert {(names, shape) for names, shape, _ in plain} == {(None, (1,))}
+    assert {(names, shape) for names, shape, _ in tp1} == {(("dp_shard", "tp"), (1, 1))}
+    assert any("_StridedShard" in placements for _, _, placements in tp1)  # the plan split the fused qkv
+    assert set(result["tokens_per_s_median"]) == {"fsdp_eager", "tp1_eager"}
+    assert all(v > 0 for v in result["tokens_per_s_median"].values())
+    assert result["ratio"]["tp1_step_time_over_fsdp_eager"] > 0
+    assert "| tp (1 round) | fsdp_eager |" in bench_gpu.markdown({"device": "cpu", "torch": "", "cuda": None,
+                                                                  "tp": result})
+    assert not dist.is_initialized()
