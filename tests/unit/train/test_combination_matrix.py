@@ -18,6 +18,9 @@ leaves out go to the cheapest family. Two more cells run ``torch.compile`` (indu
 under DDP on the MLP, whose graphs are the smallest, and one under FSDP on the short ResNet with
 bf16 parameters, compiled block by block (it failed inside inductor on CPU until the blocks were
 compiled with static shapes).
+One more runs tensor parallelism (``distributed.tp_size=2``): the GPT split over both ranks as
+one (dp=1, tp=2) group under FSDP2, with activation checkpointing, accumulation, a planted step
+and bf16 parameters (about 3 s past the plain GPT cell's cost once DTensor is warm).
 
 Sizes are the smallest that still run each family's code path: batches of 2 to 4, 8x8 images
 (16x16 for the ViT, one patch), 2 classes, the GPT at 2 layers of width 16 on synthetic tokens
@@ -91,13 +94,15 @@ class Cell:
     nonfinite: bool
     precision: str
     compiled: bool = False
+    tp_size: int = 1
 
     @property
     def name(self) -> str:
         parts = [self.family, self.strategy, "channels_last" if self.channels_last else "nchw",
                  f"accum{self.accum}", "act_ckpt" if self.checkpointing else "no_ckpt",
                  "nan_planted" if self.nonfinite else "finite", self.precision]
-        return "-".join(parts + (["compiled"] if self.compiled else []))
+        parts += ["compiled"] if self.compiled else []
+        return "-".join(parts + ([f"tp{self.tp_size}"] if self.tp_size > 1 else []))
 
     def overrides(self) -> list[str]:
         _, sized = FAMILIES[self.family]
@@ -105,12 +110,14 @@ class Cell:
                 f"model.channels_last={str(self.channels_last).lower()}", f"train.grad_accum_steps={self.accum}",
                 f"model.gradient_checkpointing={str(self.checkpointing).lower()}",
                 f"model.compile={str(self.compiled).lower()}", f"precision.dtype={self.precision}",
-                *([f"distributed.fsdp.param_dtype={self.precision}"] if self.strategy == "fsdp" else [])]
+                *([f"distributed.fsdp.param_dtype={self.precision}"] if self.strategy == "fsdp" else []),
+                *([f"distributed.tp_size={self.tp_size}"] if self.tp_size > 1 else [])]
 
 
 def _cell(family: str, strategy: str, cl: int, accum: int, ckpt: int, nan: int, bf16: int,
-          compiled: bool = False) -> Cell:
-    return Cell(family, strategy, bool(cl), accum, bool(ckpt), bool(nan), "bf16" if bf16 else "fp32", compiled)
+          compiled: bool = False, tp_size: int = 1) -> Cell:
+    return Cell(family, strategy, bool(cl), accum, bool(ckpt), bool(nan), "bf16" if bf16 else "fp32", compiled,
+                tp_size)
 
 
 # Each family's DDP cell takes (accum, checkpointing, non-finite) = one of 1/0/0, 2/1/0, 2/0/1,
@@ -125,6 +132,9 @@ CELLS = [
     _cell("gpt", "ddp", 0, 1, 1, 1, 1), _cell("gpt", "fsdp", 1, 2, 0, 0, 0),
     # channels_last with DDP and contiguous with FSDP, which the cells above lack.
     _cell("small_cnn", "ddp", 1, 2, 1, 1, 0), _cell("small_cnn", "fsdp", 0, 1, 0, 0, 1),
+    # Tensor parallelism: the GPT over both ranks as one (dp=1, tp=2) group, with everything the
+    # plain FSDP GPT cell leaves off (checkpointed blocks, a planted step, bf16 parameters).
+    _cell("gpt", "fsdp", 0, 2, 1, 1, 1, tp_size=2),
     # Compiled (inductor on CPU): last, so dynamo's state touches no eager cell. FSDP compiles block
     # by block: ResNet's blocks differ in shape (each a recompile) and hold batch norms (bf16 units).
     _cell("mlp", "ddp", 1, 2, 0, 1, 0, compiled=True), _cell("resnet", "fsdp", 1, 1, 0, 0, 1, compiled=True),
@@ -262,7 +272,7 @@ def test_each_combination_trains_its_steps_skips_the_planted_nan_and_keeps_ranks
 def test_the_cells_cover_every_pair_of_settings_and_each_family_meets_both_strategies_with_channels_last() -> None:
     eager = [c for c in CELLS if not c.compiled]
     settings: dict[str, list[Any]] = {
-        f.name: [getattr(c, f.name) for c in eager] for f in fields(Cell) if f.name != "compiled"}
+        f.name: [getattr(c, f.name) for c in eager] for f in fields(Cell) if f.name not in ("compiled", "tp_size")}
     for (a, va), (b, vb) in combinations(settings.items(), 2):
         missing = {(x, y) for x in set(va) for y in set(vb)} - set(zip(va, vb, strict=True))
         assert not missing, f"no cell has {a} x {b} = {sorted(missing, key=str)}"
@@ -270,4 +280,5 @@ def test_the_cells_cover_every_pair_of_settings_and_each_family_meets_both_strat
         ran = {(c.strategy, c.channels_last) for c in eager if c.family == family}
         assert {"ddp", "fsdp"} <= {s for s, _ in ran} and ("fsdp", True) in ran, f"{family}: {sorted(ran)}"
     assert {c.strategy for c in CELLS if c.compiled} == {"ddp", "fsdp"}
+    assert [(c.family, c.strategy) for c in CELLS if c.tp_size > 1] == [("gpt", "fsdp")]
     assert len({c.name for c in CELLS}) == len(CELLS)
