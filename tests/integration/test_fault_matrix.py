@@ -211,7 +211,7 @@ def test_search_with_mlflow_down_at_start_finishes_with_one_line(cluster: dict, 
     refused = f"http://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "runtime", "tune", "digits_tune", "--no-progress", "--run-name", "untracked"]
     for s in ("train.max_steps=10", "train.log_every_steps=5", "checkpoint.interval_steps=5",
-              "tune.num_samples=2", "tune.max_concurrent_trials=2", f"checkpoint.storage={tmp_path / 'runs'}",
+              "tune.num_samples=2", "tune.max_concurrent_trials=1", f"checkpoint.storage={tmp_path / 'runs'}",
               f"tracking.mlflow_uri={refused}"):
         cmd += ["--set", s]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
