@@ -60,7 +60,7 @@ def test_flow_registers_the_tuned_model_and_resumes_only_register_after_the_regi
     request.addfinalizer(server.kill)  # started half-way; never left running after the test
     env = {**os.environ, "METAFLOW_USER": "test", "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(tmp_path / "mf")}
     sets = (f"checkpoint.storage={tmp_path / 'runs'} tracking.mlflow_uri={server.url} "
-            "train.max_steps=10 tune.max_concurrent_trials=2")
+            "train.max_steps=10 tune.max_concurrent_trials=1")
     first = _flow(env, "run", "--job", "digits_tune", "--budget", "2", "--train_steps", "30",
                   "--model_name", NAME, "--set", sets)
     out = first.stdout + first.stderr
