@@ -41,7 +41,7 @@ def test_make_flow_as_the_readme_gives_it_registers_a_model_the_readme_loads(
         pytest.skip("the flow registers in the cluster's MLflow, which --ray-only-cluster leaves out")
     env = cluster_up_env(cluster, tmp_path)
     name = "digits-readme"
-    sets = f"checkpoint.storage={tmp_path / 'runs'} train.max_steps=10 tune.max_concurrent_trials=2"
+    sets = f"checkpoint.storage={tmp_path / 'runs'} train.max_steps=10 tune.max_concurrent_trials=1"
     done = subprocess.run(["make", "--no-print-directory", "flow", "JOB=digits_tune", "BUDGET=2", f"MODEL={name}",
                            f"SET={sets}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     out = done.stdout + done.stderr
