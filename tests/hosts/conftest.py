@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +159,28 @@ def hosts(lab, ssh_config, site_run):
 def cluster_state(host) -> dict:
     out = host.check_output("/usr/local/bin/ray-cluster-state")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def main_pid(host: Any, unit: str) -> int:
+    """The unit's main process on `host` (a testinfra host)."""
+    pid = int(host.check_output(f"systemctl show -p MainPID --value {unit}"))
+    assert pid > 0, f"{unit} has no main process"
+    return pid
+
+
+def environ_of(host: Any, pid: int) -> dict[str, str]:
+    """The process's environment, read as root."""
+    raw = host.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
+    return dict(line.split("=", 1) for line in raw.splitlines() if "=" in line)
+
+
+def in_the_service(host: Any, pid: int, command: str) -> Any:
+    """Run a shell command as the service `pid` runs: its account, its mount namespace (ProtectSystem=strict,
+    PrivateTmp, its credentials folder), its exact environment and working directory."""
+    environ = environ_of(host, pid)
+    uid = host.check_output(f"stat -c %u /proc/{pid}")
+    gid = host.check_output(f"stat -c %g /proc/{pid}")
+    cwd = host.check_output(f"readlink /proc/{pid}/cwd")
+    env = " ".join(shlex.quote(f"{k}={v}") for k, v in environ.items())
+    return host.run(f"nsenter -t {pid} -m -S {uid} -G {gid} -- env -i {env} "
+                    f"/bin/sh -c {shlex.quote(f'cd {shlex.quote(cwd)} && {command}')}")

@@ -70,9 +70,18 @@ REPO_PACKAGES = [
     "prometheus", "prometheus-node-exporter", "prometheus-alertmanager",
     "rsyslog", "rsyslog-relp", "logrotate",
 ]
-# Python packages for the Ray venv on nodes: pinned like requirements/constraints.txt.
-WHEEL_REQUIREMENTS = ["ray[default]==2.60.0"]
-ARTIFACTS_VERSION = "4"
+
+
+def _ops_pin(name: str) -> str:
+    """`name==version` as requirements/ops.txt pins it (the controller's own tools)."""
+    lines = (ROOT / "requirements" / "ops.txt").read_text().splitlines()
+    return next(line.strip() for line in lines if line.startswith(f"{name}=="))
+
+
+# Python packages for the nodes, pinned like requirements/constraints.txt: Ray's venv, and ansible-core
+# for the head's own replacement (the remediation role's venv), the same the controller runs.
+WHEEL_REQUIREMENTS = ["ray[default]==2.60.0", _ops_pin("ansible-core")]
+ARTIFACTS_VERSION = "5"
 
 CLONE_NEWNET = 0x40000000
 
@@ -408,6 +417,11 @@ class Lab:
         ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.copy(self.ssh_key().with_suffix(".pub"), ssh_dir / "authorized_keys")
         (ssh_dir / "authorized_keys").chmod(0o600)
+        if name == HEAD:
+            key = m / REMEDIATION_KEY.lstrip("/")
+            key.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            key.write_bytes(self.ssh_key().read_bytes())
+            key.chmod(0o600)
         node.log_path = root / "console.log"
         self.shared.mkdir(exist_ok=True)
         self.shared.chmod(0o1777)  # the ray account writes checkpoints there
@@ -497,8 +511,11 @@ TF_INPUTS = {
 HEAD, WORKERS = "ray-head", ["ray-a-00", "ray-a-01"]
 TOPOLOGY = {name: number for number, name in enumerate([HEAD, *WORKERS], start=1)}
 GROUPS = {"head": [HEAD], "gpu_workers": WORKERS, "monitoring": [HEAD]}
-# Where the lab's remediation service listens (on the controller's bridge address).
+# Where the head's remediation service listens (site.yml: the head's private address).
 REMEDIATION_PORT = 9105
+# The replacement key the head's remediation service is handed (root 0600 on the head, placed at boot as
+# an operator's secret store would): the lab's own key, which every node accepts for root.
+REMEDIATION_KEY = "/etc/remediation/ssh-key"
 # On the monitoring host: the DCGM exporter targets test_selfheal plants as root (job "dcgm").
 LAB_DCGM_SD_FILE = "/etc/prometheus/lab-dcgm.json"
 
@@ -581,13 +598,21 @@ def lab_vars(lab: Lab) -> dict:
         # would cost minutes: both roles are linted and spec-checked, not applied here.
         "grafana_enabled": False,
         "mlflow_enabled": False,
-        # The remediation service runs on the controller here (tests/hosts/test_selfheal.py):
-        # the lab's ansible-playbook, inventory and SSH key live there, and the nodes'
-        # offline wheelhouse has no ansible-core for the head. Alertmanager sends it every alert.
-        "remediation_enabled": False,
-        "alertmanager_remediation_url": f"http://{lab.controller_address}:{REMEDIATION_PORT}/alerts",
-        # The bearer token the service requires (test_selfheal points its policy at this secret's file).
-        "alertmanager_remediation_token": lab_secret(lab, "remediation"),
+        # The remediation service on the head, as site.yml runs it for an operator: Alertmanager posts
+        # every alert to it with this token; handed REMEDIATION_KEY, it replaces nodes with its own
+        # ansible-core (from the offline wheelhouse), playbooks and a copy of this inventory.
+        "remediation_enabled": True,
+        "remediation_webhook_token": lab_secret(lab, "remediation"),
+        "remediation_ssh_key_file": REMEDIATION_KEY,
+        "remediation_ansible_offline_wheelhouse": "/srv/offline/wheels",
+        "remediation_ansible_pip_cert": "/srv/host-ca.crt",
+        # The lab's run waits less for a drained node than a fleet does; worker2's third fault in the
+        # hour is the flapping node test_selfheal expects the service to halt for (2 per node per hour).
+        "remediation_drain_deadline_s": 30,
+        "remediation_drain_wait_s": 60,
+        "remediation_replace_timeout_s": 900,
+        "remediation_per_node_per_hour": 2,
+        "remediation_total_per_hour": 6,
         # The workers have no GPU, so site.yml gives Prometheus no DCGM targets. test_selfheal's fake
         # exporter is listed here by root (as an operator's own file_sd would be), under job "dcgm":
         # the training targets jobs write can no longer claim it (the prometheus role pins job).

@@ -1,13 +1,15 @@
 """What a Ray job on the booted head can reach of the services that hold keys there.
 
-Every Ray Jobs entrypoint runs on the head as `ray`. These tests run site.yml's own plays on the
-lab's head, as an operator would, and then do what such a job would: read the remediation
-service's replacement SSH key, its state and its process environment, signal it, and read the
-MLflow server's admin password and artifact-store key. Each attempt must be refused while root
-(and the service's own account) reads the same paths, so a change that opened any of them fails.
+Every Ray Jobs entrypoint runs on the head as `ray`. The lab's site.yml runs the remediation service on
+the head as docs/operations.md tells an operator to (handed the replacement key, with its own ansible-core,
+playbooks and inventory), and these tests do what such a job would: read the service's replacement SSH
+key, its state and its process environment, signal it, write anything its replacement loads, plant an
+Ansible configuration where one would be found; and read the MLflow server's admin password and
+artifact-store key (site.yml's MLflow plays, applied here). Each attempt must be refused while root (and
+the service's own account) reads the same paths, so a change that opened any of them fails.
 
-They run after test_cluster.py (file order) on its lab and put the head back as site.yml left it
-(both services stopped and disabled) before test_selfheal.py runs the service on the controller.
+They run after test_cluster.py (file order) on its lab and leave the remediation service running for
+test_selfheal.py, whose replacements it makes; MLflow is put back as site.yml left it (stopped, disabled).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import lab as labmod
 import pytest
+from conftest import environ_of, in_the_service, main_pid
 
 if TYPE_CHECKING:
     from conftest import Ansible
@@ -29,9 +32,12 @@ if TYPE_CHECKING:
     Hosts = Callable[[str], Host]
 
 HEAD, WORKERS = labmod.HEAD, labmod.WORKERS
-REMEDIATION_KEY = "/etc/remediation/ssh-key"
+REMEDIATION_KEY = labmod.REMEDIATION_KEY
 REMEDIATION_CREDENTIALS = "/run/credentials/remediation.service"
 REMEDIATION_PYTHON = "/opt/ray/venv/bin/python"  # the role's remediation_python
+# The head-hosted replacement's parts (the role's defaults): its ansible-core, playbooks, inventory and settings.
+REPLACEMENT_PARTS = ["/opt/remediation/ansible-venv", "/opt/remediation/ansible-tree", "/etc/remediation"]
+REPLACEMENT_CONFIG = "/opt/remediation/ansible-tree/ansible.cfg"
 MLFLOW_CREDENTIALS = "/run/credentials/mlflow.service"
 MLFLOW_ADMIN_PASSWORD = "lab-mlflow-admin-password"
 ARTIFACT_STORE_SECRET = "lab-artifact-store-secret-key"
@@ -51,12 +57,6 @@ def _write_root_file(host: Host, path: str, text: str, mode: str = "0600") -> No
     host.check_output(f"umask 077 && echo {encoded} | base64 -d > {path} && chmod {mode} {path}")
 
 
-def _main_pid(host: Host, unit: str) -> int:
-    pid = int(host.check_output(f"systemctl show -p MainPID --value {unit}"))
-    assert pid > 0, f"{unit} has no main process"
-    return pid
-
-
 def _as_ray(host: Host, command: str) -> CommandResult:
     """Run a command as the account every Ray job on the head runs as."""
     return host.run(f"runuser -u ray -- {command}")
@@ -66,43 +66,16 @@ def _refused(result: CommandResult) -> bool:
     return result.rc != 0 and ("Permission denied" in result.stderr or "Operation not permitted" in result.stderr)
 
 
-def _environ(host: Host, pid: int) -> dict[str, str]:
-    """The process's environment, read as root."""
-    raw = host.check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
-    return dict(line.split("=", 1) for line in raw.splitlines() if "=" in line)
-
-
-def _in_the_service(host: Host, pid: int, command: str) -> CommandResult:
-    """Run a shell command as the service runs: its account, its mount namespace (ProtectSystem=strict,
-    PrivateTmp, its credentials folder), its exact environment and working directory."""
-    environ = _environ(host, pid)
-    uid = host.check_output(f"stat -c %u /proc/{pid}")
-    gid = host.check_output(f"stat -c %g /proc/{pid}")
-    cwd = host.check_output(f"readlink /proc/{pid}/cwd")
-    env = " ".join(shlex.quote(f"{k}={v}") for k, v in environ.items())
-    return host.run(f"nsenter -t {pid} -m -S {uid} -G {gid} -- env -i {env} "
-                    f"/bin/sh -c {shlex.quote(f'cd {shlex.quote(cwd)} && {command}')}")
-
-
 @pytest.fixture(scope="module")
-def head_hosted_remediation(ansible: Ansible, hosts: Hosts, lab: labmod.Lab, site_run: object) -> Iterator[int]:
-    """site.yml's remediation play on the head (docs/operations.md's head-hosted mode), started.
+def head_hosted_remediation(hosts: Hosts, site_run: object) -> int:
+    """site.yml's remediation service on the head (docs/operations.md's head-hosted mode), its main PID.
 
-    The replacement key is the one the workers accept (the lab's own), root-owned 0600 at
-    remediation_ssh_key_file as the docs tell an operator. Yields the service's main PID.
+    The lab enables it with the replacement key the workers accept (the lab's own), root-owned 0600 at
+    remediation_ssh_key_file as the docs tell an operator (lab.py places it when the head boots).
     """
     head = hosts(HEAD)
-    head.check_output("install -d -m 0750 /etc/remediation")
-    _write_root_file(head, REMEDIATION_KEY, lab.ssh_key().read_text())
-    try:
-        ansible.playbook(
-            "site.yml", "--limit", HEAD, "--tags", "remediation_install,remediation_configure,remediation_run",
-            "-e", json.dumps({"remediation_enabled": True,
-                              "remediation_webhook_token": labmod.lab_secret(lab, "remediation"),
-                              "remediation_ssh_key_file": REMEDIATION_KEY}))
-        yield _main_pid(head, "remediation")
-    finally:
-        head.run("systemctl disable --now remediation")
+    assert head.service("remediation").is_running
+    return main_pid(head, "remediation")
 
 
 def test_a_ray_job_cannot_read_the_head_hosted_remediation_key_or_state(
@@ -129,13 +102,13 @@ def test_a_ray_job_cannot_read_the_head_hosted_remediation_key_or_state(
 def test_a_ray_job_cannot_read_the_remediation_environment_or_signal_it(
         hosts: Hosts, head_hosted_remediation: int) -> None:
     head, pid = hosts(HEAD), head_hosted_remediation
-    environ = _environ(head, pid)
+    environ = environ_of(head, pid)
     assert environ["ANSIBLE_PRIVATE_KEY_FILE"] == f"{REMEDIATION_CREDENTIALS}/ssh-key"
     assert _refused(_as_ray(head, f"cat /proc/{pid}/environ"))
     assert _refused(_as_ray(head, f"kill -0 {pid}"))
     # The attack itself: a kill -9 that landed would leave systemd restarting it under a new PID.
     assert _refused(_as_ray(head, f"kill -KILL {pid}"))
-    assert _main_pid(head, "remediation") == pid
+    assert main_pid(head, "remediation") == pid
     assert head.check_output("systemctl show -p NRestarts --value remediation") == "0"
 
 
@@ -147,11 +120,11 @@ def test_the_head_hosted_service_reaches_a_worker_as_root_with_its_handed_over_k
     # home, the one path the unit leaves writable; ansible-playbook keeps ~/.ansible under HOME,
     # which must be that home (Ray's ray.env would make it /opt/ray, read-only there).
     head, pid = hosts(HEAD), head_hosted_remediation
-    environ = _environ(head, pid)
+    environ = environ_of(head, pid)
     assert environ["HOME"] == "/var/lib/remediation"
     assert head.check_output(f"stat -c %U /proc/{pid}") == "remediation"
     worker = labmod.node_address(lab, WORKERS[0])
-    login = _in_the_service(head, pid, (
+    login = in_the_service(head, pid, (
         'ssh -i "$ANSIBLE_PRIVATE_KEY_FILE" -o BatchMode=yes -o IdentitiesOnly=yes '
         f'-o StrictHostKeyChecking=accept-new root@{worker} id -u'))
     assert login.rc == 0 and login.stdout.strip() == "0", login.stderr
@@ -164,12 +137,58 @@ def test_the_head_hosted_service_reads_ray_with_its_handed_over_token_alone(
     # (RAY_AUTH_TOKEN_PATH), with the drain action's own GCS client.
     head, pid = hosts(HEAD), head_hosted_remediation
     assert _refused(head.run("runuser -u remediation -- cat /etc/ray/auth_token"))
-    probe = _in_the_service(head, pid, (
+    probe = in_the_service(head, pid, (
         'timeout 300 ' + REMEDIATION_PYTHON + " -c "
         + shlex.quote("from ops.remediation.actions import RayDrainer; "
                       "print(sum(n.alive for n in RayDrainer('127.0.0.1:6379', 60, 1).nodes()))")))
     assert probe.rc == 0, probe.stderr[-2000:]
     assert probe.stdout.strip().splitlines()[-1] == "3"
+
+
+def test_nothing_the_heads_replacement_loads_is_writable_by_a_ray_job(
+        hosts: Hosts, head_hosted_remediation: int) -> None:
+    # Its ansible-core, playbooks and roles, inventory and settings are there (so the searches below are of
+    # real files), root's, and writable by no other account, the service's own included.
+    head = hosts(HEAD)
+    for path in ["/opt/remediation/ansible-venv/bin/ansible-playbook", REPLACEMENT_CONFIG,
+                 "/opt/remediation/ansible-tree/playbooks/replace_node.yml", "/etc/remediation/inventory/hosts.yml",
+                 "/etc/remediation/inventory/group_vars/all.yml", "/etc/remediation/replace-vars.yml",
+                 "/etc/remediation/ssh_config"]:
+        assert head.run(f"test -s {path}").rc == 0, f"the head has no {path}"
+    parts = " ".join(REPLACEMENT_PARTS)
+    loose = head.check_output(f"find {parts} \\( ! -user root \\) -o \\( ! -type l \\( -perm /o=w -o "
+                              f"\\( -perm /g=w ! -group root \\) \\) \\) -print")
+    assert loose == "", loose
+    # The attack: a job lists every path on the way it could write (access(2) as ray). Where Ansible
+    # would look for a configuration or collections of its own (/etc/ansible, /usr/share/ansible), it
+    # could not create one either.
+    search = f"find /opt /opt/remediation /etc /usr/share -maxdepth 0 -writable -print; find {parts} -writable -print"
+    writable = _as_ray(head, f"sh -c {shlex.quote(f'cd / && {search}')}")
+    assert "Permission denied" in writable.stderr, writable.stderr  # it ran as ray: root is refused nothing
+    assert writable.stdout.strip() == "", writable.stdout
+    assert _refused(_as_ray(head, "cat /etc/remediation/inventory/group_vars/all.yml"))
+
+
+def test_an_ansible_cfg_a_ray_job_plants_in_a_folder_it_owns_is_not_loaded_by_the_replacement(
+        hosts: Hosts, head_hosted_remediation: int) -> None:
+    head, pid = hosts(HEAD), head_hosted_remediation
+    assert environ_of(head, pid)["ANSIBLE_CONFIG"] == REPLACEMENT_CONFIG
+    # A job's own folder (not world-writable, which Ansible refuses by itself), with a configuration that
+    # would hand the replacement the job's roles.
+    planted = "/srv/shared/planted-ansible"
+    config = base64.b64encode(f"[defaults]\nroles_path = {planted}/roles\n".encode()).decode()
+    head.check_output(f"runuser -u ray -- sh -c 'mkdir -p -m 0755 {planted} && "
+                      f"echo {config} | base64 -d > {planted}/ansible.cfg'")
+    try:
+        version = f"cd {planted} && /opt/remediation/ansible-venv/bin/ansible-playbook --version"
+        pinned = in_the_service(head, pid, version)
+        assert pinned.rc == 0, pinned.stderr[-2000:]
+        assert f"config file = {REPLACEMENT_CONFIG}" in pinned.stdout, pinned.stdout
+        # The same run without the unit's ANSIBLE_CONFIG loads the job's file: the plant is a real attack.
+        unpinned = in_the_service(head, pid, f"unset ANSIBLE_CONFIG && {version}")
+        assert f"config file = {planted}/ansible.cfg" in unpinned.stdout, unpinned.stdout + unpinned.stderr
+    finally:
+        head.run(f"rm -rf {planted}")
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +212,7 @@ def mlflow_on_the_head(ansible: Ansible, hosts: Hosts, site_run: object) -> Iter
                               "mlflow_artifact_store_access_key_id": "AKIALABMLFLOWSTORE",
                               "mlflow_artifact_store_secret_access_key": ARTIFACT_STORE_SECRET}))
         head.check_output("systemctl start mlflow")
-        yield _main_pid(head, "mlflow")
+        yield main_pid(head, "mlflow")
     finally:
         head.run("systemctl disable --now mlflow")
 

@@ -3,8 +3,10 @@
 Run: make test-hosts (after test_cluster.py, on the same lab), or on its own (site.yml first, via `hosts`).
 One run (tests/hosts/elastic_job.py, Ray Train V2 elastic 1..2 workers, one per lab worker)
 trains through the faults in sequence;
-the remediation service (ops/remediation) receives the head's Alertmanager notifications and
-runs replace_node.yml with the lab's ansible-playbook. Between a fault and the end of its
+the remediation service (ops/remediation) runs on the head as site.yml installs it for an operator
+(its own account, handed the replacement key, with its own root-owned ansible-core, playbooks and a
+copy of the inventory): it receives the head's Alertmanager notifications, confirms them with
+Alertmanager and runs replace_node.yml from the head. Between a fault and the end of its
 recovery the test only plays the cloud: a bare "spare" machine takes the lost worker's address
 (an Auto Scaling group's replacement, or a re-imaged spare), and nothing else is done by hand.
 
@@ -31,7 +33,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -42,13 +43,12 @@ from typing import Any
 import elastic_job
 import lab as labmod
 import pytest
-from conftest import ANSIBLE_DIR, NOTES, OPS_BIN, TIMINGS, recap
-
-from tests.support import stop_process
+from conftest import NOTES, TIMINGS, in_the_service, main_pid, recap
 
 HEAD, (WORKER_A, WORKER_B) = labmod.HEAD, labmod.WORKERS
 WITH_AUTH = "/usr/local/bin/ray-cluster-env"
-TRAIN_PYTHON = labmod.ROOT / ".venv" / "bin" / "python"
+# Where the head's service keeps the workers' host keys (its home; the role's replace_node_known_hosts_file).
+SERVICE_KNOWN_HOSTS = "/var/lib/remediation/.ssh/known_hosts"
 # Seconds from the fake spot notice to its deadline (EC2 gives 120 s; the lab keeps the run short).
 SPOT_NOTICE_S = 20
 FAKE_IMDS_PORT = 8111
@@ -145,17 +145,21 @@ def training(lab: labmod.Lab, hosts: Callable[[str], Any]) -> Iterator[Run]:
 
 @dataclass
 class Service:
-    """The remediation service on the controller and its journal (one JSON line per decision and outcome)."""
+    """The remediation service on the head and its journal (one JSON line per decision and outcome)."""
 
-    log: Path
+    head: Any
+    since: int  # the journal from this time.time() on: the run's decisions, not site.yml's start
 
     def entries(self) -> list[dict[str, Any]]:
+        lines = self.head.check_output(f"journalctl -u remediation -o cat --no-pager --since @{self.since}")
         out = []
-        for line in self.log.read_text().splitlines() if self.log.exists() else []:
+        for line in lines.splitlines():
             try:
-                out.append(json.loads(line))
+                entry = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(entry, dict):
+                out.append(entry)
         return out
 
     def actions(self, node: str, action: str) -> list[dict[str, Any]]:
@@ -167,57 +171,28 @@ class Service:
         return [e for e in self.entries() if e.get("event") == "decision"
                 and e.get("node_label", "").split(":")[0] == node_label_host]
 
+    def output(self, action: dict[str, Any]) -> str:
+        """The whole playbook output a replacement kept (its log file on the head)."""
+        return str(self.head.check_output(f"cat {shlex.quote(action['log'])}"))
+
 
 @pytest.fixture(scope="module")
-def remediation(lab: labmod.Lab, inventory: Path, hosts: Callable[[str], Any]) -> Iterator[Service]:
-    """python -m ops.remediation on the controller: the real service, policy and actions, the lab's Ansible."""
-    token = lab.workdir / "ray_auth_token"
-    token.write_text(hosts(HEAD).check_output("cat /etc/ray/auth_token"))
-    token.chmod(0o600)
-    listen = f"{lab.controller_address}:{labmod.REMEDIATION_PORT}"
-    labmod.lab_secret(lab, "remediation")  # the token Alertmanager sends (lab.py), in a 0600 file
-    policy = {
-        "listen": listen,
-        "webhook": {"token_file": str(lab.workdir / "secret-remediation")},
-        "state_dir": str(lab.workdir / "remediation-state"),
-        "nodes": {name: _address(lab, name) for name in (WORKER_A, WORKER_B)},
-        "protected": [HEAD, _address(lab, HEAD)],
-        # Two replacements per node per hour: worker2's third fault (the last scenario) is the flapping node.
-        "limits": {"per_node_per_hour": 2, "total_per_hour": 6},
-        "drain": {"gcs_address": f"{_address(lab, HEAD)}:6379", "deadline_s": 30, "wait_s": 60},
-        "replace": {"command": [str(OPS_BIN / "ansible-playbook"), "-i", str(inventory),
-                                str(ANSIBLE_DIR / "playbooks" / "replace_node.yml"), "-e", "node={node}"],
-                    "timeout_s": 900, "log_dir": str(lab.workdir / "replacements")},
-        # Nodes are listed by bare address: each instance rule names its exporter's port.
-        "rules": [{"alert": "NodeDown", "instance_port": 9100, "actions": ["drain", "replace"]},
-                  {"alert": "RayNodeDown", "instance_port": 8080, "actions": ["drain", "replace"]},
-                  {"alert": "GpuXidErrors", "node_label": "node", "actions": ["drain", "replace"]}],
-    }
-    policy_file = lab.workdir / "remediation-policy.yml"
-    policy_file.write_text(json.dumps(policy))  # JSON is YAML
-    env = dict(os.environ, PYTHONPATH=str(labmod.ROOT), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
-               ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
-               ANSIBLE_SSH_CONTROL_PATH_DIR=str(lab.workdir / "cp"), ANSIBLE_NOCOLOR="1",
-               PATH=f"{OPS_BIN}:{os.environ['PATH']}")
-    log = lab.workdir / "remediation.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([str(TRAIN_PYTHON), "-m", "ops.remediation", "--policy", str(policy_file)],
-                                cwd=ANSIBLE_DIR, env=env, stdout=out, stderr=subprocess.STDOUT)
+def remediation(lab: labmod.Lab, hosts: Callable[[str], Any]) -> Service:
+    """The head's remediation unit as site.yml left it: listening on the head's private address."""
+    head = hosts(HEAD)
+    since = int(time.time())
+    assert head.service("remediation").is_running, head.run("journalctl -u remediation -n 50 --no-pager").stdout
+    listen = f"{_address(lab, HEAD)}:{labmod.REMEDIATION_PORT}"
 
     def healthy() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"the remediation service exited: {log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"http://{listen}/-/healthy", timeout=2) as reply:
                 return reply.status == 200
         except OSError:
             return False
 
-    try:
-        wait_for("the remediation service to listen", healthy, 60)
-        yield Service(log)
-    finally:
-        stop_process(proc, grace_s=30)
+    wait_for("the head's remediation service to answer", healthy, 60)
+    return Service(head, since)
 
 
 def _unit_started(host: Any, unit: str) -> str:
@@ -307,12 +282,10 @@ def _spare(lab: labmod.Lab, node: str) -> None:
 
 #### Scenarios, in order, on the one run ######################################
 
-def _known_host_keys(lab: labmod.Lab, name: str) -> set[str]:
-    """The host keys the controller's known_hosts holds for the worker's SSH address (ansible_host)."""
-    # ssh-keygen -F finds hashed entries too (Debian's ssh_config hashes known hosts).
-    address = _address(lab, name)
-    out = subprocess.run(["ssh-keygen", "-F", address, "-f", str(lab.workdir / "known_hosts")],
-                         capture_output=True, text=True, check=False).stdout
+def _known_host_keys(head: Any, lab: labmod.Lab, name: str) -> set[str]:
+    """The host keys the head's service holds for the worker's address (its known_hosts)."""
+    # ssh-keygen -F finds hashed entries too.
+    out = head.run(f"ssh-keygen -F {_address(lab, name)} -f {SERVICE_KNOWN_HOSTS}").stdout
     return {line.split(" ", 1)[1] for line in out.splitlines() if line and not line.startswith("#")}
 
 
@@ -323,8 +296,12 @@ def test_a_lost_worker_is_replaced_and_the_run_grows_back_while_the_heads_alert_
     # The worker that stays: the replacement may not reboot it or restart its services.
     kept = {unit: _unit_started(hosts(WORKER_B), unit) for unit in ("ray-worker", "prometheus-node-exporter")}
     kept_boot = hosts(WORKER_B).file("/proc/sys/kernel/random/boot_id").content_string.strip()
-    old_key = _known_host_keys(lab, WORKER_A)
-    assert old_key, f"site.yml's connections recorded no host key for {WORKER_A}"
+    # The service has reached the worker before (its ssh, key and known_hosts, as a replacement does).
+    login = in_the_service(head, main_pid(head, "remediation"),
+                           f"ssh -F /etc/remediation/ssh_config -o BatchMode=yes root@{_address(lab, WORKER_A)} true")
+    assert login.rc == 0, login.stderr
+    old_key = _known_host_keys(head, lab, WORKER_A)
+    assert old_key, f"the service's ssh recorded no host key for {WORKER_A}"
     fault_t = time.time()
     # The head's own NodeDown fires at the same time as the worker's: the service must refuse it.
     head.check_output("systemctl stop prometheus-node-exporter")
@@ -344,7 +321,7 @@ def test_a_lost_worker_is_replaced_and_the_run_grows_back_while_the_heads_alert_
     # What replace_node.yml did, from its whole output the service kept: it joined the bare machine and
     # changed nothing on the other hosts (the head only ran read-only checks).
     replaced = remediation.actions(WORKER_A, "replace")[-1]
-    output = Path(replaced["log"]).read_text()
+    output = remediation.output(replaced)
     assert f"{WORKER_A} replaced: 3 alive Ray nodes" in output, output[-3000:]
     changed_elsewhere = {h: c["changed"] for h, c in recap(output).items()
                          if h not in (WORKER_A, "localhost") and c["changed"]}
@@ -352,7 +329,7 @@ def test_a_lost_worker_is_replaced_and_the_run_grows_back_while_the_heads_alert_
     assert {unit: _unit_started(hosts(WORKER_B), unit) for unit in kept} == kept
     assert hosts(WORKER_B).file("/proc/sys/kernel/random/boot_id").content_string.strip() == kept_boot
     # The re-imaged machine's new host key replaced the old one (accept-new), nothing else.
-    new_key = _known_host_keys(lab, WORKER_A)
+    new_key = _known_host_keys(head, lab, WORKER_A)
     assert new_key and new_key != old_key
 
 
@@ -504,6 +481,6 @@ def test_a_worker_failing_again_within_the_hour_is_left_alone_and_the_service_ha
                if d.get("event") == "decision"]
     assert [e["node"] for e in replacements] == [WORKER_A, WORKER_B, WORKER_B], (replacements, started)
     # RemediationHalted's series (alerts/remediation.rules.yml; the rule is tested with promtool).
-    url = f"http://{lab.controller_address}:{labmod.REMEDIATION_PORT}/metrics"
+    url = f"http://{_address(lab, HEAD)}:{labmod.REMEDIATION_PORT}/metrics"
     with urllib.request.urlopen(url, timeout=5) as reply:
         assert f'remediation_halted{{node="{WORKER_B}"}} 1.0' in reply.read().decode()
