@@ -75,11 +75,16 @@ class HangWatch:
                        Progress(self._seq, step, point, time.monotonic() - entered).encode())
 
     def _read(self) -> dict[int, Progress]:
+        """Every rank's latest progress; a value that is not one (anyone who reaches the store can
+        write it: torch's store has no authentication) is left out, as a rank that never published."""
         out = {}
         for r in range(self.world):
             key = KEY.format(rank=r)
             if self.store.check([key]):  # get() would wait for a rank that has not published yet
-                out[r] = Progress.decode(self.store.get(key).decode())
+                try:
+                    out[r] = Progress.decode(self.store.get(key).decode())
+                except (ValueError, UnicodeDecodeError):
+                    continue
         return out
 
     def _run(self) -> None:

@@ -83,6 +83,22 @@ def test_a_progress_survives_the_store_as_text() -> None:
     assert Progress.decode(p.encode()) == p
 
 
+def test_a_garbled_progress_planted_in_the_store_is_left_out_and_the_watch_goes_on(tmp_path: Path) -> None:
+    """torch's store has no authentication: a value planted under a rank's key is not a progress,
+    and rank 0's watch reads the others as before (no exception, no verdict from it)."""
+    from tests.support import free_port
+
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+    store.set(KEY.format(rank=1), "rm -rf / 999999 9 x")
+    store.set(KEY.format(rank=2), b"\xff\xfe")
+    store.set(KEY.format(rank=3), Progress(1, 7, Point.LOCAL, 0.5).encode())
+    watch = HangWatch(store, 0, 4, HOSTS, warn_s=10, progress=lambda: (7, Point.EXCHANGE, time.monotonic()),
+                      emit=lambda line: None)
+    watch._publish()
+    assert watch._read() == {0: Progress(1, 7, Point.EXCHANGE, watch._read()[0].age_s),
+                             3: Progress(1, 7, Point.LOCAL, 0.5)}
+
+
 def _held_then_frozen(rank: int, world: int, folder: Path, warn_s: float) -> None:
     """Both ranks train steps 1 and 2 as the loop marks them; rank 1 is held in step 1's local part
     until the test releases it, and stops itself (SIGSTOP) in step 2's until the test continues it."""
