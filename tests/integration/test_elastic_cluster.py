@@ -156,6 +156,76 @@ def test_node_loss_shrinks_the_run_and_a_returning_node_grows_it_keeping_the_glo
     assert worst < 1e-4, f"parameters differ by up to {worst}"
 
 
+# The file's cluster under distributed.tp_size=2: tests/unit/test_tensor_parallel.py's GPT (2 layers x 32
+# wide, 4 heads, 16 tokens) on the shipped gpt_small job's text; a commit every 3 of 12 steps.
+TP_STEPS, TP_INTERVAL = 12, 3
+# {min: 2, max: 4} / tp_size 2: 2 data-parallel ranks x 2 sequences at max, 1 x 2 x 2 accumulation at 2 workers.
+TP_GLOBAL_BATCH = 4
+TP = ["model.transformer.layers=2", "model.transformer.dim=32", "model.transformer.heads=4",
+      "model.transformer.seq_len=16", "data.batch_size=2", "train.grad_accum_steps=1", "schedule.name=constant",
+      "schedule.warmup_steps=0", f"train.max_steps={TP_STEPS}", "train.log_every_steps=1", "train.torch_threads=1",
+      f"checkpoint.interval_steps={TP_INTERVAL}", "tracking.mlflow=false", "tracking.prometheus=false",
+      "distributed.strategy=fsdp", "distributed.tp_size=2", "distributed.num_workers={min: 2, max: 4}",
+      "distributed.timeout_s=60", "distributed.poll_interval_s=0.25", "distributed.cpus_per_worker=1",
+      f"distributed.resources_per_worker={{{SLOT}: 1}}", "distributed.elastic.resize_check_interval_s=3"]
+
+
+def _node_holding_a_worker(slots: Path) -> int:
+    """The index (runtime.cluster) of an extra node whose slot a worker holds: its ``ray start``
+    command names the node manager port that Ray lists for the node."""
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    held = {str(n["NodeManagerPort"]) for n in ray.nodes()
+            if n["Alive"] and n["Resources"].get(SLOT) and free.get(n["NodeID"], {}).get(SLOT, 0) < 1}
+    for node in rc.load_state(slots)["nodes"]:
+        args = Path(f"/proc/{node['pid']}/cmdline").read_bytes().decode().split("\0")
+        if any(a.removeprefix("--node-manager-port=") in held for a in args if a.startswith("--node-manager-port=")):
+            return int(node["index"])
+    raise AssertionError(f"no extra node holds a {SLOT}: {held}, {rc.load_state(slots)['nodes']}")
+
+
+def test_a_tensor_parallel_group_that_loses_a_member_restarts_from_its_last_commit_on_the_whole_groups_left(
+    slots: Path, storage: str
+) -> None:
+    # Three free slots (the file's earlier runs have ended): Ray's own policy would start 3 workers.
+    wait_for(lambda: ray.available_resources().get(SLOT, 0) >= NODES, f"{NODES} free {SLOT}s", 120)
+    cfg = job("gpt_small", storage, *TP)
+    assert cfg.global_batch_size() == TP_GLOBAL_BATCH
+    fit = StreamingFit(cfg, "tp-elastic", lockstep=True)
+    events: list[Resized] = []
+    fit.on_resize = lambda event, _step, _count: events.append(event)
+    history: list[dict[str, Any]] = []
+    free_at_start: float | None = None
+    killed_step = 0
+    try:
+        for item in fit.reports():
+            history.append(item)
+            if free_at_start is None and "step" in item:
+                free_at_start = ray.available_resources().get(SLOT, 0)
+            if not killed_step and item.get("step", 0) >= 5:
+                rc.remove_node(_node_holding_a_worker(slots), slots)  # SIGKILL: one member of the TP group lost
+                killed_step = item["step"]
+    finally:
+        if killed_step:  # the file's three slots again, as its later tests expect
+            rc.add_node(slots, num_cpus=2, resources={SLOT: 1})
+    assert fit.error is None, fit.error
+
+    # One whole group of 2 on three slots: the third slot stayed free (Ray alone would have taken it).
+    sizes = [h["world_size"] for h in history if "world_size" in h]
+    assert sizes and set(sizes) == {2}, sizes
+    assert free_at_start is not None and free_at_start >= 1, free_at_start
+    # Every start, the restart included, was decided at 2 workers: any other size is a Resized event.
+    assert events == [], events
+    # The restart resumed the last commit before the kill (docs/checkpoints.md's guarantee), same world size.
+    resumes = [(h["resumed_from_step"], h.get("resized_from")) for h in history if "resumed_from_step" in h]
+    assert len(resumes) == 1 and resumes[0][1] is None, resumes
+    oldest = oldest_allowed_resume(killed_step, 0, TP_INTERVAL)
+    assert oldest <= resumes[0][0] <= killed_step + 1, (killed_step, resumes)
+    assert all(h["samples_seen"] == h["step"] * TP_GLOBAL_BATCH for h in history if "samples_seen" in h)
+    assert history[-1]["final"] and history[-1]["step"] == TP_STEPS, history[-1]
+
+
 def test_a_run_whose_min_workers_never_fit_fails_with_a_message_after_min_wait(slots: Path, storage: str) -> None:
     cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers={min: 4, max: 5}", "train.grad_accum_steps=60",
               "distributed.elastic.min_wait_s=10")
