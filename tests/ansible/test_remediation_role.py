@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.ansible import render_template, run_preflight
+from tests.support.ansible import render_template, run_preflight, unit_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 AMTOOL = shutil.which("amtool") or str(ROOT / ".tools" / "prometheus" / "usr" / "bin" / "amtool")
@@ -109,14 +109,7 @@ def test_alertmanager_sends_the_token_from_a_file_and_amtool_accepts_it(tmp_path
 
 def _unit(tmp_path: Path, **overrides: object) -> dict[str, list[str]]:
     """The rendered unit's [Service] settings: option -> every value it is given, in order."""
-    text = _template(tmp_path, "remediation.service.j2", **overrides)
-    service = text.split("[Service]", 1)[1].split("[Install]", 1)[0]
-    settings: dict[str, list[str]] = {}
-    for line in service.splitlines():
-        if "=" in line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            settings.setdefault(key, []).append(value)
-    return settings
+    return unit_settings(_template(tmp_path, "remediation.service.j2", **overrides))
 
 
 def test_the_service_runs_as_its_own_account_with_its_secrets_handed_over_by_systemd(tmp_path):

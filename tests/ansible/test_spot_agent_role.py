@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ansible import render_template, run_preflight
+from tests.support.ansible import render_template, run_preflight, unit_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # The agent's Python (ray): these tests run in the ops venv, which has Ansible only.
@@ -21,14 +21,7 @@ SITE = {"spot_agent_enabled": True, "spot_agent_source_dir": str(ROOT / "ops"),
 
 def _unit(tmp_path: Path, **overrides: object) -> dict[str, list[str]]:
     """The rendered unit's [Service] settings: option -> every value it is given, in order."""
-    text = render_template("spot_agent", "spot-agent.service.j2", tmp_path, **{**SITE, **overrides})
-    service = text.split("[Service]", 1)[1].split("[Install]", 1)[0]
-    settings: dict[str, list[str]] = {}
-    for line in service.splitlines():
-        if "=" in line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            settings.setdefault(key, []).append(value)
-    return settings
+    return unit_settings(render_template("spot_agent", "spot-agent.service.j2", tmp_path, **{**SITE, **overrides}))
 
 
 def test_the_unit_runs_the_agent_with_arguments_it_accepts_and_ray_token_handed_over(tmp_path):

@@ -35,6 +35,18 @@ def render_template(role: str, template: str, out: Path, **overrides: object) ->
     return dest.read_text()
 
 
+def unit_settings(unit: str) -> dict[str, list[str]]:
+    """A rendered systemd unit's [Service] settings: option -> every value it is given, in order
+    (systemd reads a repeated option as a list, or a reset where the value is empty)."""
+    service = unit.split("[Service]", 1)[1].split("[Install]", 1)[0]
+    settings: dict[str, list[str]] = {}
+    for line in service.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
 def run_preflight(role: str, role_vars: dict[str, object], out: Path,
                   groups: dict[str, dict[str, dict[str, object]]] | None = None) -> subprocess.CompletedProcess[str]:
     """``roles/<role>/tasks/preflight.yml`` run with ``role_vars`` (the real ``ansible-playbook``, play
