@@ -140,9 +140,10 @@ test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integr
 	  -q --durations=25 $(PYTEST_ARGS)
 
 # The inner loop's one end-to-end run: the shipped digits job on 2 Ray Train workers (one run,
-# checked by three tests), on a cluster of Ray alone (no MLflow or Prometheus server to start).
+# checked by four tests), on a cluster of Ray alone (no MLflow or Prometheus server to start).
 QUICK_E2E := $(foreach t,test_two_worker_ddp_keeps_ranks_identical_and_loss_falls \
                test_digits_converges_above_90_percent_with_two_workers \
+               test_a_rank_held_alone_is_named_on_the_drivers_console_and_the_run_goes_on_when_it_moves \
                test_a_run_without_ray_datasets_starts_no_ray_data_actor,tests/integration/test_training.py::$(t))
 
 # Each layer once: the unit tests but those marked slow (each slow one's layer has faster tests beside

@@ -63,7 +63,7 @@ WORKER_ENV = ("RT_PROMETHEUS_SD_DIR", "RT_METRICS_HOST", "MLFLOW_TRACKING_URI", 
               "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
               "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "AWS_ENDPOINT_URL",
               "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2", "AWS_DEFAULT_REGION", "AWS_REGION", "RT_S3_SSE",
-              "RT_S3_SSE_KMS_KEY_ID", HOLD_ENV, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",  # its headers may hold a login
+              "RT_S3_SSE_KMS_KEY_ID", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",  # its headers may hold a login
               "RT_COMPILE_CACHE_DIR",  # torch.compile caches' node-local folder (runtime.train.worker)
               "PYTHONPATH")
 
@@ -72,6 +72,16 @@ def _worker_env() -> dict[str, str]:
     env = {k: os.environ[k] for k in WORKER_ENV if k in os.environ}
     root = str(Path(__file__).resolve().parents[2])  # the repository root, above runtime/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _run_worker_env() -> dict[str, Any]:
+    """This run's Train workers' runtime_env: the warm hook, and a test's step barrier (``RT_TEST_HOLD``)
+    as the driver's environment has it now. The hold goes per run, not in the job's runtime_env, which
+    a process fixes at its first connect: a hold set later was lost, and one set then held every later run."""
+    env = worker_runtime_env()
+    if hold := os.environ.get(HOLD_ENV):
+        env["env_vars"] = {**env["env_vars"], HOLD_ENV: hold}
     return env
 
 
@@ -179,7 +189,7 @@ def build_trainer(cfg: JobConfig, run_name: str, *, progress: Any = None,
             callbacks=callbacks,
             # Every Train worker process imports torch and the trainer as it starts, so the spare ones
             # Ray keeps for a restart are warm (runtime.train.spares).
-            worker_runtime_env=worker_runtime_env(),
+            worker_runtime_env=_run_worker_env(),
         ),
     )
     return trainer, run

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from runtime.launch.driver import train
+from runtime.observe.host import Host
 from tests.support import job
-from tests.support.digits_run import DigitsRun
+from tests.support.digits_run import HANG_STEP, DigitsRun
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,20 @@ def test_two_worker_ddp_keeps_ranks_identical_and_loss_falls(digits: DigitsRun) 
 def test_digits_converges_above_90_percent_with_two_workers(digits: DigitsRun) -> None:
     out = digits.outcome
     assert out.metrics["val/accuracy"] >= 0.90, out.metrics
+
+
+def test_a_rank_held_alone_is_named_on_the_drivers_console_and_the_run_goes_on_when_it_moves(
+        digits: DigitsRun) -> None:
+    """Rank 1 held at a boundary while rank 0 waits in the all-reduce: rank 0's hang watch names it
+    (the process group's store, the driver's queue) before the collective timeout, once, and says when it
+    moved on; the run then ends with no failure and no restart (the timeout never fired)."""
+    first, *rest = digits.hang_lines
+    assert first.startswith(f"hang: rank 1 on host {Host.here().name}"), digits.hang_lines
+    assert (f"is still in the gradient sync, optimizer, evaluation or commit of step {HANG_STEP} after" in first
+            and "rank 0 has waited" in first and first.endswith(f"in the boundary all-reduce of step {HANG_STEP}"))
+    assert rest == ["hang over: rank 1 moved on"]
+    out = digits.outcome
+    assert out.metrics["step"] == 120 and out.restarts == 0 and out.error is None, (out.metrics, out.error)
 
 
 def test_a_run_without_ray_datasets_starts_no_ray_data_actor(digits: DigitsRun) -> None:

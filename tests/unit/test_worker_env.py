@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.launch.setup import _worker_env
+from runtime.launch.setup import _run_worker_env, _worker_env
+from runtime.train.hold import HOLD_ENV
 
 SECRETS = {
     "AWS_ACCESS_KEY_ID": "AKIASENTINEL",
@@ -29,3 +30,13 @@ def test_worker_env_forwards_endpoint_region_and_encryption_but_no_credentials(
     assert not set(SECRETS) & set(env)
     assert not set(SECRETS.values()) & set(env.values())
     assert {k: env[k] for k in SETTINGS} == SETTINGS
+
+
+def test_a_tests_step_barrier_goes_with_each_run_not_with_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process fixes its job's runtime_env at its first connect: a hold set after it reaches the next
+    run's workers only through that run's own runtime_env, and a run without one carries none."""
+    monkeypatch.setenv(HOLD_ENV, "60@1:/tmp/hold")
+    assert HOLD_ENV not in _worker_env()
+    assert _run_worker_env()["env_vars"][HOLD_ENV] == "60@1:/tmp/hold"
+    monkeypatch.delenv(HOLD_ENV)
+    assert HOLD_ENV not in _run_worker_env()["env_vars"]
