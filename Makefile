@@ -5,6 +5,23 @@ SHELL = /usr/bin/env bash -o pipefail
 .SHELLFLAGS = -ec
 .DEFAULT_GOAL := help
 
+# Every variable set on make's command line keeps its text. make expands a variable's value each
+# time the variable is referenced, tested or exported to a recipe, before any quoting: so
+# `make validate JOB='$(shell cmd)'` would run cmd, even with JOB never used. Each command-line
+# value holding a `$` becomes a simple variable whose value is its own unexpanded text
+# ($(value V), read inside eval, so the text itself is never parsed as make syntax), exported as
+# command-line variables are. A newline is refused: make cuts a recipe line at it. The environment
+# is not rewritten: whoever sets make's environment already runs make (MAKEFLAGS=--eval=...).
+# Variables that name a program (PY, PYTHON, GPU_PY, TERRAFORM, ANSIBLE_PLAYBOOK) run what they name.
+define _make_newline
+
+
+endef
+$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),\
+  $(if $(findstring $(_make_newline),$(value $(v))),\
+    $(error $(v) holds a newline: a make variable is one line (make cuts a recipe line at a newline)))\
+  $(if $(findstring $$,$(value $(v))),$(eval override $(v) := $$(value $(v)))$(eval export $(v)))))
+
 ROOT        := $(abspath .)
 PYTHON      ?= python3
 # The virtual environments: the runtime's, and one per operations tool set.
@@ -107,10 +124,12 @@ TEST_JOBS ?= 2
 # (alone 71% of 2 cores busy). Run on their own (make test-hosts, make tf-check), nothing is niced.
 SIDE_NICE ?= 10
 SYNC = $(if $(filter-out 1,$(TEST_JOBS)),--output-sync=target)
+# PYTEST_ARGS="--durations=0 -x": pytest's arguments, split on spaces, one quoted word each (as ARGS).
+PYTEST_WORDS = $(foreach a,$(PYTEST_ARGS),$(call q,$(a)))
 
 .PHONY: test
 test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts), two at a time; TEST_JOBS=1 runs one at a time.
-	@$(MAKE) --no-print-directory -k -j$(TEST_JOBS) $(SYNC) test-suites
+	@$(MAKE) --no-print-directory -k -j$(call q,$(TEST_JOBS)) $(SYNC) test-suites
 
 .PHONY: test-cpu
 # The sampler is stdlib only: it runs on the system's Python before `make test` builds the venv.
@@ -132,12 +151,12 @@ test-suites: setup prometheus-tools test-python side-suites
 # both of its slots (the test hosts beside ansible-lint, then beside the Ansible tests) and the
 # Python suites, the longest, waited 11+ minutes to start.
 side-suites: | $(UV)
-	@nice -n $(SIDE_NICE) $(MAKE) --no-print-directory -j1 -k $(SYNC) $(TEST_TARGETS)
+	@nice -n $(call q,$(SIDE_NICE)) $(MAKE) --no-print-directory -j1 -k $(SYNC) $(foreach t,$(TEST_TARGETS),$(call q,$(t)))
 
 .PHONY: test-python
 test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integration on a local Ray cluster, observability).
-	RT_PROMETHEUS_BIN=$(PROMETHEUS) $(PY) -m pytest tests/unit tests/integration tests/observability tests/kubernetes tests/gpu \
-	  -q --durations=25 $(PYTEST_ARGS)
+	RT_PROMETHEUS_BIN=$(call q,$(PROMETHEUS)) $(PY) -m pytest tests/unit tests/integration tests/observability tests/kubernetes tests/gpu \
+	  -q --durations=25 $(PYTEST_WORDS)
 
 # The inner loop's one end-to-end run: the shipped digits job on 2 Ray Train workers (one run,
 # checked by four tests), on a cluster of Ray alone (no MLflow or Prometheus server to start).
@@ -153,8 +172,8 @@ QUICK_E2E := $(foreach t,test_two_worker_ddp_keeps_ranks_identical_and_loss_fall
 test-quick: setup $(TF_STAMP) ## The inner loop (goal 5 min on 2 idle cores; docs/performance.md): ruff, generate --check, fast unit tests, the combination matrix, one Ray Train run.
 	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes generate.py dashboards alerts ops flows
 	$(PY) -m generate --check
-	$(PY) -m pytest tests/unit -m "not slow" -q --durations=10 $(PYTEST_ARGS)
-	$(PY) -m pytest tests/unit/train/test_combination_matrix.py $(QUICK_E2E) --ray-only-cluster -q --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not slow" -q --durations=10 $(PYTEST_WORDS)
+	$(PY) -m pytest tests/unit/train/test_combination_matrix.py $(QUICK_E2E) --ray-only-cluster -q --durations=10 $(PYTEST_WORDS)
 
 .PHONY: bench
 bench: setup cluster-ready ## Benchmarks (BENCH="runtime_overhead checkpoint ..."); JSON/PNG under benchmarks/results/.
