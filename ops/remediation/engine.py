@@ -175,7 +175,7 @@ class Remediator:
         if rule is None:
             return None
         value = labels.get(rule.node_label, "")
-        node = self.policy.node_named(value, rule.instance_port)
+        node = self.policy.node_named(value, rule)
         decision = Decision(alert=labels.get("alertname", ""), node_label=value, node=node,
                             actions=[a.value for a in rule.actions], result="",
                             began=datetime.fromtimestamp(alert.starts_at, timezone.utc).isoformat(timespec="seconds"))

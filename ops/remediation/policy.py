@@ -209,20 +209,25 @@ class Policy(_Strict):
                 return rule
         return None
 
-    def node_named(self, value: str, instance_port: int | None = None) -> str | None:
-        """The inventory name an alert's node label points at, or None (unknown or protected).
+    def node_named(self, value: str, rule: Rule) -> str | None:
+        """The inventory name the rule's node label (`value`) points at, or None (unknown or protected).
 
-        Exact matches only: the node's name (the `node` label of GPU alerts), its address as
-        written, or, for an address listed bare, that address with the rule's `instance_port`.
-        Any port on a worker's IP would let any exporter there (a job's own) speak for the node.
+        Exact matches only. A `node` rule (GPU alerts, DCGM's Hostname) names a node by its
+        inventory name. An `instance` rule names it by host:port only: the address listed as
+        host:port, or a bare-listed address with the rule's `instance_port`. Never by name, a bare
+        address or another port: a target a job planted (Ray's service discovery, a training
+        target file) keeps such an instance, and its failed scrape would speak for the node.
         Protected names and addresses match by host too: the head is never acted on.
         """
         host, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
         if value in self.protected or host in self.protected:
             return None
         for name, address in self.nodes.items():
-            if value in (name, address) or (instance_port is not None and port == str(instance_port)
-                                              and host == address):
+            if rule.node_label != "instance":
+                if value == name:
+                    return name
+            elif port and (value == address or (rule.instance_port is not None and port == str(rule.instance_port)
+                                                 and host == address)):
                 return name
         return None
 

@@ -62,7 +62,7 @@ def test_a_bad_policy_refuses_to_start_naming_the_field(tmp_path, change, field)
 
 def test_the_shipped_example_policy_is_valid():
     policy = load_policy(ROOT / "ops" / "remediation" / "policy.example.yml")
-    assert policy.rule_for({"alertname": "RayNodeDown"}) is not None
+    assert policy.rule_for({"alertname": "NodeDown"}) is not None
 
 
 class Recorder:
@@ -150,7 +150,7 @@ def test_a_flapping_node_halts_after_its_hourly_budget_until_cleared(tmp_path):
     engine, _, record, clock, registry = _engine(tmp_path)
     results = []
     for i in range(3):
-        alert = _alert("NodeDown", f"f{i}", starts=clock.at(), instance="10.0.0.21")
+        alert = _alert("NodeDown", f"f{i}", starts=clock.at(), instance="10.0.0.21:9100")
         results += [d.result for d in engine.handle({"alerts": [alert]})]
         engine.wait_idle(60)
         clock.now += 60
@@ -158,17 +158,17 @@ def test_a_flapping_node_halts_after_its_hourly_budget_until_cleared(tmp_path):
     assert record.read_text().split() == ["gpu-0", "gpu-0"]
     assert registry.get_sample_value("remediation_halted", {"node": "gpu-0"}) == 1
     clock.now += 3600  # the window has passed, but a halted node stays halted: a human must look
-    again = engine.handle({"alerts": [_alert("NodeDown", "f9", starts=clock.at(), instance="10.0.0.21")]})
-    other = engine.handle({"alerts": [_alert("NodeDown", "o1", starts=clock.at(), instance="10.0.0.22")]})
+    again = engine.handle({"alerts": [_alert("NodeDown", "f9", starts=clock.at(), instance="10.0.0.21:9100")]})
+    other = engine.handle({"alerts": [_alert("NodeDown", "o1", starts=clock.at(), instance="10.0.0.22:9100")]})
     assert [d.result for d in again + other] == ["halted", "started"]  # another node still has its budget
     engine.wait_idle(60)
 
 
 def test_the_cluster_wide_budget_halts_every_node(tmp_path):
     engine, _, _, _, registry = _engine(tmp_path, limits={"per_node_per_hour": 5, "total_per_hour": 1})
-    first = engine.handle({"alerts": [_alert("NodeDown", "c1", instance="10.0.0.21")]})
+    first = engine.handle({"alerts": [_alert("NodeDown", "c1", instance="10.0.0.21:9100")]})
     engine.wait_idle(60)
-    second = engine.handle({"alerts": [_alert("NodeDown", "c2", instance="10.0.0.22")]})
+    second = engine.handle({"alerts": [_alert("NodeDown", "c2", instance="10.0.0.22:9100")]})
     assert [d.result for d in first + second] == ["started", "halted"]
     assert registry.get_sample_value("remediation_halted", {"node": "*"}) == 1
 
@@ -178,8 +178,8 @@ def test_one_action_per_node_at_a_time(tmp_path):
     release = tmp_path / "release"
     wait = "import os, sys, time\nwhile not os.path.exists(sys.argv[2]): time.sleep(0.05)"
     engine._replacer = PlaybookReplacer([sys.executable, "-c", wait, "{node}", str(release)], 60)
-    first = engine.handle({"alerts": [_alert("NodeDown", "b1", instance="10.0.0.21")]})
-    second = engine.handle({"alerts": [_alert("NodeDown", "b2", instance="10.0.0.21")]})
+    first = engine.handle({"alerts": [_alert("NodeDown", "b1", instance="10.0.0.21:9100")]})
+    second = engine.handle({"alerts": [_alert("NodeDown", "b2", instance="10.0.0.21:9100")]})
     release.touch()
     assert [d.result for d in first + second] == ["started", "busy"]
     assert engine.wait_idle(60)
@@ -188,7 +188,7 @@ def test_one_action_per_node_at_a_time(tmp_path):
 def test_dry_run_logs_and_counts_but_acts_on_nothing(tmp_path, caplog):
     engine, drainer, record, _, registry = _engine(tmp_path, dry_run=True)
     with caplog.at_level("INFO", logger="remediation"):
-        [decision] = engine.handle({"alerts": [_alert("NodeDown", "y1", instance="10.0.0.21")]})
+        [decision] = engine.handle({"alerts": [_alert("NodeDown", "y1", instance="10.0.0.21:9100")]})
     assert decision.result == "dry_run"
     assert engine.wait_idle(5) and drainer.drained == [] and not record.exists()
     assert _count(registry, "drain", "dry_run") == _count(registry, "replace", "dry_run") == 1
@@ -198,7 +198,7 @@ def test_dry_run_logs_and_counts_but_acts_on_nothing(tmp_path, caplog):
 def test_a_failed_replacement_is_counted_as_failed(tmp_path):
     engine, _, _, _, registry = _engine(tmp_path)
     engine._replacer = PlaybookReplacer([sys.executable, "-c", "raise SystemExit(4)", "{node}"], 60)
-    engine.handle({"alerts": [_alert("NodeDown", "x1", instance="10.0.0.21")]})
+    engine.handle({"alerts": [_alert("NodeDown", "x1", instance="10.0.0.21:9100")]})
     assert engine.wait_idle(60)
     assert _count(registry, "replace", "failed") == 1
 
@@ -208,7 +208,7 @@ def test_each_replacement_keeps_its_whole_output_and_the_journal_names_the_file(
     talk = "import sys; print('PLAY RECAP', sys.argv[1]); print('x' * 3000); print('to stderr', file=sys.stderr)"
     engine._replacer = PlaybookReplacer([sys.executable, "-c", talk, "{node}"], 60, str(tmp_path / "logs"))
     with caplog.at_level("INFO", logger="remediation"):
-        engine.handle({"alerts": [_alert("NodeDown", "l1", instance="10.0.0.21")]})
+        engine.handle({"alerts": [_alert("NodeDown", "l1", instance="10.0.0.21:9100")]})
         assert engine.wait_idle(60)
     [entry] = [json.loads(r.getMessage()) for r in caplog.records if '"action": "replace"' in r.getMessage()]
     assert entry["result"] == "succeeded", entry
@@ -222,7 +222,7 @@ def test_a_failed_replacement_names_its_kept_output_in_the_error(tmp_path, caplo
     engine._replacer = PlaybookReplacer([sys.executable, "-c", "print('fatal: host gone'); raise SystemExit(4)",
                                          "{node}"], 60, str(tmp_path / "logs"))
     with caplog.at_level("INFO", logger="remediation"):
-        engine.handle({"alerts": [_alert("NodeDown", "l2", instance="10.0.0.21")]})
+        engine.handle({"alerts": [_alert("NodeDown", "l2", instance="10.0.0.21:9100")]})
         assert engine.wait_idle(60)
     [entry] = [json.loads(r.getMessage()) for r in caplog.records if '"action": "replace"' in r.getMessage()]
     [kept] = (tmp_path / "logs").iterdir()
@@ -258,19 +258,59 @@ def test_another_port_on_a_workers_address_never_names_it(tmp_path):
     assert engine.wait_idle(60) and drainer.drained == ["10.0.0.21"] and record.read_text().split() == ["gpu-0"]
 
 
+def test_a_port_less_instance_or_a_workers_name_never_names_it_for_an_instance_rule(tmp_path):
+    """What a job's planted target keeps: a port-less target (Ray's service discovery lists whatever a
+    job puts in its KV store) is scraped at :80 and fails with instance="10.0.0.21"; a target named
+    after a worker fails with instance="gpu-0". Neither may speak for the worker's node exporter."""
+    engine, drainer, record, _, _ = _engine(tmp_path)
+    decisions = engine.handle({"alerts": [_alert("NodeDown", "n1", instance="10.0.0.21"),
+                                          _alert("NodeDown", "n2", instance="gpu-0"),
+                                          _alert("NodeDown", "n3", instance="gpu-0:9100"),
+                                          # A node rule names by inventory name only, not by address.
+                                          _alert("GpuXidErrors", "n4", node="10.0.0.21")]})
+    assert [(d.node, d.result) for d in decisions] == [(None, "refused")] * 4
+    assert engine.wait_idle(5) and drainer.drained == [] and not record.exists()
+
+
+def _shipped_rules() -> dict[str, list[dict[str, Any]]]:
+    """The rules an operator gets: the role's defaults (what site.yml renders) and the example policy."""
+    role = yaml.safe_load((ROOT / "ansible" / "roles" / "remediation" / "defaults" / "main.yml").read_text())
+    example = yaml.safe_load((ROOT / "ops" / "remediation" / "policy.example.yml").read_text())
+    return {"role defaults": role["remediation_rules"], "policy.example.yml": example["rules"]}
+
+
+@pytest.mark.parametrize("source", ["role defaults", "policy.example.yml"])
+def test_a_ray_node_down_alone_never_drains_nor_replaces_under_the_shipped_rules(tmp_path, source):
+    """A job runs as `ray`, as Ray's metrics agent does: it can SIGSTOP the agent and raise a genuine
+    RayNodeDown for any worker it has a task on. The shipped rules act only on NodeDown (the node
+    exporter's own account) and GpuXidErrors (hardware XIDs), so that firing moves nothing."""
+    rules = _shipped_rules()[source]
+    assert {r["alert"] for r in rules if "replace" in r["actions"]} <= {"NodeDown", "GpuXidErrors"}
+    engine, drainer, record, _, registry = _engine(tmp_path, rules=rules)
+    decisions = engine.handle({"alerts": [_alert("RayNodeDown", "r1", instance="10.0.0.21:8080"),
+                                          _alert("RayNodeDown", "r2", instance="10.0.0.22:8080")]})
+    assert decisions == []
+    assert engine.wait_idle(5) and drainer.drained == [] and not record.exists()
+    assert _count(registry, "replace", "succeeded") == _count(registry, "drain", "succeeded") == 0
+    # The same rules still replace a lost host: its node exporter's NodeDown.
+    [lost] = engine.handle({"alerts": [_alert("NodeDown", "l1", instance="10.0.0.21:9100")]})
+    assert (lost.node, lost.result) == ("gpu-0", "started")
+    assert engine.wait_idle(60) and record.read_text().split() == ["gpu-0"]
+
+
 def test_a_start_the_state_file_cannot_record_is_not_acted_on(tmp_path):
     """A remediation the state file does not know of could be repeated after a restart: refuse it instead."""
     engine, drainer, record, _, _ = _engine(tmp_path)
-    engine.handle({"alerts": [_alert("NodeDown", "w0", instance="10.0.0.22")]})  # the state folder now exists
+    engine.handle({"alerts": [_alert("NodeDown", "w0", instance="10.0.0.22:9100")]})  # the state folder now exists
     assert engine.wait_idle(60)
     state = tmp_path / "state"
     state.rename(tmp_path / "state.moved")
     state.write_text("a file where the folder was")  # every save now fails (as on a full or read-only disk)
-    [decision] = engine.handle({"alerts": [_alert("NodeDown", "w1", instance="10.0.0.21")]})
+    [decision] = engine.handle({"alerts": [_alert("NodeDown", "w1", instance="10.0.0.21:9100")]})
     assert decision.result == "unrecorded" and "state file not written" in decision.reason, decision
     state.unlink()
     (tmp_path / "state.moved").rename(state)
-    [again] = engine.handle({"alerts": [_alert("NodeDown", "w1", instance="10.0.0.21")]})
+    [again] = engine.handle({"alerts": [_alert("NodeDown", "w1", instance="10.0.0.21:9100")]})
     assert again.result == "started", "nothing of the refused start was remembered"
     assert engine.wait_idle(60) and drainer.drained == ["10.0.0.22", "10.0.0.21"]
     assert record.read_text().split() == ["gpu-1", "gpu-0"]
