@@ -146,7 +146,7 @@ def test_resume_skips_corrupt_checkpoints_says_why_and_a_kill_past_the_failure_b
     end: a worker killed with no restarts allowed (``max_failures=0``, ranks held at step 26 after the
     re-save of 25): exit 1 with one line and no traceback. (The other exit codes: 0 and 3 in
     test_tracking_faults.py, 2 in tests/unit/test_config_bad_input.py, 3 without a cluster in
-    tests/unit/test_config_errors.py, 5 in test_final_save_lost.py, 130 in test_run_edges.py.)"""
+    tests/unit/test_config_errors.py, 5 and 130 in test_run_edges.py.)"""
     storage, run = tmp_path / "runs", "corrupt"
     sets = [*BASE, "train.max_steps=30", "checkpoint.interval_steps=5", "checkpoint.keep=5",
             "checkpoint.max_failures=0"]
