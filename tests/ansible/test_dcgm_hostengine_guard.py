@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.ansible import ANSIBLE_DIR, render_template, unit_settings
+from tests.support.ansible import ANSIBLE_DIR, unit_settings
 from tests.support.calibration import scaled
 
 PORT = 5555
+TEMPLATES = ANSIBLE_DIR / "roles" / "dcgm_exporter" / "templates"
+RENDERED = ("dcgm-exporter.service.j2", "nvidia-dcgm-guard.conf.j2")
 # Stand-ins that exist on every Debian machine: "daemon" plays the exporter's account, "bin" an
 # allowed extra client (DCGM's service account), "nobody" a job.
 EXPORTER, CLIENT, JOB = "daemon", "bin", "nobody"
@@ -72,7 +74,10 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> dict:
              "vars": {"dcgm_exporter_config_dir": str(out), "dcgm_exporter_user": EXPORTER,
                       "dcgm_exporter_hostengine_clients": [CLIENT, "no-such-account"],
                       "ansible_python_interpreter": sys.executable},
-             "tasks": [{"ansible.builtin.include_role": {"name": "dcgm_exporter", "tasks_from": "guard"}}]}]
+             "tasks": [{"ansible.builtin.include_role": {"name": "dcgm_exporter", "tasks_from": "guard",
+                                                         "public": True}},
+                       *({"ansible.builtin.template": {"src": str(TEMPLATES / name), "dest": str(out / name[:-3]),
+                                                       "mode": "0644"}} for name in RENDERED)]}]
     (out / "play.yml").write_text(yaml.safe_dump(play))
     (out / "probe.py").write_text(PROBE)
     playbook = Path(sys.executable).parent / "ansible-playbook"
@@ -83,7 +88,8 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> dict:
                           cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
-    result["rule_file"] = (out / "hostengine-guard.nft").read_text()
+    result["config_dir"] = str(out)
+    result |= {name: (out / name).read_text() for name in ("hostengine-guard.nft", *(n[:-3] for n in RENDERED))}
     return result
 
 
@@ -106,17 +112,17 @@ def test_only_root_the_exporter_and_the_listed_accounts_reach_the_host_engine(gu
 
 def test_an_account_that_does_not_exist_is_left_out_and_root_is_always_in(guarded: dict) -> None:
     uids = {0, int(subprocess.check_output(["id", "-u", EXPORTER])), int(subprocess.check_output(["id", "-u", CLIENT]))}
-    [line] = [line for line in guarded["rule_file"].splitlines() if "meta skuid" in line]
+    [line] = [line for line in guarded["hostengine-guard.nft"].splitlines() if "meta skuid" in line]
     listed = line.split("meta skuid != {", 1)[1].split("}", 1)[0]
     assert {int(uid) for uid in listed.split(",")} == uids, line
     assert f"tcp dport {PORT} " in line and "reject with tcp reset" in line
 
 
-def test_the_exporter_runs_as_the_account_the_rule_lets_through_on_the_port_it_guards(tmp_path: Path) -> None:
-    defaults = yaml.safe_load((ANSIBLE_DIR / "roles" / "dcgm_exporter" / "defaults" / "main.yml").read_text())
-    unit = unit_settings(render_template("dcgm_exporter", "dcgm-exporter.service.j2", tmp_path))
-    assert unit["User"] == [defaults["dcgm_exporter_user"]] and "DynamicUser" not in unit
+def test_the_exporter_runs_as_the_account_the_rule_lets_through_on_the_port_it_guards(guarded: dict) -> None:
+    unit = unit_settings(guarded["dcgm-exporter.service"])
+    assert unit["User"] == [EXPORTER] and "DynamicUser" not in unit
     argv = unit["ExecStart"][0].split()
-    assert argv[argv.index("--remote-hostengine-info") + 1] == f"127.0.0.1:{defaults['dcgm_exporter_hostengine_port']}"
-    dropin = render_template("dcgm_exporter", "nvidia-dcgm-guard.conf.j2", tmp_path)
-    assert "ExecStartPre=/usr/sbin/nft --file /etc/dcgm-exporter/hostengine-guard.nft" in dropin.splitlines()
+    assert argv[argv.index("--remote-hostengine-info") + 1] == f"127.0.0.1:{PORT}"
+    # The host engine's unit loads the same file before each start.
+    rule = str(Path(guarded["config_dir"]) / "hostengine-guard.nft")
+    assert f"ExecStartPre=/usr/sbin/nft --file {rule}" in guarded["nvidia-dcgm-guard.conf"].splitlines()
