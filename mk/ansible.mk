@@ -5,7 +5,7 @@ OPS_BIN       := $(OPS_VENV)/bin
 ANSIBLE_DIR   := $(ROOT)/ansible
 INVENTORY     ?= $(ANSIBLE_DIR)/inventories/local
 NODE          ?=
-OPS_HOST_PKGS := systemd-container debootstrap dpkg-dev apt-utils openssh-client iproute2 util-linux rsyslog rsyslog-relp logrotate
+OPS_HOST_PKGS := systemd-container debootstrap dpkg-dev apt-utils openssh-client iproute2 util-linux rsyslog rsyslog-relp logrotate nftables
 HOSTS_PYTEST_ARGS ?=
 export ANSIBLE_CONFIG := $(ANSIBLE_DIR)/ansible.cfg
 
@@ -44,7 +44,7 @@ ansible-lint: ops-setup prometheus-tools ops-host-packages ## Lint roles and pla
 # rule is in mk/terraform.mk, read after this file).
 .PHONY: test-hosts
 test-hosts: ops-setup ops-host-packages $(call venv_stamp,$(TF_VENV),$(ROOT)/requirements/terraform.txt) ## Apply the playbooks to nspawn test hosts, on the inventory Terraform renders, and verify them (slow).
-	$(OPS_BIN)/pytest -rs -v -p no:cacheprovider $(ROOT)/tests/hosts $(HOSTS_PYTEST_ARGS)
+	$(OPS_BIN)/pytest -rs -v -p no:cacheprovider $(ROOT)/tests/hosts $(foreach a,$(HOSTS_PYTEST_ARGS),$(call q,$(a)))
 
 .PHONY: cluster-up-baremetal
 cluster-up-baremetal: ops-setup ## Bring up a cluster on your hosts: make cluster-up-baremetal INVENTORY=path/to/hosts.yml

@@ -98,9 +98,9 @@ cluster-up-aws: ## Create the AWS cluster with your terraform (>= 1.9): plan, co
 	@test -x $(ANSIBLE_PLAYBOOK) || { echo "$(ANSIBLE_PLAYBOOK) not found: run 'make ops-setup' first" >&2; exit 1; }
 	@test -f $(TF_AWS_DIR)/terraform.tfvars || { echo "write $(TF_AWS_DIR)/terraform.tfvars first (copy terraform.tfvars.example; see docs/cloud.md)" >&2; exit 1; }
 	$(TERRAFORM) -chdir=$(TF_AWS_DIR) init -input=false
-	@mkdir -p $(dir $(TF_AWS_PLAN))
+	@mkdir -p $(call q,$(dir $(TF_AWS_PLAN)))
 	$(TERRAFORM) -chdir=$(TF_AWS_DIR) plan -input=false -out=$(call q,$(TF_AWS_PLAN))
-	@if [ "$(AUTO_APPROVE)" != 1 ]; then \
+	@if [ $(call q,$(AUTO_APPROVE)) != 1 ]; then \
 	  if [ ! -t 0 ]; then \
 	    rm -f $(call q,$(TF_AWS_PLAN)); \
 	    echo "Not applied: no terminal to confirm the plan above on. Run from a terminal, or set AUTO_APPROVE=1." >&2; exit 1; \

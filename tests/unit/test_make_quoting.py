@@ -70,6 +70,8 @@ TARGETS: dict[str, tuple[list[str], dict[str, str | None]]] = {
     "side-suites": ([], {"SIDE_NICE": "arg"}),
     "test-python": ([], {"PYTEST_ARGS": "list"}),
     "cluster-down": ([], {"CLOUD": None}),
+    "cluster-up-aws": ([], {"AUTO_APPROVE": "arg", "TF_AWS_PLAN": "-out="}),
+    "test-hosts": ([], {"HOSTS_PYTEST_ARGS": "list"}),
     "help": ([], {"UNUSED_BY_ANY_TARGET": None}),  # every command-line variable is exported to recipes
 }
 
