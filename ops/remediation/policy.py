@@ -9,6 +9,7 @@ remediation forever and hold its node busy.
 from __future__ import annotations
 
 import os
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ from .inputs import InputError, host_port, http_url, node_address, read_text_fil
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KB; a bigger file is not one
 HOUR_S = 3600.0
-EVERY_INTERFACE = ("0.0.0.0", "0", "", "::", "[::]", "*")  # noqa: S104  (refused, not bound)
+# Every spelling Python binds to every interface: glibc's inet_aton reads "0", "0.0" and "0x0" as
+# 0.0.0.0, and "::", "[::]", "*" and "" mean all addresses too (the roles' preflights refuse the same).
+EVERY_INTERFACE = re.compile(r"([*]|(0x)?0*([.](0x)?0*){0,3}|[0:]*:[0:]*(ffff:)?[0.]*)")
 
 
 class PolicyError(InputError):
@@ -165,7 +168,7 @@ class Policy(_Strict):
     @classmethod
     def _host_port(cls, listen: str) -> str:
         # Python binds every interface for each of these spellings, not only for 0.0.0.0.
-        if listen.rpartition(":")[0] in EVERY_INTERFACE:
+        if EVERY_INTERFACE.fullmatch(listen.rpartition(":")[0].lower().replace("[", "").replace("]", "")):
             raise ValueError(f"must name one address (loopback or private), not every interface: {listen!r}")
         return host_port(listen)
 

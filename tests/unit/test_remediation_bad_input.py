@@ -62,6 +62,10 @@ def test_the_good_policy_of_these_cases_passes(tmp_path: Path) -> None:
     ({"listen": "0.0.0.0:9105"}, "listen", "not every interface"),
     ({"listen": "0:9105"}, "listen", "not every interface"),
     ({"listen": "[::]:9105"}, "listen", "not every interface"),
+    # inet_aton reads these as 0.0.0.0 too: Python would bind every interface.
+    ({"listen": "0.0:9105"}, "listen", "not every interface"),
+    ({"listen": "0x0:9105"}, "listen", "not every interface"),
+    ({"listen": "[::ffff:0.0.0.0]:9105"}, "listen", "not every interface"),
     ({"drain": {"gcs_address": "10.0.0.11"}}, "drain.gcs_address", "host:port"),
     ({"rules": [{"alert": "NodeDown", "instance_port": True, "actions": ["drain"]}]}, "rules.0.instance_port",
      "valid integer"),
