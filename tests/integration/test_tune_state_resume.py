@@ -47,7 +47,8 @@ def test_resume_refuses_a_planted_tuner_pickle_and_never_runs_it(cluster: dict[s
 def test_tune_itself_refuses_state_changed_after_the_driver_sealed_it(cluster: dict[str, Any], storage: str,
                                                                      tmp_path: Path) -> None:
     from ray import tune
-    from ray.tune import ExperimentAnalysis
+    from ray.tune import ExperimentAnalysis, Stopper
+    from ray.util.state import list_nodes
 
     from runtime.tune.sealed_state import SearchStateError, sealed_filesystem, verify_sealed
 
@@ -56,12 +57,22 @@ def test_tune_itself_refuses_state_changed_after_the_driver_sealed_it(cluster: d
             tune.report({"m": config["x"] * i})
 
     search = f"{storage}/sealed"
+
+    class _StopAtOnce(Stopper):  # after Tune's first step, which made both trials and asked for their resources
+        def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+            return False
+
+        def stop_all(self) -> bool:
+            return True
+
+    # What is sealed is the search's state, which Tune writes whether or not a trial ran: each trial asks
+    # for more CPUs than any node has, so Tune creates both and starts no process.
+    starved = max(int(n.resources_total.get("CPU", 0)) for n in list_nodes(filters=[("state", "=", "ALIVE")])) + 1
     fs = sealed_filesystem(storage, search, None)
-    tune.Tuner(_trainable, param_space={"x": tune.grid_search([1, 2])},
-               # One trial at a time in one reused process: what is sealed is the search's state.
-               tune_config=tune.TuneConfig(metric="m", mode="max", max_concurrent_trials=1, reuse_actors=True),
+    tune.Tuner(tune.with_resources(_trainable, {"CPU": starved}), param_space={"x": tune.grid_search([1, 2])},
+               tune_config=tune.TuneConfig(metric="m", mode="max"),
                run_config=tune.RunConfig(name="sealed", storage_path=storage, storage_filesystem=fs,
-                                         verbose=0)).fit()
+                                         stop=_StopAtOnce(), verbose=0)).fit()
     assert len(ExperimentAnalysis(search, storage_filesystem=fs).trials) == 2  # sealed state reads back
 
     # A storage writer swaps the newest experiment state for one whose trial carries a pickle (the
