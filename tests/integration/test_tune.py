@@ -3,12 +3,14 @@
 Two trials per search unless a method needs more (a grid's points, ASHA's rungs): a trial's cost
 is its process's start-up, not its steps. Searches whose behaviour does not need trials side by side
 run them one at a time, and one reused process (Tune's reuse_actors) serves them all: each asserts
-how many trial processes it started.
+how many trial processes it started. PBT's population takes turns on a cluster that fits one of its
+trials; the search stopped before any report starts none.
 
 Each method runs to completion and its report names the trial that really reported the
 best value (checked against Tune's own per-trial progress files); ASHA stops trials
 early; PBT restarts a trial from another trial's checkpoint; MLflow nests trial runs
-under the search's run; an interrupted search resumes with --resume.
+under the search's run; an interrupted search resumes with --resume; a search folder refuses
+a resume before its search and a fresh search after it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ray.tune import Stopper
 
 from runtime.layout import search_paths, trial_checkpoints, trial_folder, tune_trial_folders
 from tests.support import ROOT, job, wait_for
+from tests.support.behaviours import Behaviours
 from tests.support.cluster import committed_steps, train_worker_pids
 
 pytestmark = pytest.mark.slow
@@ -53,6 +56,14 @@ def _trial_processes() -> set[str]:
     from ray.util.state import list_actors
 
     return {a.actor_id for a in list_actors(limit=10_000) if a.class_name.rsplit(".", 1)[-1] == "ImplicitFunc"}
+
+
+def _largest_node_cpus() -> int:
+    """The CPUs of the cluster's largest node: a trial that reserves more than half of them (tune.trial_cpus)
+    runs alone, one that reserves more never starts."""
+    from ray.util.state import list_nodes
+
+    return max(int(n.resources_total.get("CPU", 0)) for n in list_nodes(filters=[("state", "=", "ALIVE")]))
 
 
 def _search_dir(storage: str, name: str) -> Path:
@@ -217,8 +228,12 @@ def test_pbt_exploit_restarts_a_trial_from_another_trials_checkpoint(cluster: di
     # Checkpoints every 50 steps: the trial still running has no newer checkpoint than step 50 until
     # its end, however far it ran before Tune handled its step-50 result (with every 25 steps, a
     # loaded machine let it report step 75's before Tune saved it, and PBT exploited that one).
+    # Each trial reserves more than half the cluster's largest node: both are created, one runs at a
+    # time (PBT's time-multiplexing: the first pauses at the barrier and the second runs to it).
+    before = _trial_processes()
+    alone = f"tune.trial_cpus={_largest_node_cpus() // 2 + 1}"
     out = _search(storage, "tune.method=pbt", "train.max_steps=100", "checkpoint.interval_steps=50",
-                  "tune.pbt.perturbation_interval=50", "tune.pbt.synch=true",
+                  "tune.pbt.perturbation_interval=50", "tune.pbt.synch=true", alone,
                   "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}}", name="pbt")
     exploited = [t for t in out.trials if t.restored_from]
     assert exploited, [(t.trial_id, t.steps) for t in out.trials]
@@ -230,6 +245,11 @@ def test_pbt_exploit_restarts_a_trial_from_another_trials_checkpoint(cluster: di
         # It continued from the donor's step, not from scratch: the next report is one interval later.
         assert int(after[0]["step"]) == step + 5
     _assert_report_names_true_best(out)
+    # One process for the whole population (4 when the trials ran side by side and paused together):
+    # the first trial's process passes to the second at the barrier, back to the first after it, and to
+    # the second at the first's end. Tune keeps a paused trial's process while its searcher is not
+    # finished, and a variant generator capped at 2 live trials is not, until one of its 2 completes.
+    assert len(_trial_processes() - before) == 1
 
 
 def _cli(storage: str, *extra: str) -> list[str]:
@@ -276,41 +296,65 @@ def test_interrupted_search_resumes_and_keeps_finished_trials(cluster: dict[str,
     assert all(int(r["iterations"]) == 7 for r in rows if r["trial_id"] in finished_before)
 
 
-class _StopOnceAllTrialsStarted(Stopper):
-    """A Tune stopper that ends the search, as Ctrl+C does, once every trial has its folder."""
-
-    def __init__(self, search_dir: Path, trials: int) -> None:
-        self.search_dir, self.trials = search_dir, trials
+class _StopAtOnce(Stopper):
+    """A Tune stopper that ends the search, as Ctrl+C does, at Tune's first look: after its first step,
+    in which the searcher made every trial (up to its concurrency cap) and Tune asked for their resources."""
 
     def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
         return False
 
     def stop_all(self) -> bool:
-        return len(glob.glob(tune_trial_folders(str(self.search_dir)))) >= self.trials
+        return True
 
 
-def test_search_stopped_before_any_trial_reported_still_reports_every_trials_params(
+def test_search_folder_refuses_resume_before_and_fresh_search_after_a_search_stopped_before_any_report(
         cluster: dict[str, Any], storage: str) -> None:
-    from runtime.tune import tune
+    """One search folder's life, no trial process started: a resume before its search is refused, a
+    search stopped before any trial reported still reports every trial's params, and a fresh search
+    into the folder it left is refused (it names --resume)."""
+    from ray.tune import ExperimentAnalysis
 
-    search_dir = _search_dir(storage, "stopped-early")
-    stopper = _StopOnceAllTrialsStarted(search_dir, 2)
-    out = tune(job("digits_tune", storage, *SMALL), "stopped-early", show_progress=False, stopper=stopper)
-    assert out.interrupted and out.best is None
-    assert len(out.trials) == 2 and len({t.trial_id for t in out.trials}) == 2
-    unreported = [t for t in out.trials if t.iterations == 0]
-    assert unreported, [(t.trial_id, t.iterations) for t in out.trials]
-    for t in out.trials:
-        folder = Path(glob.glob(tune_trial_folders(str(search_dir), t.trial_id))[0])
-        assert t.status == "UNFINISHED" and t.trial_id in folder.name
-        assert all(v is not None for v in t.params.values()) and t.params
-    with open(out.report_files["csv"]) as f:
-        assert {r["trial_id"] for r in csv.DictReader(f)} == {t.trial_id for t in out.trials}
-
-
-def test_fresh_search_refuses_an_existing_search_folder(cluster: dict[str, Any], storage: str) -> None:
     from runtime.errors import ConfigError
     from runtime.tune import tune
+    from runtime.tune.sealed_state import sealed_filesystem
 
-    with pytest.raises(ConfigError, match="nothing to resume"):
-        tune(job("digits_tune", storage, *SMALL), "never-ran", resume=True, show_progress=False)
+    checks = Behaviours("a search folder's life cycle")
+    base, search_dir = search_paths(job("digits_tune", storage), "stopped-early")
+    with pytest.raises(ConfigError) as nothing:
+        tune(job("digits_tune", storage, *SMALL), "stopped-early", resume=True, show_progress=False)
+    checks.check("a resume before any search is refused: nothing to resume",
+                 "nothing to resume" in str(nothing.value), nothing.value)
+
+    # Each trial asks for more CPUs than any node has: Tune creates both and waits for resources, so the
+    # search stops with no trial started, let alone reported (before: a race the stopper usually won).
+    before = _trial_processes()
+    starved = f"tune.trial_cpus={_largest_node_cpus() + 1}"
+    out = tune(job("digits_tune", storage, *SMALL, starved), "stopped-early", show_progress=False,
+               stopper=_StopAtOnce())
+    checks.check("no trial process started", not _trial_processes() - before, _trial_processes() - before)
+    checks.check("stopped before any report: interrupted, no best", out.interrupted and out.best is None,
+                 (out.interrupted, out.best))
+    rows = [(t.trial_id, t.status, t.iterations, t.params) for t in out.trials]
+    checks.check("every trial listed once, UNFINISHED, no result",
+                 len(out.trials) == 2 and len({t.trial_id for t in out.trials}) == 2
+                 and all(t.status == "UNFINISHED" and t.iterations == 0 for t in out.trials), rows)
+    checks.check("every trial's params from Tune's saved state",
+                 all(t.params and all(v is not None for v in t.params.values()) for t in out.trials), rows)
+    # Tune's own record of each trial (its saved search state, read through the driver's seal): the report's
+    # ids are Tune's, and each names the trial's folder, where its results would have gone.
+    sealed = sealed_filesystem(base, search_dir, None)
+    recorded = {t.trial_id: Path(t.path or "").name
+                for t in ExperimentAnalysis(search_dir, storage_filesystem=sealed).trials}
+    checks.check("every trial's id is Tune's and names its folder",
+                 set(recorded) == {t.trial_id for t in out.trials}
+                 and all(tid in name for tid, name in recorded.items()), recorded)
+    with open(out.report_files["csv"]) as f:
+        listed = {r["trial_id"] for r in csv.DictReader(f)}
+    checks.check("report.csv lists every trial", listed == {t.trial_id for t in out.trials}, listed)
+
+    with pytest.raises(ConfigError) as refused:
+        tune(job("digits_tune", storage, *SMALL), "stopped-early", show_progress=False)
+    checks.check("a fresh search into the folder is refused, naming --resume",
+                 f"search folder {search_dir} already holds a search: pass --resume" in str(refused.value),
+                 refused.value)
+    checks.verify()
