@@ -47,7 +47,8 @@ class Rule(_Strict):
     alert: str = Field(min_length=1, description="Alert name (the alertname label).")
     labels: dict[str, str] = Field(default_factory=dict, description="Further labels the alert must carry, exactly.")
     node_label: str = Field(default="instance",
-                            description="Label naming the node: instance (host:port) or node (a host name).")
+                            description="Label naming the node: instance (host:port only) or another label "
+                            "holding the node's inventory name (node: GPU alerts).")
     instance_port: int | None = Field(default=None, ge=1, le=65535, strict=True,
                                       description="Port of the exporter whose alert this is (9100: node "
                                       "exporter): an instance label host:port names a node listed by its bare "
