@@ -7,15 +7,18 @@ settings once per process, so ``own_cluster_env`` must be in ``os.environ`` befo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import psutil
 
 from runtime.cluster.processes import alive
 from tests.support import ROOT, free_port, wait_for
@@ -60,6 +63,22 @@ def train_worker_pids(job_id: str | None = None) -> list[int]:
     if job_id is not None:
         filters.append(("job_id", "=", job_id))
     return sorted(a.pid for a in list_actors(filters=filters))
+
+
+def workers_on(raylet: psutil.Process, env: Mapping[str, str] | None = None, *, idle: bool = False) -> set[int]:
+    """Ray worker processes under a node's raylet (not its agents, not the raylet, whose command line
+    names the worker's script too): idle ones (``ray::IDLE``) and, unless ``idle``, ones still starting.
+    With ``env``, only those whose environment holds it: a runtime_env's ``env_vars`` say whose they are
+    (a spare of one run, not an idle worker another test's job left behind)."""
+    found = set()
+    for p in raylet.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmd = p.cmdline()
+            starting = not idle and any(a.endswith("default_worker.py") for a in cmd[1:2])
+            if cmd and (cmd[0].startswith("ray::IDLE") or starting) and (
+                    env is None or env.items() <= p.environ().items()):
+                found.add(p.pid)
+    return found
 
 
 def committed_steps(checkpoints: Path) -> list[int]:
