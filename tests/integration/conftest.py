@@ -31,7 +31,8 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING", "0")
 # Spare worker processes (runtime.train.spares) trade idle CPU for a faster restart: on the suite's two
 # cores most runs never restart and each group's spares would import torch for nothing. Off here; on
-# in test_spares.py, which proves a restart is given them, and in the recovery and elastic benchmarks.
+# in test_run_logs_and_traces.py's traced run, which proves a restart is given them, and in the recovery
+# and elastic benchmarks.
 os.environ.setdefault("RT_TRAIN_SPARES", "0")
 # The jobs the CLI and Tune load here, as tests.support.job's: no drain watcher (NO_DRAIN_WATCH).
 os.environ.setdefault("RT_CHECKPOINT__ON_NODE_DRAIN", "ignore")
