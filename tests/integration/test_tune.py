@@ -35,7 +35,7 @@ from ray.tune import Stopper
 from runtime.layout import search_paths, trial_checkpoints, trial_folder, tune_trial_folders
 from tests.support import ROOT, job, wait_for
 from tests.support.behaviours import Behaviours
-from tests.support.cluster import committed_steps, train_worker_pids
+from tests.support.cluster import committed_steps, largest_node_cpus, train_worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +56,6 @@ def _trial_processes() -> set[str]:
     from ray.util.state import list_actors
 
     return {a.actor_id for a in list_actors(limit=10_000) if a.class_name.rsplit(".", 1)[-1] == "ImplicitFunc"}
-
-
-def _largest_node_cpus() -> int:
-    """The CPUs of the cluster's largest node: a trial that reserves more than half of them (tune.trial_cpus)
-    runs alone, one that reserves more never starts."""
-    from ray.util.state import list_nodes
-
-    return max(int(n.resources_total.get("CPU", 0)) for n in list_nodes(filters=[("state", "=", "ALIVE")]))
 
 
 def _search_dir(storage: str, name: str) -> Path:
@@ -231,7 +223,7 @@ def test_pbt_exploit_restarts_a_trial_from_another_trials_checkpoint(cluster: di
     # Each trial reserves more than half the cluster's largest node: both are created, one runs at a
     # time (PBT's time-multiplexing: the first pauses at the barrier and the second runs to it).
     before = _trial_processes()
-    alone = f"tune.trial_cpus={_largest_node_cpus() // 2 + 1}"
+    alone = f"tune.trial_cpus={largest_node_cpus() // 2 + 1}"
     out = _search(storage, "tune.method=pbt", "train.max_steps=100", "checkpoint.interval_steps=50",
                   "tune.pbt.perturbation_interval=50", "tune.pbt.synch=true", alone,
                   "tune.space={optimizer.lr: {loguniform: [1.0e-4, 1.0e-1]}}", name="pbt")
@@ -328,7 +320,7 @@ def test_search_folder_refuses_resume_before_and_fresh_search_after_a_search_sto
     # Each trial asks for more CPUs than any node has: Tune creates both and waits for resources, so the
     # search stops with no trial started, let alone reported (before: a race the stopper usually won).
     before = _trial_processes()
-    starved = f"tune.trial_cpus={_largest_node_cpus() + 1}"
+    starved = f"tune.trial_cpus={largest_node_cpus() + 1}"
     out = tune(job("digits_tune", storage, *SMALL, starved), "stopped-early", show_progress=False,
                stopper=_StopAtOnce())
     checks.check("no trial process started", not _trial_processes() - before, _trial_processes() - before)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support import ROOT
+from tests.support.cluster import largest_node_cpus
 
 
 class _Payload:
@@ -48,7 +49,6 @@ def test_tune_itself_refuses_state_changed_after_the_driver_sealed_it(cluster: d
                                                                      tmp_path: Path) -> None:
     from ray import tune
     from ray.tune import ExperimentAnalysis, Stopper
-    from ray.util.state import list_nodes
 
     from runtime.tune.sealed_state import SearchStateError, sealed_filesystem, verify_sealed
 
@@ -67,7 +67,7 @@ def test_tune_itself_refuses_state_changed_after_the_driver_sealed_it(cluster: d
 
     # What is sealed is the search's state, which Tune writes whether or not a trial ran: each trial asks
     # for more CPUs than any node has, so Tune creates both and starts no process.
-    starved = max(int(n.resources_total.get("CPU", 0)) for n in list_nodes(filters=[("state", "=", "ALIVE")])) + 1
+    starved = largest_node_cpus() + 1
     fs = sealed_filesystem(storage, search, None)
     tune.Tuner(tune.with_resources(_trainable, {"CPU": starved}), param_space={"x": tune.grid_search([1, 2])},
                tune_config=tune.TuneConfig(metric="m", mode="max"),

@@ -81,6 +81,19 @@ def workers_on(raylet: psutil.Process, env: Mapping[str, str] | None = None, *, 
     return found
 
 
+def largest_node_cpus() -> int:
+    """The CPUs of the session cluster's largest live node, from the GCS's node table: a Tune trial that
+    reserves more than half of them (tune.trial_cpus) runs alone, one that reserves more never starts.
+    Not Ray's state API: its node list with a state filter raises once any node has died (it counts
+    the filtered-out nodes as truncated), as the elastic tests' removed nodes are by then."""
+    import ray
+
+    from runtime.launch.driver import connect
+
+    connect()
+    return max(int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"])
+
+
 def committed_steps(checkpoints: Path) -> list[int]:
     """Steps committed in a run's checkpoint folder (a manifest is the commit marker), oldest first."""
     return sorted(int(p.parent.name.split("_")[1]) for p in checkpoints.glob("step_*/manifest.json"))
