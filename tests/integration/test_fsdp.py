@@ -116,7 +116,7 @@ def test_gpt_small_under_fsdp_trains_on_real_text_and_a_killed_worker_resumes_bi
     reference = train_ranks("gpt_small", Path(storage) / "gpt-reference", *SETS)
     assert reference.metrics["step"] == STEPS, reference.metrics
     hold = tmp_path / "hold"
-    monkeypatch.setenv(HOLD_ENV, f"{HOLD_AT}:{hold}")  # forwarded to the workers (runtime.launch.setup.WORKER_ENV)
+    monkeypatch.setenv(HOLD_ENV, f"{HOLD_AT}:{hold}")  # to this run's workers (launch.setup._run_worker_env)
     checkpoints = Path(storage) / "gpt-killed" / "checkpoints"
     with KillWhenHeld(hold, HOLD_AT, checkpoints, HOLD_AT - INTERVAL) as killer:
         out = train(job("gpt_small", storage, *SETS), "gpt-killed", show_progress=False)
