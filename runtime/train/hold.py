@@ -2,7 +2,7 @@
 
 Faults are injected at a known step, not raced against wall time (a signal "a few steps after
 checkpoint 25" lands anywhere on a loaded machine). With ``RT_TEST_HOLD="<step>:<folder>"`` in
-the workers' environment (the driver forwards it, runtime.launch.setup.WORKER_ENV), each rank,
+the workers' environment (each run's, from the driver's at its start: launch.setup), each rank,
 at the boundary of ``<step>``, writes ``<folder>/held_<step>_rank<r>`` and waits until
 ``<folder>/release`` exists; then the boundary goes on (the preemption check, saves, the report).
 ``"<step>@<rank>:<folder>"`` holds that rank alone: its peers go on into the boundary's all-reduce
