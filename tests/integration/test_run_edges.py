@@ -27,7 +27,7 @@ from runtime.launch.runlock import LOCK_FILE
 from runtime.observe.history import read_history
 from runtime.run import PREEMPT_FILE
 from runtime.train.hold import RELEASE_FILE
-from tests.support import job, wait_for
+from tests.support import job, tmpfs, wait_for
 from tests.support.behaviours import Behaviours
 from tests.support.cluster import committed_steps
 from tests.support.held_run import finish, start, wait_held
@@ -45,16 +45,8 @@ SETS = [*BASE, "checkpoint.interval_steps=50", "checkpoint.keep=3"]
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real 16 MiB tmpfs (root only): a disk that fills up. The run needs well under 1 MiB of it (three
     ~100 KB digits-MLP checkpoints, the history of ~400 one-step reports, the lock and the curves)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (root needed): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", 16) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def fill(disk: Path) -> None:

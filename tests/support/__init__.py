@@ -9,7 +9,8 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +31,23 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def tmpfs(mount: Path, size_mib: int) -> Iterator[Path]:
+    """A real tmpfs of ``size_mib`` MiB at ``mount`` (created), unmounted after: ENOSPC comes from the
+    kernel, not a mock. Mounting needs root: elsewhere the test is skipped, saying so."""
+    import pytest
+
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"NOT TESTED: a full disk needs `mount -t tmpfs` (root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def wait_for(pred: Callable[[], bool], what: str, timeout: float = 240) -> None:

@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
 
 from runtime.checkpoint import CheckpointError, CheckpointManager
-from tests.support import wait_for
+from tests.support import tmpfs, wait_for
 from tests.support.cluster import committed_steps
 from tests.support.ranks import spawn_ranks
 from tests.support.trainer import folded, train_job
@@ -23,21 +23,9 @@ from tests.support.trainer import folded, train_job
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A real 20 MB tmpfs, so ENOSPC comes from the kernel, not from a mock."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if res.returncode != 0:
-        pytest.skip(f"DISK-FULL TEST NOT RUN: cannot mount a tmpfs here ({res.stderr.strip()})")
-    try:
+    """A real 20 MiB tmpfs."""
+    with tmpfs(tmp_path / "small", 20) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _state(mib: int, fill: float) -> dict[str, object]:
@@ -89,22 +77,9 @@ def test_disk_full_with_stop_raises_on_wait(small_fs: Path) -> None:
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
-    """Real tmpfs mounts of 4 MiB (unmounted afterwards); skips loudly where mount is not allowed."""
-    mounts: list[Path] = []
-
-    def make(name: str) -> Path:
-        mnt = tmp_path / name
-        mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
-        if r.returncode:
-            pytest.skip(f"NOT TESTED: disk-full recovery needs `mount -t tmpfs` (root): {r.stderr.strip()}")
-        mounts.append(mnt)
-        return mnt
-
-    yield make
-    for mnt in mounts:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    """Real tmpfs mounts of 4 MiB, unmounted afterwards."""
+    with ExitStack() as mounts:
+        yield lambda name: mounts.enter_context(tmpfs(tmp_path / name, 4))
 
 
 def keep_full(path: Path, leave_bytes: int, stop: threading.Event) -> None:
