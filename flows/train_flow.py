@@ -183,9 +183,10 @@ def datastore_root(environ: os._Environ[str] | dict[str, str]) -> str:
 
 
 def check_datastore(storage: str, root: str) -> None:
-    """Refuse a Metaflow datastore inside the job's checkpoint storage. Every worker writes that
-    storage, and ``resume`` unpickles the datastore's artifacts on the operator's machine: a job
-    could plant one there and run code as the operator."""
+    """Refuse a Metaflow datastore where a job can write: inside the job's checkpoint storage, or on
+    an object store anywhere under the storage's first-level prefix (the example's node roles write
+    all of ``ray/``, every job's storage included). ``resume`` unpickles the datastore's artifacts
+    on the operator's machine: a job could plant one there and run code as the operator."""
     from runtime.config.values import parse_storage
     from runtime.errors import ConfigError
 
@@ -195,10 +196,14 @@ def check_datastore(storage: str, root: str) -> None:
     if ds.remote != st.remote:
         return
     if ds.remote:
-        inside = f"{ds.uri.rstrip('/')}/".startswith(f"{st.uri.rstrip('/')}/")
-    else:
-        inside = Path(ds.uri).resolve().is_relative_to(Path(st.uri).resolve())
-    if inside:
+        scheme, _, rest = st.uri.rstrip("/").partition("://")
+        bucket, _, path = rest.partition("/")
+        writable = f"{scheme}://{bucket}/{path.split('/')[0]}/" if path else f"{scheme}://{bucket}/"
+        if f"{ds.uri.rstrip('/')}/".startswith(writable):
+            raise ConfigError(f"the Metaflow datastore {root} is under {writable}, which the workers write "
+                              f"(checkpoint.storage {storage} is there too; resume would unpickle what a job "
+                              "planted): put METAFLOW_DATASTORE_SYSROOT_S3 under another prefix")
+    elif Path(ds.uri).resolve().is_relative_to(Path(st.uri).resolve()):
         raise ConfigError(f"the Metaflow datastore {root} is inside checkpoint.storage {storage}, which every "
                           "worker writes (resume would unpickle what a job planted there): put "
                           "METAFLOW_DATASTORE_SYSROOT_S3/_LOCAL outside it")
