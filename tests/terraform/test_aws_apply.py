@@ -20,12 +20,9 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +31,19 @@ import pytest
 boto3 = pytest.importorskip("boto3", reason="boto3 and moto live in .venv-tf: run `make tf-e2e`")
 yaml = pytest.importorskip("yaml", reason="PyYAML lives in .venv-tf: run `make tf-e2e`")
 
-import aws_stand_in  # noqa: E402 - after the skips: it needs nothing, but only this test uses it
+from moto_cluster import (  # noqa: E402 - after the skips: it needs boto3 from .venv-tf
+    DEBIAN_AMI_ID,
+    REGION,
+    Cluster,
+    applied,
+    provider_mirror_reason,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TF_PY = ROOT / "terraform" / "tools" / "tf.py"
 PLUGIN_DIR = Path(os.environ.get("TF_PLUGIN_DIR", "/opt/tf-plugins"))
-REGION = "us-east-1"
-ACCOUNT = "123456789012"  # moto's default account
-DEBIAN_OWNER = "136693071363"
-DEBIAN_AMI_NAME = "debian-12-amd64-20240717-1811"
-DEBIAN_AMI_ID = "ami-0d3b2a1c9e8f70615"
-KEY_NAME = "e2e-admin"
 ADMIN_CIDR = "203.0.113.7/32"
 INTERNET = {"0.0.0.0/0", "::/0"}
-# Every service the example's resources and data sources call.
-SERVICES = ("autoscaling", "ec2", "efs", "fsx", "iam", "kms", "logs", "s3", "sts")
 # EC2 user data: at most 16 KB before base64 (RunInstances, UserData).
 USER_DATA_MAX = 16 * 1024
 POOLS = {
@@ -57,10 +52,7 @@ POOLS = {
     "spot": {"instance_type": "g5.12xlarge", "count": 2, "gpus_per_node": 4, "capacity_type": "spot"},
 }
 
-pytestmark = pytest.mark.skipif(
-    not (PLUGIN_DIR / "registry.terraform.io" / "hashicorp" / "aws").is_dir(),
-    reason=f"no AWS provider mirror at {PLUGIN_DIR} (TF_PLUGIN_DIR)",
-)
+pytestmark = pytest.mark.skipif(provider_mirror_reason() is not None, reason=str(provider_mirror_reason()))
 
 
 # --------------------------------------------------------------------------- EC2 rules moto skips
@@ -124,209 +116,11 @@ def numeric_order(addresses: list[str]) -> list[str]:
 # --------------------------------------------------------------------------- the cluster
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Cluster:
-    """The example applied against moto: its working copy, Terraform runner and boto3 clients."""
-
-    workdir: Path
-    env: dict[str, str]
-    endpoint: str
-    pools: dict[str, dict[str, Any]] = field(default_factory=lambda: json.loads(json.dumps(POOLS)))
-    elastic_ips: list[str] = field(default_factory=list)
-
-    def tf(self, *args: str, ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            [sys.executable, str(TF_PY), f"-chdir={self.workdir}", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert proc.returncode in ok, (
-            f"terraform {args[0]} exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-4000:]}"
-        )
-        return proc
-
-    def client(self, service: str) -> Any:
-        return boto3.client(
-            service,
-            endpoint_url=self.endpoint,
-            region_name=REGION,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-
-    def write_tfvars(self) -> None:
-        (self.workdir / "terraform.tfvars.json").write_text(
-            json.dumps(
-                {
-                    "region": REGION,
-                    "cluster_name": "train-a",
-                    "admin_cidrs": [ADMIN_CIDR],
-                    "ssh_key_name": KEY_NAME,
-                    "pools": self.pools,
-                }
-            )
-        )
-
-    def apply(self) -> None:
-        self.write_tfvars()
-        self.tf("apply", "-auto-approve", "-input=false", "-no-color")
-        self.stand_in_public_addresses()
-
-    def stand_in_public_addresses(self) -> None:
-        """Give the head the public IPv4 address its launch template asks for, then refresh.
-
-        EC2 assigns one at launch when the instance's first interface has
-        AssociatePublicIpAddress=true; moto's Auto Scaling ignores that setting
-        of a launch template. An Elastic IP is the same address to the
-        instance's DescribeInstances, so the inventory's ProxyJump is rendered
-        from what AWS would return.
-        """
-        ec2 = self.client("ec2")
-        changed = False
-        for group in self.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"]:
-            spec = group["MixedInstancesPolicy"]["LaunchTemplate"]["LaunchTemplateSpecification"]
-            data = ec2.describe_launch_template_versions(
-                LaunchTemplateId=spec["LaunchTemplateId"], Versions=["$Latest"]
-            )["LaunchTemplateVersions"][0]["LaunchTemplateData"]
-            if not any(n.get("AssociatePublicIpAddress") for n in data.get("NetworkInterfaces", [])):
-                continue
-            for member in group["Instances"]:
-                instance = ec2.describe_instances(InstanceIds=[member["InstanceId"]])["Reservations"][0]["Instances"][0]
-                if instance.get("PublicIpAddress"):
-                    continue
-                allocation = ec2.allocate_address(Domain="vpc")
-                ec2.associate_address(AllocationId=allocation["AllocationId"], InstanceId=member["InstanceId"])
-                self.elastic_ips.append(allocation["AllocationId"])
-                changed = True
-        if changed:
-            self.tf("apply", "-refresh-only", "-auto-approve", "-input=false", "-no-color")
-
-    def outputs(self) -> dict[str, Any]:
-        return {k: v["value"] for k, v in json.loads(self.tf("output", "-json").stdout).items()}
-
-    def inventory(self) -> dict[str, Any]:
-        return yaml.safe_load(self.outputs()["inventory"])
-
-    def groups(self) -> dict[str, dict[str, Any]]:
-        """The Auto Scaling groups keyed by their gpu-cluster:pool tag (head, a100, ...)."""
-        found = self.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"]
-        return {next(t["Value"] for t in g["Tags"] if t["Key"] == "gpu-cluster:pool"): g for g in found}
-
-    def private_addresses(self, group: dict[str, Any]) -> list[str]:
-        ids = [i["InstanceId"] for i in group["Instances"]]
-        reservations = self.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
-        return [i["PrivateIpAddress"] for r in reservations for i in r["Instances"]]
-
-
-def _start_moto(port: int, amis: Path, log: Path) -> subprocess.Popen[bytes]:
-    """moto_server with aws_stand_in's corrections, on 127.0.0.1:port, serving the AMIs in `amis`."""
-    env = {**os.environ, "MOTO_AMIS_PATH": str(amis)}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, aws_stand_in.__file__, str(port)], env=env, stdout=out, stderr=subprocess.STDOUT
-        )
-    for _ in range(300):  # 300 connection attempts, 0.1 s apart
-        if proc.poll() is not None:
-            pytest.fail(f"moto_server exited {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    pytest.fail(f"moto_server did not listen on 127.0.0.1:{port} after 300 attempts")
-
-
-def _override(endpoint: str) -> str:
-    """Provider settings merged into the example's provider block (Terraform *_override.tf)."""
-    endpoints = "\n".join(f'    {s} = "{endpoint}"' for s in SERVICES)
-    return f"""provider "aws" {{
-  access_key                  = "testing"
-  secret_key                  = "testing"
-  skip_credentials_validation = true
-  skip_metadata_api_check     = true
-  s3_use_path_style           = true
-
-  endpoints {{
-{endpoints}
-  }}
-}}
-"""
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("tf-e2e")
-    # A copy of the Terraform tree, so the override, state and lock file never land in the repository.
-    shutil.copytree(
-        ROOT / "terraform",
-        tmp / "terraform",
-        ignore=shutil.ignore_patterns(
-            ".terraform", "terraform.tfstate*", ".terraform.lock.hcl", "terraform.tfvars", "*_override.tf"
-        ),
-    )
-    workdir = tmp / "terraform" / "examples" / "aws_cluster"
-    # Debian's published image, as DescribeImages returns it in us-east-1 (moto ships Amazon's only).
-    amis = tmp / "amis.json"
-    amis.write_text(
-        json.dumps(
-            [
-                {
-                    "ami_id": DEBIAN_AMI_ID,
-                    "name": DEBIAN_AMI_NAME,
-                    "description": "Debian 12 (20240717-1811)",
-                    "owner_id": DEBIAN_OWNER,
-                    "public": True,
-                    "virtualization_type": "hvm",
-                    "architecture": "x86_64",
-                    "state": "available",
-                    "platform": None,
-                    "image_type": "machine",
-                    "hypervisor": "xen",
-                    "root_device_type": "ebs",
-                    "root_device_name": "/dev/xvda",
-                    "sriov": "simple",
-                    "creation_date": "2024-07-17T18:11:00.000Z",
-                }
-            ]
-        )
-    )
-    moto_port = _free_port()
-    moto = _start_moto(moto_port, amis, tmp / "moto.log")
-    proxy, _ = aws_stand_in.serve(moto_port, ACCOUNT)
-    endpoint = f"http://127.0.0.1:{proxy.server_address[1]}"
-    (workdir / "e2e_override.tf").write_text(_override(endpoint))
-    env = {
-        **os.environ,
-        "TF_DATA_DIR": str(tmp / ".terraform"),
-        "TF_IN_AUTOMATION": "1",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    env.pop("AWS_PROFILE", None)
-    c = Cluster(workdir=workdir, env=env, endpoint=endpoint)
-    try:
-        # The key pair a user already has (ssh_key_name).
-        c.client("ec2").import_key_pair(
-            KeyName=KEY_NAME,
-            PublicKeyMaterial=b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl e2e",
-        )
-        c.tf("init", "-backend=false", "-input=false", "-no-color", f"-plugin-dir={PLUGIN_DIR}")
-        c.apply()
+    variables = {"cluster_name": "train-a", "admin_cidrs": [ADMIN_CIDR], "pools": POOLS}
+    with applied(tmp_path_factory.mktemp("tf-e2e"), variables) as c:
         yield c
-    finally:
-        proxy.shutdown()
-        moto.terminate()
-        moto.wait()
 
 
 # --------------------------------------------------------------------------- after apply

@@ -24,6 +24,7 @@ module "spec" {
 
   admin_cidr_min_prefix_length = var.admin_cidr_min_prefix_length
   pools                        = var.pools
+  ssh_user                     = var.ssh_user
 
   node_addresses      = local.node_addresses
   head_public_address = try(data.aws_instances.head.public_ips[0], null)

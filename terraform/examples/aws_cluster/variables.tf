@@ -48,6 +48,13 @@ variable "ssh_key_name" {
   nullable    = false
 }
 
+variable "ssh_user" {
+  description = "The AMI's login user, whom Ansible logs in as and jumps through the head with: admin on Debian's images (the default); set it when your own Debian 12 AMI (ami_id) logs in as another user."
+  type        = string
+  default     = "admin"
+  nullable    = false
+}
+
 ################################################################################
 # Nodes
 ################################################################################
