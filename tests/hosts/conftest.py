@@ -94,12 +94,14 @@ def lab():
     TIMINGS["offline apt repo + wheelhouse"] = time.monotonic() - t0
     name = f"lab-{os.getpid()}"
     workdir = labmod.CACHE / "run" / name
-    the_lab = labmod.Lab(name=name, image=image, offline=offline, workdir=workdir)
+    t0 = time.monotonic()
+    the_lab = labmod.new_lab(name, image, offline, workdir)
+    TIMINGS["AWS example applied on moto"] = time.monotonic() - t0
     try:
         t0 = time.monotonic()
         the_lab.up()
-        for node, index in labmod.TOPOLOGY.items():
-            the_lab.start_node(node, index)
+        for node in the_lab.addresses:
+            the_lab.start_node(node)
         for node in the_lab.nodes.values():
             the_lab.wait_ssh(node)
         TIMINGS["3 nodes booted and SSH-reachable"] = time.monotonic() - t0
@@ -115,10 +117,7 @@ def lab():
 @pytest.fixture(scope="session")
 def inventory(lab) -> Path:
     """Terraform's rendered inventory (hosts.yml), the lab's group_vars beside it."""
-    t0 = time.monotonic()
-    path = labmod.terraform_inventory(lab, lab.workdir / "inventory")
-    TIMINGS["terraform apply (cluster_spec inventory)"] = time.monotonic() - t0
-    return path
+    return labmod.write_lab_vars(lab)
 
 
 @pytest.fixture(scope="session")

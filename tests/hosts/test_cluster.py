@@ -30,6 +30,11 @@ TOKEN = "/etc/ray/auth_token"
 WITH_AUTH = "/usr/local/bin/ray-cluster-env"
 
 
+def _head(lab) -> str:
+    """The head's private address: where Ray, Prometheus and Alertmanager listen."""
+    return labmod.node_address(lab, HEAD)
+
+
 def _lab_var(inventory, name: str):
     """A setting of the lab's own group_vars/all.yml, beside Terraform's inventory."""
     return json.loads((inventory.parent / "group_vars" / "all.yml").read_text())[name]
@@ -48,7 +53,10 @@ def _rendered_variables(inventory_yaml: dict) -> set[str]:
 def test_ansible_runs_on_the_inventory_terraform_rendered_for_the_lab_nodes(lab, inventory):
     # The file every playbook here gets with -i is Terraform's output, byte for byte.
     assert inventory.read_text() == labmod.terraform(lab, "output", "-raw", "inventory")
-    assert json.loads(labmod.terraform(lab, "output", "-json", "node_names")) == [HEAD, *WORKERS]
+    # Its nodes are the instances EC2 (moto) started for terraform/examples/aws_cluster, each at the
+    # address the instance was given.
+    assert labmod.terraform(lab, "output", "-raw", "head_private_address") == lab.nodes[HEAD].address
+    assert labmod.terraform(lab, "output", "-raw", "head_address") == labmod.head_public_address(lab)
     rendered = yaml.safe_load(inventory.read_text())
     groups = rendered["all"]["children"]
     assert {g: sorted(v["hosts"]) for g, v in groups.items()} == {
@@ -110,8 +118,8 @@ def test_dashboard_listens_on_loopback_only_and_metrics_agents_serve(hosts, lab)
     # Operators reach the dashboard by SSH tunnel; no other interface answers.
     assert head.socket("tcp://127.0.0.1:8265").is_listening
     assert not head.socket("tcp://0.0.0.0:8265").is_listening
-    assert not head.socket(f"tcp://{lab.subnet}.11:8265").is_listening
-    assert head.socket(f"tcp://{lab.subnet}.11:6379").is_listening or head.socket("tcp://0.0.0.0:6379").is_listening
+    assert not head.socket(f"tcp://{_head(lab)}:8265").is_listening
+    assert head.socket(f"tcp://{_head(lab)}:6379").is_listening or head.socket("tcp://0.0.0.0:6379").is_listening
     for name in ALL:
         assert "ray_" in hosts(name).check_output("curl -sf http://127.0.0.1:8080/metrics | head -c 200000")
 
@@ -134,7 +142,7 @@ _DRIVER = ("import ray; ray.init(address='{address}', log_to_driver=False); "
 
 
 def test_ray_refuses_a_client_without_the_token(hosts, lab):
-    driver = _DRIVER.format(address=f"{lab.subnet}.11:6379")
+    driver = _DRIVER.format(address=f"{_head(lab)}:6379")
     out = hosts(WORKERS[1]).run(
         f"timeout 120 env RAY_AUTH_MODE=disabled /opt/ray/venv/bin/python -c \"{driver}\"")
     assert out.rc != 0 and "answer" not in out.stdout, out.stdout
@@ -145,7 +153,7 @@ def test_ray_refuses_a_client_without_the_token(hosts, lab):
 
 
 def test_ray_runs_a_job_for_a_client_with_the_token(hosts, lab):
-    driver = _DRIVER.format(address=f"{lab.subnet}.11:6379")
+    driver = _DRIVER.format(address=f"{_head(lab)}:6379")
     # An unprivileged driver (the ray account, which may read the token) in a folder its
     # workers can read too.
     out = hosts(WORKERS[1]).run(
@@ -208,7 +216,7 @@ def _prometheus(lab, inventory, path: str, password: str | None = None,
     """The head's Prometheus; password None = the inventory's."""
     if password is None:
         password = _lab_var(inventory, "prometheus_web_password")
-    return _basic_auth(f"http://{lab.subnet}.11:9090{path}", "prometheus", password, method)
+    return _basic_auth(f"http://{_head(lab)}:9090{path}", "prometheus", password, method)
 
 
 def _prometheus_targets(lab, inventory) -> list[dict]:
@@ -219,7 +227,7 @@ def _prometheus_targets(lab, inventory) -> list[dict]:
 
 def test_prometheus_listens_on_the_private_address_behind_basic_auth(hosts, lab, inventory):
     head = hosts(HEAD)
-    assert head.socket(f"tcp://{lab.subnet}.11:9090").is_listening
+    assert head.socket(f"tcp://{_head(lab)}:9090").is_listening
     assert not head.socket("tcp://0.0.0.0:9090").is_listening
     assert _prometheus(lab, inventory, "/api/v1/targets", password="")[0] == 401
     assert _prometheus(lab, inventory, "/api/v1/targets", password="wrong-password")[0] == 401
@@ -319,7 +327,7 @@ def test_a_training_exporter_on_a_worker_is_scraped_by_the_heads_prometheus(host
     _put(head, "/tmp/exporter_driver.py", _EXPORTER_DRIVER)
     head.check_output(
         f"nohup timeout 300 {WITH_AUTH} /opt/ray/venv/bin/python /tmp/exporter_driver.py /tmp/runtime_metrics.py "
-        f"{lab.subnet}.11:6379 {worker} 240 /tmp/runtime_catalog.py /tmp/runtime_host.py /tmp/runtime_stragglers.py "
+        f"{_head(lab)}:6379 {worker} 240 /tmp/runtime_catalog.py /tmp/runtime_host.py /tmp/runtime_stragglers.py "
         "> /tmp/exporter_driver.log 2>&1 "
         "& echo $! > /tmp/exporter_driver.pid")
     try:
@@ -345,13 +353,13 @@ def _alertmanager(lab, inventory, path: str, password: str | None = None) -> tup
     """The head's Alertmanager; password None = the inventory's."""
     if password is None:
         password = _lab_var(inventory, "alertmanager_web_password")
-    return _basic_auth(f"http://{lab.subnet}.11:9093{path}", "alertmanager", password)
+    return _basic_auth(f"http://{_head(lab)}:9093{path}", "alertmanager", password)
 
 
 def test_alertmanager_listens_on_the_private_address_behind_basic_auth(hosts, lab, inventory):
     head = hosts(HEAD)
     assert head.service("prometheus-alertmanager").is_running
-    assert head.socket(f"tcp://{lab.subnet}.11:9093").is_listening
+    assert head.socket(f"tcp://{_head(lab)}:9093").is_listening
     assert not head.socket("tcp://0.0.0.0:9093").is_listening
     assert not head.socket("tcp://0.0.0.0:9094").is_listening  # no gossip port
     assert _alertmanager(lab, inventory, "/api/v2/alerts", password="")[0] == 401
@@ -448,7 +456,7 @@ def test_check_mode_renders_mlflow_and_grafana_config_on_the_monitoring_host(ans
         "-e", json.dumps({"mlflow_enabled": True, "grafana_enabled": True, **secrets}))
     out = proc.stdout
     # MLflow: the basic-auth app on the head's private address, with the configured stores.
-    assert (f"--app-name basic-auth --host {lab.subnet}.11 --port 5000 --workers 2 "
+    assert (f"--app-name basic-auth --host {_head(lab)} --port 5000 --workers 2 "
             "--backend-store-uri sqlite:////var/lib/mlflow/mlflow.db "
             "--artifacts-destination s3://lab-artifacts/mlflow --serve-artifacts") in out
     assert "+Environment=MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in out  # no job runner processes

@@ -63,7 +63,7 @@ pytestmark = [
 
 
 def _address(lab: labmod.Lab, name: str) -> str:
-    return f"{lab.subnet}.{10 + labmod.TOPOLOGY[name]}"
+    return labmod.node_address(lab, name)
 
 
 def _put(host: Any, path: str, text: str) -> None:
@@ -277,7 +277,7 @@ _REPORTED: list[str] = []  # controller warnings already in the notes
 
 def _spare(lab: labmod.Lab, node: str) -> None:
     """The cloud's part: a bare machine comes up at the lost worker's address (ASG replacement, re-imaged spare)."""
-    lab.wait_ssh(lab.start_node(node, labmod.TOPOLOGY[node]))
+    lab.wait_ssh(lab.start_node(node))
 
 
 #### Scenarios, in order, on the one run ######################################
