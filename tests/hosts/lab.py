@@ -67,7 +67,7 @@ IMAGE_RECIPE_VERSION = "3"
 # Debian packages the roles install on nodes (common, ray, node_exporter,
 # prometheus, log_shipping); their dependency closure goes into the offline apt repository.
 REPO_PACKAGES = [
-    "python3-apt", "python3-venv", "python3-packaging", "chrony", "procps", "curl", "less",
+    "python3-apt", "python3-venv", "python3-packaging", "chrony", "procps", "curl", "less", "nftables",
     "prometheus", "prometheus-node-exporter", "prometheus-alertmanager",
     "rsyslog", "rsyslog-relp", "logrotate",
 ]

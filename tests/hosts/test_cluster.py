@@ -174,6 +174,23 @@ def test_node_exporter_serves_on_every_host(hosts):
         assert "node_cpu_seconds_total" in host.check_output("curl -sf http://127.0.0.1:9100/metrics")
 
 
+def test_a_job_cannot_reach_any_node_exporter(hosts, lab):
+    """The attack: a job (as ray) opens connections to node exporters, its own and the other nodes',
+    to hold their request slots until Prometheus's scrapes fail and NodeDown replaces a healthy node.
+    Every attempt is reset by the node exporter role's rule; root (and Prometheus, whose scrapes
+    test_prometheus_scrapes_every_target_up sees up) still connects."""
+    for name in (HEAD, WORKERS[0]):
+        host = hosts(name)
+        for target in ("127.0.0.1", *(labmod.node_address(lab, n) for n in ALL)):
+            probe = f"exec 3<>/dev/tcp/{target}/9100"
+            job = host.run(f"runuser -u ray -- /bin/bash -c '{probe}'")
+            assert job.rc != 0 and "Connection refused" in job.stderr, (name, target, job.stderr)
+            assert host.run(f"/bin/bash -c '{probe}'").rc == 0, (name, target)
+        # The control: the same account reaches another port of the same hosts, so the refusal is the rule's.
+        assert host.run(f"runuser -u ray -- /bin/bash -c 'exec 3<>/dev/tcp/{_head(lab)}/22'").rc == 0
+    assert "tcp dport 9100 meta skuid != {" in hosts(WORKERS[1]).check_output("nft list table inet node_exporter_guard")
+
+
 def test_kernel_settings_limits_and_ray_user_are_in_place(hosts):
     host = hosts(WORKERS[0])
     assert host.user("ray").exists and host.user("ray").home == "/opt/ray"
