@@ -93,6 +93,23 @@ def test_a_planted_port_less_target_keeps_the_training_job_and_a_port_less_insta
     assert "training" not in _remediation_jobs()
 
 
+@needs_promtool
+def test_a_planted_target_at_an_exporters_port_is_never_scraped_however_spelled(tmp_path: Path) -> None:
+    """A job's planted copies of a worker's node exporter (or DCGM exporter), each spelled apart
+    (":09100" is a second target for 9100), would have Prometheus hit that exporter's few request
+    slots over and over; the training job drops them. Another port on the same node stays."""
+    config = _render(tmp_path, prometheus_node_exporter_targets=["10.0.1.21:9100"],
+                     prometheus_dcgm_targets=["10.0.1.21:9400"])
+    (tmp_path / "training").mkdir()
+    planted = ["10.0.1.21:9100", "10.0.1.21:09100", "10.0.1.21:009400", "10.0.1.22:9100", "[::1]:9100"]
+    (tmp_path / "training" / "job.json").write_text(json.dumps([{"targets": [*planted, "10.0.1.21:19100"],
+                                                                 "labels": {}}]))
+    found = _discovered(config, "training")
+    # promtool lists a dropped target with no labels left.
+    assert [labels["instance"] for labels in found if labels] == ["10.0.1.21:19100"], found
+    assert len([labels for labels in found if not labels]) == len(planted), found
+
+
 def _remediation_jobs() -> set[str]:
     """Scrape jobs the rule files behind the remediation service's alerts read (`job="..."`)."""
     jobs: set[str] = set()
