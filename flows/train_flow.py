@@ -130,6 +130,7 @@ class TrainFlow(FlowSpec):
         """A new registry version (run's final metrics and this evaluation as tags); promoted if better."""
         from pathlib import Path
 
+        from runtime.config import JobConfig
         from runtime.observe.mlflow_http import bound_mlflow_http, configured_uri
         from runtime.observe.mlflow_sync import register_run
         from runtime.observe.registry import PromotionRefused, promote
@@ -138,7 +139,9 @@ class TrainFlow(FlowSpec):
         bound_mlflow_http()
         # The server the trained config names (else the cluster's), never the one in the run folder's mlflow.json.
         uri = configured_uri(self.best_config["tracking"]["mlflow_uri"])
-        done = register_run(Path(self.run_dir), uri, self.registered_name, save_final_model, self.metrics)
+        # Its checkpoint from the trained config's storage too, never one the run folder's config names.
+        storage = JobConfig.model_validate(self.best_config).checkpoint
+        done = register_run(Path(self.run_dir), uri, self.registered_name, save_final_model, self.metrics, storage)
         self.registry_uri, self.version, self.mlflow_run_id = uri, done.version, done.run_id
         version = done.version
         try:

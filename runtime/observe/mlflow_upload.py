@@ -206,10 +206,13 @@ class SyncState:
 class MlflowUpload:
     """Every MLflow call for one run; each is bounded (bound_mlflow_http) and raises when it fails."""
 
-    def __init__(self, state: SyncState, cfg: JobConfig, export_model: ModelExporter | None = None) -> None:
+    def __init__(self, state: SyncState, cfg: JobConfig, export_model: ModelExporter | None = None, *,
+                 register: bool = True) -> None:
+        """``register``: at close, register the model as ``cfg.tracking.register_as`` (the live
+        tracker, whose config is its caller's; never a sync, whose config is a run folder's)."""
         from mlflow.tracking import MlflowClient
 
-        self.state, self.cfg, self.export_model = state, cfg, export_model
+        self.state, self.cfg, self.export_model, self.register_at_close = state, cfg, export_model, register
         self.client = MlflowClient(tracking_uri=state.uri)
 
     def open(self) -> str:
@@ -288,7 +291,8 @@ class MlflowUpload:
                     self.client.log_artifact(run_id, str(model), artifact_path=MODEL_ARTIFACT)
             elif self.state.checkpoint_uri and self.state.model_step is None:
                 self.log_model(run_id, Path(d))
-        if self.cfg.tracking.register_as and self.state.model_step is not None and not self.state.registered:
+        if (self.register_at_close and self.cfg.tracking.register_as and self.state.model_step is not None
+                and not self.state.registered):
             self.register(run_id, self.cfg.tracking.register_as, history)
         for key, value in self.state.end_tags.items():
             self.client.set_tag(run_id, key, value)

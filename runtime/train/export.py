@@ -65,8 +65,10 @@ def final_model(checkpoint_uri: str, cfg: JobConfig) -> FinalModel | None:
 def _network(cfg: JobConfig, classes: list[str] | None) -> tuple[nn.Module, np.ndarray, dict[str, Any]]:
     """The untrained network of ``cfg``, an input example and the input's description.
 
-    In-memory sources (digits, cifar10) give real validation samples; the others (files, shards,
-    synthetic) a batch of the right shape at the normalised mean, so that no export lists a data set.
+    Digits (inside scikit-learn's wheel) gives real validation samples; the others (cifar10, files,
+    shards, synthetic) a batch of the right shape at the normalised mean, so that no export lists a
+    data set, and none reads ``data.path``: ``models register`` exports from a run folder's config,
+    which must not choose a file of the caller's to read.
     """
     from runtime.train.model_zoo import build_model
 
@@ -77,13 +79,16 @@ def _network(cfg: JobConfig, classes: list[str] | None) -> tuple[nn.Module, np.n
         example = np.zeros((EXAMPLE_ROWS, seq), dtype=np.int64)
         inputs = {"dtype": "int64", "shape": [-1, seq], "kind": "token ids", "vocab_size": m.transformer.vocab_size}
         return build_model(m, 0, 0, 0), example, inputs
-    from runtime.data.builtin import BUILTIN, build_builtin
+    from runtime.data.builtin import CIFAR_CLASSES, CIFAR_MEAN, CIFAR_STD, build_builtin
 
-    if d.source in BUILTIN:
+    if d.source == "digits":
         bundle = build_builtin(d)
         x = normalised(torch.stack([bundle.val[i][0] for i in range(EXAMPLE_ROWS)]), bundle.mean, bundle.std)
         num_classes, channels, size, mean, std = (bundle.num_classes, bundle.in_channels, bundle.image_size,
                                                   bundle.mean, bundle.std)
+    elif d.source == "cifar10":  # the data set's constants (runtime.data.builtin), not its files
+        channels, size, num_classes, mean, std = 3, d.image_size, len(CIFAR_CLASSES), CIFAR_MEAN, CIFAR_STD
+        x = torch.zeros(EXAMPLE_ROWS, channels, size, size)
     else:
         from runtime.data.images import IMAGENET_MEAN, IMAGENET_STD
 

@@ -2,9 +2,11 @@
 
 Each attack is done for real: a planted mlflow.json naming a loopback listener as the MLflow server
 while the user's MLflow credentials are in the environment, a planted checkpoint location holding a
-valid checkpoint of someone else's, a curves PNG that is a symbolic link to a secret file, and
-damaged mlflow.json files of every kind (garbage, wrong types, a FIFO, a link). The configured
-server is a sqlite MLflow store in the test's folder: nothing here needs a service.
+valid checkpoint of someone else's, a planted resolved config naming an object store (a real S3
+server on loopback, moto's) or an endpoint (a listener) of its choosing or a registered model name,
+a curves PNG that is a symbolic link to a secret file, and damaged mlflow.json files of every kind
+(garbage, wrong types, a FIFO, a link). The configured server is a sqlite MLflow store in the
+test's folder.
 """
 
 from __future__ import annotations
@@ -69,9 +71,10 @@ def listener() -> Any:
     lst.close()
 
 
-def _run_folder(tmp_path: Path, planted_uri: str, **state: Any) -> Path:
-    """A finished run's folder as the tracker leaves it, its mlflow.json naming ``planted_uri``."""
-    cfg = job("digits_smoke", str(tmp_path / "runs"))
+def _run_folder(tmp_path: Path, planted_uri: str, *overrides: str, **state: Any) -> Path:
+    """A finished run's folder as the tracker leaves it, its mlflow.json naming ``planted_uri``,
+    its resolved config the digits job's with ``overrides``."""
+    cfg = job("digits_smoke", str(tmp_path / "runs"), *overrides)
     run_dir = tmp_path / "runs" / "planted"
     run_dir.mkdir(parents=True)
     (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -84,14 +87,14 @@ def _run_folder(tmp_path: Path, planted_uri: str, **state: Any) -> Path:
     return run_dir
 
 
-def _victim_checkpoint(folder: Path) -> str:
-    """A valid digits checkpoint of another user's, at ``folder``."""
+def _victim_checkpoint(folder: Path | str, endpoint_url: str | None = None) -> str:
+    """A valid digits checkpoint of another user's, at ``folder`` (a local folder or an S3 URI)."""
     from runtime.checkpoint import CheckpointManager
     from runtime.train.export import _network
 
-    cfg = job("digits_smoke", str(folder.parent))
+    cfg = job("digits_smoke", "runs")
     module = _network(cfg, None)[0]
-    with CheckpointManager(str(folder)) as mgr:
+    with CheckpointManager(str(folder), endpoint_url=endpoint_url) as mgr:
         mgr.save({"model": module.state_dict()}, step=7, meta={}, blocking=True)
     return str(folder)
 
@@ -153,6 +156,104 @@ def test_register_takes_neither_server_nor_checkpoint_from_the_run_folder(
     from runtime.observe.registry import resolve
 
     assert resolve(uri, "digits", "1").tags["checkpoint"] == str(run_dir / "checkpoints")
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A real S3 server on loopback (moto's) with a bucket ``victim``, its credentials in the environment."""
+    from tests.support import free_port
+    from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
+
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    proc, endpoint = start_moto_server(free_port(), buckets=["victim"])
+    yield endpoint
+    stop_moto_server(proc)
+
+
+@pytest.mark.slow
+def test_register_reads_no_checkpoint_from_an_object_store_the_resolved_config_names(
+        tmp_path: Path, s3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run folder whose resolved config names another object store (someone else's valid model on
+    a real S3 server) is refused naming the config, and nothing is registered; with that store
+    configured by the caller (RT_CHECKPOINT__STORAGE, RT_CHECKPOINT__ENDPOINT_URL) the same folder
+    registers it (the test can fail)."""
+    from runtime.observe.history import ReportError
+    from runtime.observe.mlflow_sync import register_run
+    from runtime.observe.registry import models, resolve
+    from runtime.train.export import save_final_model
+
+    monkeypatch.delenv("RT_CHECKPOINT__STORAGE", raising=False)
+    monkeypatch.delenv("RT_CHECKPOINT__ENDPOINT_URL", raising=False)
+    victim = _victim_checkpoint("s3://victim/runs/planted/checkpoints", s3)
+    (tmp_path / "configured").mkdir()
+    uri = _store(tmp_path)
+    run_dir = _run_folder(tmp_path, uri, "checkpoint.storage=s3://victim/runs", f"checkpoint.endpoint_url={s3}",
+                          "checkpoint.s3_retry_s=1", run_id=None, checkpoint_uri=victim)
+    with pytest.raises(ReportError, match=r"resolved_config.yaml: names checkpoint storage 's3://victim/runs', "
+                                          r"not the configured 'runs' \(RT_CHECKPOINT__STORAGE\); refused"):
+        register_run(run_dir, uri, "digits", save_final_model)
+    assert models(uri) == []
+
+    monkeypatch.setenv("RT_CHECKPOINT__STORAGE", "s3://victim/runs")
+    monkeypatch.setenv("RT_CHECKPOINT__ENDPOINT_URL", s3)
+    done = register_run(run_dir, uri, "digits", save_final_model)
+    assert resolve(uri, "digits", done.version).tags["checkpoint"] == victim
+
+
+@pytest.mark.slow
+def test_an_endpoint_the_resolved_config_names_gets_no_connection(
+        tmp_path: Path, s3: str, listener: Listener, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configured object store, but the config names its own endpoint (a listener that would
+    serve weights of its choosing and see the caller's signed requests): refused, not one connection."""
+    from runtime.observe.history import ReportError
+    from runtime.observe.mlflow_sync import register_run
+    from runtime.observe.registry import models
+    from runtime.train.export import save_final_model
+
+    monkeypatch.setenv("RT_CHECKPOINT__STORAGE", "s3://victim/runs")
+    monkeypatch.setenv("RT_CHECKPOINT__ENDPOINT_URL", s3)
+    (tmp_path / "configured").mkdir()
+    uri = _store(tmp_path)
+    run_dir = _run_folder(tmp_path, uri, "checkpoint.storage=s3://victim/runs",
+                          f"checkpoint.endpoint_url={listener.url}", "checkpoint.s3_retry_s=1", run_id=None,
+                          checkpoint_uri="s3://victim/runs/planted/checkpoints")
+    with pytest.raises(ReportError, match=f"names checkpoint endpoint '{listener.url}', not the configured"):
+        register_run(run_dir, uri, "digits", save_final_model)
+    assert listener.close() == [] and models(uri) == []
+
+
+@pytest.mark.slow
+def test_a_sync_registers_no_model_under_a_name_the_resolved_config_chooses(tmp_path: Path) -> None:
+    """``report --sync`` of a run whose config asks to be registered as a model the caller may write
+    (here: a production name) logs the run's model but registers nothing, and says how to."""
+    from runtime.observe.mlflow_sync import sync
+    from runtime.observe.registry import models
+    from runtime.train.export import save_final_model
+
+    (tmp_path / "configured").mkdir()
+    uri = _store(tmp_path)
+    run_dir = _run_folder(tmp_path, uri, "tracking.register_as=fraud-detector", run_id=None,
+                          checkpoint_uri="planted")
+    _victim_checkpoint(run_dir / "checkpoints")
+    lines = sync(run_dir, uri, save_final_model)
+    state = SyncState.read(run_dir)
+    assert state is not None and state.closed and state.model_step == 7, lines  # the model is logged
+    assert models(uri) == [] and state.registered is None
+    assert any("not by a sync" in ln and "'fraud-detector'" in ln and "models register" in ln for ln in lines), lines
+
+
+def test_an_export_reads_no_file_at_the_data_path_a_config_names(tmp_path: Path) -> None:
+    """A cifar10 config's ``data.path`` pointing at a data set of the caller's: the exported model's
+    input example holds none of its samples (it used to be two of them)."""
+    from runtime.data.builtin import write_tiny_cifar10
+    from runtime.train.export import _network
+
+    private = write_tiny_cifar10(tmp_path / "private")
+    cfg = job("digits_smoke", str(tmp_path / "runs"), "data.source=cifar10", f"data.path={private}",
+              "data.image_size=32")
+    example = _network(cfg, None)[1]
+    assert example.shape == (2, 3, 32, 32) and not example.any()
 
 
 @pytest.mark.slow
