@@ -5,6 +5,12 @@ the decisions; the actions themselves run in the engine's threads. POST /alerts 
 bearer token of webhook.token_file (Alertmanager's `http_config.authorization.credentials_file`),
 checked before the body is read; /metrics and /-/healthy are open (counts, no secrets).
 
+Anyone on the network reaches the port before the token is checked, so nothing they can hold there
+is unbounded: each connection has a thread, but at most MAX_WAITING_CONNECTIONS of them may still be
+waiting for their request line and headers; a new connection cuts the oldest of those (its read ends
+at once). Connections that send nothing, or a byte at a time, so hold a bounded number of threads
+and file descriptors and never keep a post that arrives whole (Alertmanager's) from being read.
+
 Exit codes: 0 stopped by SIGTERM/SIGINT (or --check/--clear-halts done), 2 the policy, the token
 file or the state file cannot be used (one line on stderr names it), 1 anything else.
 """
@@ -16,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -24,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from .actions import AlertmanagerAlerts, PlaybookReplacer, RayDrainer
 from .engine import BadNotification, Remediator, clear_halts
@@ -34,6 +41,10 @@ from .policy import Policy, PolicyError, load_policy
 MAX_BODY_BYTES = 1 << 20  # an Alertmanager group is a few KB; refuse anything absurd
 MIN_TOKEN_CHARS = 32  # 32 random characters: no guessing over a network
 SOCKET_TIMEOUT_S = 10.0  # a client that stops sending mid-request holds a thread no longer than this
+# Connections whose request has not arrived whole: far below the unit's file limit (systemd's soft
+# 1024), so a flood never makes accept() fail; Alertmanager needs one or two at a time.
+MAX_WAITING_CONNECTIONS = 64
+LISTEN_BACKLOG = 128  # socketserver's default (5) drops connections arriving together
 
 
 def load_token(path: Path) -> bytes:
@@ -75,11 +86,73 @@ def build(policy: Policy) -> tuple[Remediator, CollectorRegistry]:
     return Remediator(policy, drainer, replacer, registry, confirm=confirm), registry
 
 
+class _Waiting:
+    """The connections whose request line and headers have not all arrived, oldest first; over the
+    limit, the oldest is shut down (its thread's read returns at once and the thread ends)."""
+
+    def __init__(self, limit: int, cut: Counter) -> None:
+        self.limit, self.cut = limit, cut
+        self._lock = threading.Lock()
+        self._socks: dict[socket.socket, None] = {}  # insertion-ordered: the oldest first
+
+    def arrived(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks[sock] = None
+            while len(self._socks) > self.limit:
+                oldest = next(iter(self._socks))
+                del self._socks[oldest]
+                self.cut.inc()
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)
+                except OSError:  # the client is gone already
+                    pass
+
+    def heard(self, sock: socket.socket) -> None:
+        """The request has arrived (or the connection ended): no longer cut for a newer one. Called
+        before the socket is closed, so a socket closed (and its number reused) is never shut down."""
+        with self._lock:
+            self._socks.pop(sock, None)
+
+
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer that bounds the connections still waiting for their request (`_Waiting`)."""
+
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], waiting: _Waiting) -> None:
+        self.waiting = waiting
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.waiting.arrived(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.waiting.heard(request)
+        super().shutdown_request(request)
+
+
 def serve(remediator: Remediator, registry: CollectorRegistry, listen: str, token: bytes) -> ThreadingHTTPServer:
     """Bind `listen` (host:port; port 0 picks one) and serve in a daemon thread; returns the server."""
+    waiting = _Waiting(MAX_WAITING_CONNECTIONS, Counter(
+        "remediation_webhook_connections_cut", "Connections cut before their request arrived whole, for a newer "
+        f"one (over {MAX_WAITING_CONNECTIONS} waiting): many mean a client is holding connections open.",
+        registry=registry))
 
     class Handler(BaseHTTPRequestHandler):
         timeout = SOCKET_TIMEOUT_S
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except ConnectionError:  # cut for a newer connection, or reset by the client: nobody to answer
+                self.close_connection = True
+
+        def parse_request(self) -> bool:
+            try:
+                return super().parse_request()
+            finally:  # the request line and headers are in: this connection is no longer waiting
+                waiting.heard(self.connection)
 
         def do_POST(self) -> None:
             if self.path != "/alerts":
@@ -137,7 +210,7 @@ def serve(remediator: Remediator, registry: CollectorRegistry, listen: str, toke
             """Requests are not journalled; decisions are (engine._journal)."""
 
     host, _, port = listen.rpartition(":")
-    server = ThreadingHTTPServer((host, int(port)), Handler)
+    server = _Server((host, int(port)), Handler, waiting)
     threading.Thread(target=server.serve_forever, name="remediation-http", daemon=True).start()
     return server
 

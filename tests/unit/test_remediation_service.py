@@ -1,15 +1,20 @@
 """The remediation service as it runs (`python -m ops.remediation`, a real process on loopback),
 attacked as a job on the cluster would attack it: forged and replayed posts, malformed bodies, a
-`kill -9` to wipe its memory. Its rules only replace (no Ray here); the replacement is a real
-command that records which node it was run for."""
+`kill -9` to wipe its memory, connections held open to starve it. Its rules only replace (no Ray
+here); the replacement is a real command that records which node it was run for.
+
+Over 400 lines because every attack runs against the same real service process and its helpers
+(start, post, metrics, the journal), which one file keeps in one place."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ class Service:
     policy: Path
     port: int
     proc: subprocess.Popen[bytes] | None = None
+    nofile: int | None = None  # the process's file-descriptor limit (systemd gives a unit a soft 1024)
 
     @property
     def record(self) -> Path:
@@ -50,8 +56,14 @@ class Service:
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "ops.remediation", "--policy", str(self.policy)],
-                                         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                                         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=self._limit)
         wait_for(self._healthy, "the remediation service to listen", 60)
+
+    def _limit(self) -> None:
+        if self.nofile is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def _healthy(self) -> bool:
         assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-2000:]
@@ -224,8 +236,6 @@ def test_a_malformed_alert_refuses_the_whole_notification_naming_the_field(servi
 def test_a_client_that_stops_sending_is_cut_off_and_others_are_served(service: Service):
     """A post that promises more body than it sends holds one thread until the socket timeout
     (SOCKET_TIMEOUT_S), not for ever; meanwhile and afterwards the service answers."""
-    import socket
-
     with socket.create_connection(("127.0.0.1", service.port), timeout=120) as stalled:
         stalled.sendall(f"POST /alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                         "Content-Length: 1000\r\n\r\n{\"alerts\": [".encode())
@@ -233,6 +243,95 @@ def test_a_client_that_stops_sending_is_cut_off_and_others_are_served(service: S
         assert stalled.recv(4096) == b"", "the server closes the stalled connection"
     assert service.decisions() == [] and "Traceback" not in service.log.read_text()
     assert service.post([_firing(1)])[0] == 200
+
+
+class Trickle:
+    """Up to `count` connections to the service, each opened once the one before it is established
+    (as fast as the service takes them; one not established within 3 s, a SYN resent twice, is given
+    up, and three in a row end the opening: the service takes no more). From the moment it is
+    established each sends a request line, then one byte of a header every half second, never
+    finishing it (the slowest client the socket timeout allows). ``connected`` counts those
+    established, ``open`` those not cut yet."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self.socks: list[socket.socket] = []
+        self.alive: list[bool] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._send, daemon=True)
+        self._thread.start()
+        failed = 0
+        while len(self.socks) < count and failed < 3:
+            sock = socket.socket()
+            sock.settimeout(3)
+            try:
+                sock.connect(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                failed += 1
+                continue
+            failed = 0
+            sock.setblocking(False)
+            with self._lock:
+                self.socks.append(sock)
+                self.alive.append(True)
+        self.connected = len(self.socks)
+
+    def _send(self) -> None:
+        first = b"POST /alerts HTTP/1.1\r\nHost: x\r\nX-Slow: "
+        started: set[int] = set()
+        while not self._stop.wait(0.5):
+            with self._lock:
+                socks = list(enumerate(self.socks))
+            for i, sock in socks:
+                if not self.alive[i]:
+                    continue
+                try:
+                    sock.send(b"a" if i in started else first)
+                    started.add(i)
+                    if sock.recv(1, socket.MSG_PEEK) == b"":
+                        self.alive[i] = False  # the server shut it down
+                except BlockingIOError:
+                    pass  # nothing to read: still held
+                except OSError:
+                    self.alive[i] = False
+
+    def open(self) -> int:
+        return sum(self.alive)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for sock in self.socks:
+            sock.close()
+
+
+def test_connections_that_send_a_byte_at_a_time_cannot_starve_an_alertmanager_post(tmp_path: Path):
+    """More trickling connections than the service has file descriptors (a limit of 256 here, as
+    systemd's soft 1024 scaled down), opened before Alertmanager's post: the post is read and acted
+    on, every trickling connection was taken, and the service cut all but MAX_WAITING_CONNECTIONS of
+    them for newer ones. Before, each held a thread and a descriptor for as long as it trickled:
+    once they ran out accept() failed, and the post was never read (its request timed out)."""
+    from ops.remediation.service import MAX_WAITING_CONNECTIONS
+
+    nofile, flooded = 256, 300
+    port = free_port()
+    svc = Service(tmp_path, _policy(tmp_path, port), port, nofile=nofile)
+    svc.start()
+    flood = Trickle(port, flooded)
+    try:
+        assert svc.post([_firing(1)])[0] == 200  # the newest connection: nothing cuts it
+        _wait_replaced(svc, 1)
+        assert flood.connected > nofile  # more than the service could ever hold at once
+        wait_for(lambda: svc.metric("remediation_webhook_connections_cut_total")
+                 >= flood.connected - MAX_WAITING_CONNECTIONS, "the service's count of cut connections", 60)
+        wait_for(lambda: flood.open() <= MAX_WAITING_CONNECTIONS, "the trickling clients to see the cuts", 60)
+    finally:
+        flood.close()
+        assert svc.proc is not None
+        alive = svc.proc.poll() is None
+        stop_process(svc.proc)
+    assert alive and "Traceback" not in svc.log.read_text()
 
 
 def test_a_body_that_is_not_json_is_a_400_not_a_traceback(service: Service):
