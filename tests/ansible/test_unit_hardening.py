@@ -16,7 +16,9 @@ from tests.support.ansible import render_template
 
 ANSIBLE_DIR = Path(__file__).resolve().parents[2] / "ansible"
 UNITS = sorted(ANSIBLE_DIR.glob("roles/*/templates/*.service.j2"))
-DROP_INS = sorted(ANSIBLE_DIR.glob("roles/*/templates/override.conf.j2"))
+# Drop-ins for packaged units: every non-unit template with a [Service] section.
+DROP_INS = sorted(p for p in ANSIBLE_DIR.glob("roles/*/templates/*.conf.j2")
+                  if "[Service]" in p.read_text().splitlines())
 # Option -> the values that count as hardened.
 HARDENED = {
     "NoNewPrivileges": {"true"},

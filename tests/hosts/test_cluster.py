@@ -191,6 +191,27 @@ def test_a_job_cannot_reach_any_node_exporter(hosts, lab):
     assert "tcp dport 9100 meta skuid != {" in hosts(WORKERS[1]).check_output("nft list table inet node_exporter_guard")
 
 
+def test_a_job_listening_on_an_exporters_port_is_never_reached(hosts, lab):
+    """The attack: while the DCGM exporter restarts, a job (as ray) takes its port 9400 and serves
+    fake XIDs for Prometheus to scrape. The ray role's rule drops every packet a ray socket sends
+    from a reserved port, the listener's SYN-ACK included: root on the head (as Prometheus would)
+    never connects. The same job's listener on 9401 is reached: the control."""
+    worker, address = hosts(WORKERS[0]), labmod.node_address(lab, WORKERS[0])
+    listen = ("import socket, time; s = [socket.create_server(('0.0.0.0', p)) for p in (9400, 9401)]; "
+              "time.sleep(120)")
+    worker.check_output(f"runuser -u ray -- /bin/bash -c \"nohup python3 -c \\\"{listen}\\\" >/dev/null 2>&1 &\"")
+    try:
+        head = hosts(HEAD)
+        wait_for_listener = "for i in $(seq 50); do ss -ltn | grep -q ':9401 ' && exit 0; sleep 0.2; done; exit 1"
+        assert worker.run(wait_for_listener).rc == 0, "the job's listeners did not start"
+        assert head.run(f"timeout 10 /bin/bash -c 'exec 3<>/dev/tcp/{address}/9401'").rc == 0
+        refused = head.run(f"timeout 10 /bin/bash -c 'exec 3<>/dev/tcp/{address}/9400'")
+        assert refused.rc != 0, "root on the head reached a job's listener on 9400"
+        assert "9400" in worker.check_output("nft list table inet ray_reserved_ports")
+    finally:
+        worker.run("pkill -u ray -f 'create_server'")
+
+
 def test_kernel_settings_limits_and_ray_user_are_in_place(hosts):
     host = hosts(WORKERS[0])
     assert host.user("ray").exists and host.user("ray").home == "/opt/ray"
