@@ -1,5 +1,13 @@
-"""Real images through the JPEG path: scikit-learn's digits as JPEG files, on 2 workers of a local Ray
-cluster (an ImageFolder tree) and on 2 ranks of their own (tar shards)."""
+"""Real images through the JPEG path: scikit-learn's digits as JPEG files, from an ImageFolder tree and
+from tar shards, each trained to convergence on 2 gloo ranks (one spawn, the two runs in turn).
+
+Each rank builds the Trainer a Ray Train worker builds (runtime.train.worker.run_rank), and the
+Trainer builds the loaders: every file read, decode, crop and per-rank split below is the one a Ray
+worker does. What Ray adds to a source read from files (its world size and rank, the worker
+processes) is proven on the session's shared digits run (tests/support/digits_run.py:
+data.source=digits through the same file loaders, on 2 Ray Train workers); on CPU no loader worker
+processes are started inside a Ray worker (data.loader_workers=auto is 0 there).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +17,8 @@ import pytest
 
 from runtime.data import write_digits_imagefolder
 from runtime.data.shards.tools import pack
-from runtime.launch.driver import train
-from tests.support import job
-from tests.support.trainer import train_ranks
+from tests.support.behaviours import Behaviours
+from tests.support.trainer import train_ranks_in_turn
 
 pytestmark = pytest.mark.slow
 
@@ -20,22 +27,18 @@ pytestmark = pytest.mark.slow
 RECIPE = ("data.image_size=16", "data.crop_scale=[0.5, 1.0]", "data.hflip=false", "tracking.mlflow=false")
 
 
-@pytest.fixture(scope="module")
-def digits_jpegs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_digits_imagefolder(tmp_path_factory.mktemp("digits") / "tree")
-
-
-def test_digits_jpegs_from_an_imagefolder_reach_90_percent_with_two_workers(
-        cluster: dict, storage: str, digits_jpegs: Path) -> None:
-    cfg = job("digits_smoke", storage, "data.source=imagefolder", f"data.path={digits_jpegs}", *RECIPE)
-    out = train(cfg, show_progress=False)
-    assert out.metrics["val/accuracy"] >= 0.90, out.metrics
-
-
-def test_digits_jpegs_from_tar_shards_reach_90_percent_with_two_ranks(digits_jpegs: Path, tmp_path: Path) -> None:
-    """The same recipe from tar shards; each rank reads its own shards (2 gloo ranks without Ray:
-    the workers' side of the data path is the same, and Ray's is proven just above)."""
-    pack(digits_jpegs, tmp_path / "shards", shard_size=256)
-    out = train_ranks("digits_smoke", tmp_path / "run", "data.source=shards", f"data.path={tmp_path / 'shards'}",
-                      *RECIPE)
-    assert out.metrics["val/accuracy"] >= 0.90, out.metrics
+def test_digits_jpegs_from_an_imagefolder_and_from_tar_shards_each_reach_90_percent_on_two_ranks(
+        tmp_path: Path) -> None:
+    """The same recipe from the tree and from its tar shards; with shards each rank reads its own."""
+    tree = write_digits_imagefolder(tmp_path / "tree")
+    pack(tree, tmp_path / "shards", shard_size=256)
+    folder, shards = train_ranks_in_turn("digits_smoke", [
+        (tmp_path / "imagefolder-run", ("data.source=imagefolder", f"data.path={tree}", *RECIPE), {}),
+        (tmp_path / "shards-run", ("data.source=shards", f"data.path={tmp_path / 'shards'}", *RECIPE), {}),
+    ])
+    seen = Behaviours("digits JPEGs, ImageFolder then tar shards")
+    seen.check("from an ImageFolder tree: >= 90 % val accuracy on 2 ranks",
+               folder.metrics["val/accuracy"] >= 0.90, folder.metrics)
+    seen.check("from tar shards: >= 90 % val accuracy on 2 ranks", shards.metrics["val/accuracy"] >= 0.90,
+               shards.metrics)
+    seen.verify()

@@ -4,57 +4,24 @@ The session's cluster was started the way `make cluster-up` starts one (runtime.
 its own folder); here the commands find it only through that folder's state file, as on a fresh
 clone: RAY_ADDRESS, the token variables and MLFLOW_TRACKING_URI are removed from their
 environment, so a step that authenticates wrongly or reads a variable only the test suite sets
-fails here as it fails for a user.
+fails here as it fails for a user (tests.support.cluster.cluster_up_env).
+
+The README's `make flow` and its load_model line are checked in test_flow.py, on the one flow run
+that also proves the registry's down-then-resume path.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shlex
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support import ROOT
-
-
-def cluster_up_env(cluster: dict[str, Any], tmp_path: Path) -> dict[str, str]:
-    """A user's shell after `make cluster-up` in this cluster's folder: no Ray or MLflow variables."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RAY_") and k not in ("MLFLOW_TRACKING_URI", "MAKEFLAGS", "MAKELEVEL")}
-    env["RT_CLUSTER_DIR"] = str(cluster["dir"])
-    env["METAFLOW_DATASTORE_SYSROOT_LOCAL"] = str(tmp_path / "metaflow")
-    return env
-
-
-@pytest.mark.slow
-def test_make_flow_as_the_readme_gives_it_registers_a_model_the_readme_loads(
-        cluster: dict[str, Any], tmp_path: Path, pytestconfig: pytest.Config) -> None:
-    """`make flow JOB=digits_tune BUDGET=4 MODEL=digits` then the README's load_model line.
-
-    Smaller than the README's (2 trials of 10 steps, through SET and BUDGET), the same commands."""
-    if pytestconfig.getoption("--ray-only-cluster"):
-        pytest.skip("the flow registers in the cluster's MLflow, which --ray-only-cluster leaves out")
-    env = cluster_up_env(cluster, tmp_path)
-    name = "digits-readme"
-    sets = f"checkpoint.storage={tmp_path / 'runs'} train.max_steps=10 tune.max_concurrent_trials=1"
-    done = subprocess.run(["make", "--no-print-directory", "flow", "JOB=digits_tune", "BUDGET=2", f"MODEL={name}",
-                           f"SET={sets}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    assert "InvalidAuthToken" not in out, out[-4000:]
-    # The README's second line, with the cluster's server as its tracking URI (cluster-up prints it).
-    url = cluster["mlflow"]["url"]
-    load = (f"import mlflow.pytorch as m, torch; "
-            f"print(isinstance(m.load_model({f'models:/{name}@champion'!r}), torch.nn.Module))")
-    loaded = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True,
-                            env={**env, "MLFLOW_TRACKING_URI": url}, timeout=600)
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert loaded.stdout.strip().splitlines()[-1] == "True", shlex.join(["python", "-c", load])
+from tests.support.cluster import cluster_up_env
 
 
 @pytest.mark.slow

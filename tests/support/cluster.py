@@ -35,6 +35,18 @@ def own_cluster_env(cluster_dir: Path) -> dict[str, str]:
             "RAY_AUTH_TOKEN_PATH": str(cluster_dir / "auth_token")}
 
 
+def cluster_up_env(cluster: Mapping[str, Any], tmp_path: Path) -> dict[str, str]:
+    """A user's shell after `make cluster-up` in the session cluster's folder: the README's commands
+    find the cluster only through that folder's state file, as on a fresh clone. RAY_ADDRESS, the
+    token variables and MLFLOW_TRACKING_URI are removed, so a step that authenticates wrongly or reads
+    a variable only the test suite sets fails here as it fails for a user."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_") and k not in ("MLFLOW_TRACKING_URI", "MAKEFLAGS", "MAKELEVEL")}
+    env["RT_CLUSTER_DIR"] = str(cluster["dir"])
+    env["METAFLOW_DATASTORE_SYSROOT_LOCAL"] = str(tmp_path / "metaflow")
+    return env
+
+
 @contextmanager
 def local_cluster(cluster_dir: Path, **up: Any) -> Iterator[dict[str, Any]]:
     """``runtime.cluster.up(cluster_dir, **up)`` with RAY_ADDRESS set; on exit disconnect and stop
