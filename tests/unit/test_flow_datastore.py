@@ -1,6 +1,7 @@
 """The flow refuses a Metaflow datastore inside the job's checkpoint storage, or under its
-first-level object-store prefix, before Metaflow starts: the workers write there, and ``resume`` unpickles the datastore's artifacts on the
-operator's machine, so a job could plant an artifact there that runs code as the operator."""
+first-level object-store prefix, before Metaflow starts: the workers write there, and ``resume``
+unpickles the datastore's artifacts on the operator's machine, so a job could plant an artifact
+there that runs code as the operator."""
 
 from __future__ import annotations
 
