@@ -158,6 +158,33 @@ test-python: setup prometheus-tools ## The runtime's pytest suites (unit, integr
 	RT_PROMETHEUS_BIN=$(call q,$(PROMETHEUS)) $(PY) -m pytest tests/unit tests/integration tests/observability tests/kubernetes tests/gpu \
 	  -q --durations=25 $(PYTEST_WORDS)
 
+# make coverage's suites (SUITES="tests/unit tests/integration/test_training.py"), split on spaces.
+SUITES ?= tests/unit
+COVERAGE_DIR := $(CACHE_DIR)/coverage
+
+# Ray ends its workers from C++ (ray.kill), past every hook coverage.py saves in: this .pth,
+# copied into the venv's site-packages, runs tests/support/coverage_flush.py, which saves a Ray Train
+# worker's data when Ray Train shuts it down. It does nothing unless RT_COVERAGE_FLUSH names that file,
+# which only this target sets; it stays in the venv (inert) and nothing else there is touched.
+COVERAGE_PTH := rt_coverage_flush.pth
+
+# Not part of make test: measuring every line costs CPU that make test's 90-minute CI budget has
+# no room for (tests/unit: docs/performance.md). Only .cache/coverage is emptied; the combined data
+# stays there for `coverage html` or `coverage report -m`. The tests' exit status is make's.
+.PHONY: coverage
+coverage: setup prometheus-tools ## Line coverage of runtime/, ops/, flows/ over SUITES (default tests/unit), Ray workers and gloo ranks included; a table per package, .cache/coverage/report.{txt,json}. Not in make test (overhead).
+	@rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
+	@cp tests/support/$(COVERAGE_PTH) "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	@rc=0; RT_COVERAGE_FLUSH=$(call q,$(ROOT)/tests/support/coverage_flush.py) RT_PROMETHEUS_BIN=$(call q,$(PROMETHEUS)) \
+	  $(PY) -m coverage run -m pytest \
+	  $(foreach s,$(SUITES),$(call q,$(s))) -q -p no:cacheprovider $(PYTEST_WORDS) || rc=$$?; \
+	  $(PY) -m coverage combine -q; \
+	  $(PY) -m coverage json -q -o $(COVERAGE_DIR)/report.json; \
+	  { $(PY) tests/support/coverage_table.py $(COVERAGE_DIR)/report.json; echo; $(PY) -m coverage report; } \
+	    > $(COVERAGE_DIR)/report.txt; \
+	  $(PY) tests/support/coverage_table.py $(COVERAGE_DIR)/report.json; \
+	  echo "coverage: per file in $(COVERAGE_DIR)/report.txt and report.json (SUITES: $(SUITES))"; exit $$rc
+
 # The inner loop's one end-to-end run: the shipped digits job on 2 Ray Train workers (one run,
 # checked by four tests), on a cluster of Ray alone (no MLflow or Prometheus server to start).
 QUICK_E2E := $(foreach t,test_two_worker_ddp_keeps_ranks_identical_and_loss_falls \
