@@ -339,14 +339,26 @@ def select(lines: list[Line], f: Filters) -> list[Line]:
     return kept[-f.tail:] if f.tail else kept
 
 
+# C0 controls but tab and newline, DEL, and C1 (a terminal reads 0x9b as CSI, 0x9d as OSC).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters written as ``\\xNN``. Jobs write the log lines (and name the
+    files) shown here: printed raw, an escape sequence would drive the reader's terminal (retitle it,
+    erase or overwrite lines, fake output)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def render(ln: Line) -> str:
-    """``<UTC time> a<attempt> r<rank> ~step <n> <host> <source> <LEVEL> <text>``; '-' for unknown."""
+    """``<UTC time> a<attempt> r<rank> ~step <n> <host> <source> <LEVEL> <text>``; '-' for unknown.
+    Control characters come out escaped (``printable``)."""
     when = dt.datetime.fromtimestamp(ln.time, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
     text = ln.text if len(ln.text) <= _TEXT_MAX else ln.text[:_TEXT_MAX] + f"... ({len(ln.text):,} characters)"
     fields = [when, f"a{ln.attempt}" if ln.attempt else "a-", f"r{ln.rank}" if ln.rank is not None else "r-",
               f"~step {ln.step}" if ln.step is not None else "~step -", ln.host or "-", ln.source,
               ln.level or "-", text]
-    return " ".join(fields)
+    return printable(" ".join(fields))
 
 
 def default_ray_logs() -> list[Path]:
@@ -428,7 +440,7 @@ def main(argv: list[str], runs_root: Path | None = None) -> int:
     for ln in shown:
         print(render(ln))
     for why in unreadable:
-        print(f"warning: {why}", file=sys.stderr)
+        print(f"warning: {printable(why)}", file=sys.stderr)
     if not shown:
         print(f"no lines of run {run_dir.name} match ({len(lines)} lines found in all)", file=sys.stderr)
     return EXIT_UNREADABLE if unreadable else EXIT_OK
@@ -473,7 +485,7 @@ def follow(run: str, sources: Sources, f: Filters) -> int:
             for why in unreadable:
                 if why not in warned:
                     warned.add(why)
-                    print(f"warning: {why}", file=sys.stderr, flush=True)
+                    print(f"warning: {printable(why)}", file=sys.stderr, flush=True)
             first = False
             if _finished(lines):
                 return EXIT_OK

@@ -143,3 +143,23 @@ def test_a_local_workers_plain_lines_get_their_time_and_rank_and_rays_markers_an
     assert [text for _, text in shown] == ["INFO restored step 20", f"WARNING {asctime} WARNING runtime.checkpoint: "
                                            "slow storage", "INFO report step 20 resumed_from_step=20"]
     assert shown[1][0] == _stamp(T0 + 46).replace("+00:00", ".000Z")
+
+
+def test_a_jobs_terminal_escape_sequences_are_printed_as_text_never_raw(
+        gone: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """A job writes its node's Ray logs (rsyslog's shipped copies escape control characters, these do
+    not): a line that would retitle the operator's window, erase the line and clear the screen (ESC,
+    BEL, C1 CSI) comes out as text; a tab stays a tab."""
+    import datetime as dt
+
+    logs_dir = gone["ray"] / "session_2027-01-15_08-00-00_000000_1" / "logs"
+    logs_dir.mkdir(parents=True)
+    asctime = dt.datetime.fromtimestamp(T0 + 27).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    (logs_dir / f"worker-{WORKER}-{JOB}-4242.err").write_text(
+        f":job_id:{JOB}\n:actor_name:RayTrainWorker\n"
+        f"{asctime} ERROR train: \x1b]0;owned\x07\x1b[2Kall good\x9b2J\tdone\n")
+    code, lines, err = run(gone, capsys, "--grep", "owned")
+    assert code == 0, err
+    assert len(lines) == 1, lines
+    assert lines[0].endswith("ERROR train: \\x1b]0;owned\\x07\\x1b[2Kall good\\x9b2J\tdone"), lines[0]
+    assert not any(c in lines[0] for c in "\x1b\x07\x9b"), repr(lines[0])
