@@ -4,9 +4,10 @@ Every Ray Jobs entrypoint runs on the head as `ray`. The lab's site.yml runs the
 the head as docs/operations.md tells an operator to (handed the replacement key, with its own ansible-core,
 playbooks and inventory), and these tests do what such a job would: read the service's replacement SSH
 key, its state and its process environment, signal it, write anything its replacement loads, plant an
-Ansible configuration where one would be found; and read the MLflow server's admin password and
-artifact-store key (site.yml's MLflow plays, applied here). Each attempt must be refused while root (and
-the service's own account) reads the same paths, so a change that opened any of them fails.
+Ansible configuration where one would be found; read sshd's host keys; and read the MLflow server's
+admin password and artifact-store key (site.yml's MLflow plays, applied here). Each attempt must be
+refused while root (and the service's own account) reads the same paths, so a change that opened any of
+them fails.
 
 They run after test_cluster.py (file order) on its lab and leave the remediation service running for
 test_selfheal.py, whose replacements it makes; MLflow is put back as site.yml left it (stopped, disabled).
@@ -38,6 +39,9 @@ REMEDIATION_PYTHON = "/opt/ray/venv/bin/python"  # the role's remediation_python
 # The head-hosted replacement's parts (the role's defaults): its ansible-core, playbooks, inventory and settings.
 REPLACEMENT_PARTS = ["/opt/remediation/ansible-venv", "/opt/remediation/ansible-tree", "/etc/remediation"]
 REPLACEMENT_CONFIG = "/opt/remediation/ansible-tree/ansible.cfg"
+# What the service itself runs: its interpreter's venv (the unit's ExecStart, remediation_python) and its code
+# (the unit's PYTHONPATH and WorkingDirectory, remediation_install_dir; the role copies ops/ there).
+SERVICE_PARTS = ["/opt/ray/venv", "/opt/remediation/ops"]
 MLFLOW_CREDENTIALS = "/run/credentials/mlflow.service"
 MLFLOW_ADMIN_PASSWORD = "lab-mlflow-admin-password"
 ARTIFACT_STORE_SECRET = "lab-artifact-store-secret-key"
@@ -147,22 +151,24 @@ def test_the_head_hosted_service_reads_ray_with_its_handed_over_token_alone(
 
 def test_nothing_the_heads_replacement_loads_is_writable_by_a_ray_job(
         hosts: Hosts, head_hosted_remediation: int) -> None:
-    # Its ansible-core, playbooks and roles, inventory and settings are there (so the searches below are of
-    # real files), root's, and writable by no other account, the service's own included.
+    # Its ansible-core, playbooks and roles, inventory and settings, and the service's own interpreter and
+    # code, are there (so the searches below are of real files), root's, and writable by no other account,
+    # the service's own included.
     head = hosts(HEAD)
     for path in ["/opt/remediation/ansible-venv/bin/ansible-playbook", REPLACEMENT_CONFIG,
                  "/opt/remediation/ansible-tree/playbooks/replace_node.yml", "/etc/remediation/inventory/hosts.yml",
                  "/etc/remediation/inventory/group_vars/all.yml", "/etc/remediation/replace-vars.yml",
-                 "/etc/remediation/ssh_config"]:
+                 "/etc/remediation/ssh_config", REMEDIATION_PYTHON, "/opt/remediation/ops/remediation/service.py"]:
         assert head.run(f"test -s {path}").rc == 0, f"the head has no {path}"
-    parts = " ".join(REPLACEMENT_PARTS)
+    parts = " ".join(REPLACEMENT_PARTS + SERVICE_PARTS)
     loose = head.check_output(f"find {parts} \\( ! -user root \\) -o \\( ! -type l \\( -perm /o=w -o "
                               f"\\( -perm /g=w ! -group root \\) \\) \\) -print")
     assert loose == "", loose
     # The attack: a job lists every path on the way it could write (access(2) as ray). Where Ansible
     # would look for a configuration or collections of its own (/etc/ansible, /usr/share/ansible), it
     # could not create one either.
-    search = f"find /opt /opt/remediation /etc /usr/share -maxdepth 0 -writable -print; find {parts} -writable -print"
+    search = (f"find /opt /opt/ray /opt/remediation /etc /usr/share -maxdepth 0 -writable -print; "
+              f"find {parts} -writable -print")
     writable = _as_ray(head, f"sh -c {shlex.quote(f'cd / && {search}')}")
     assert "Permission denied" in writable.stderr, writable.stderr  # it ran as ray: root is refused nothing
     assert writable.stdout.strip() == "", writable.stdout
@@ -189,6 +195,16 @@ def test_an_ansible_cfg_a_ray_job_plants_in_a_folder_it_owns_is_not_loaded_by_th
         assert f"config file = {planted}/ansible.cfg" in unpinned.stdout, unpinned.stdout + unpinned.stderr
     finally:
         head.run(f"rm -rf {planted}")
+
+
+def test_a_ray_job_cannot_read_the_sshd_host_keys(hosts: Hosts, site_run: object) -> None:
+    # What operators' SSH and the replacement's accept-new trust: a job that read one could pose as the head.
+    head = hosts(HEAD)
+    keys = head.check_output("ls /etc/ssh/ssh_host_*_key").split()
+    assert keys, "the head has no sshd host key"
+    for key in keys:
+        assert "PRIVATE KEY" in head.check_output(f"cat {key}"), key
+        assert _refused(_as_ray(head, f"cat {key}")), key
 
 
 @pytest.fixture(scope="module")

@@ -133,3 +133,32 @@ def test_only_the_ray_head_mounts_a_service_account_token(kustomized: dict, rend
         "spec"].pop("automountServiceAccountToken")
     with pytest.raises(k8s_objects.RenderError, match="automountServiceAccountToken: false"):
         _render("eks", objs)
+
+
+def _names(node: object, key: str) -> list[str]:
+    """Every value of ``key`` anywhere under ``node`` (a Secret's or a service account's name)."""
+    if isinstance(node, dict):
+        return [v for k, v in node.items() if k == key and isinstance(v, str)] + [
+            n for v in node.values() for n in _names(v, key)]
+    if isinstance(node, list):
+        return [n for v in node for n in _names(v, key)]
+    return []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_ray_token_and_the_checkpoint_role_reach_the_ray_pods_alone(rendered: dict, overlay: str) -> None:
+    """The Ray token Secret is named once, in the RayJob's authOptions (KubeRay hands it to the head, the
+    workers and the submitter); the IRSA service account (eks) is the head's and the workers', never the
+    submitter's or MLflow's."""
+    _v, objs = rendered[overlay]
+    (job,) = k8s_objects.find(objs, "RayJob")
+    assert job["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token", "secretName": "rt-ray-auth"}
+    named = [(o["kind"], o["metadata"]["name"]) for o in objs
+             for _ in range(sum(n == "rt-ray-auth" for n in _names(o, "secretName") + _names(o, "name")))]
+    assert named == [("RayJob", job["metadata"]["name"])], named
+    accounts = {where: spec.get("serviceAccountName") for o in objs for where, spec in k8s_objects.pod_specs(o)}
+    irsa = {sa["metadata"]["name"] for sa in k8s_objects.find(objs, "ServiceAccount")
+            if "eks.amazonaws.com/role-arn" in sa["metadata"].get("annotations", {})}
+    assert irsa == ({"rt-train"} if overlay == "eks" else set())
+    assert {where for where, sa in accounts.items() if sa in irsa} == (
+        {"headGroupSpec", "workerGroupSpecs[gpu]"} if overlay == "eks" else set()), accounts
