@@ -144,6 +144,8 @@ def test_every_job_writable_scrape_job_pins_the_scrape_and_honors_no_labels(tmp_
     assert [c["job_name"] for c in writable] == ["training"]
     for scrape in writable:
         assert scrape["honor_labels"] is False
+        # A planted target's redirect (to a node's exporter) is never followed.
+        assert scrape["follow_redirects"] is False
         rules = scrape["relabel_configs"]
         assert {"target_label": "job", "replacement": scrape["job_name"]} in rules
         assert {"source_labels": ["__address__"], "target_label": "instance"} in rules
