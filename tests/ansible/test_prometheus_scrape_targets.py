@@ -146,6 +146,8 @@ def test_every_job_writable_scrape_job_pins_the_scrape_and_honors_no_labels(tmp_
         assert scrape["honor_labels"] is False
         # A planted target's redirect (to a node's exporter) is never followed.
         assert scrape["follow_redirects"] is False
+        # Nor can a job flood Prometheus with targets or series.
+        assert (scrape["target_limit"], scrape["sample_limit"]) == (1024, 5000), scrape
         rules = scrape["relabel_configs"]
         assert {"target_label": "job", "replacement": scrape["job_name"]} in rules
         assert {"source_labels": ["__address__"], "target_label": "instance"} in rules
