@@ -516,8 +516,12 @@ AWS_VARIABLES = {
     "admin_cidrs": [f"{CONTROLLER}/32"],
     # The lab's containers are logged into as root; on AWS it is the AMI's user.
     "ssh_user": "root",
-    "pools": {"a": {"instance_type": "g4dn.xlarge", "count": 2, "gpus_per_node": 1}},
+    # A spot pool: the inventory marks its workers, and site.yml runs the spot agent's unit on them.
+    "pools": {"a": {"instance_type": "g4dn.xlarge", "count": 2, "gpus_per_node": 1, "capacity_type": "spot"}},
 }
+# Where the spot agents poll for EC2's notices: a fake IMDS test_selfheal starts on a worker's loopback
+# (the lab has no 169.254.169.254); until then each agent finds nothing there and polls on.
+FAKE_IMDS_PORT = 8111
 # The nodes the example names for AWS_VARIABLES (the first host test compares the inventory's).
 HEAD, WORKERS = "ray-head", ["ray-a-00", "ray-a-01"]
 GROUPS = {"head": [HEAD], "gpu_workers": WORKERS, "monitoring": [HEAD]}
@@ -662,6 +666,9 @@ def lab_vars(lab: Lab) -> dict:
         # The lab's faults are real, so it need not wait out the shipped 2 min (1 min for an XID)
         # that guard a fleet against paging on a restart: three failed 15-s scrapes still.
         "prometheus_alert_for": {"NodeDown": "30s", "RayNodeDown": "30s", "GpuXidErrors": "15s"},
+        # The spot agents (the role's unit on each spot worker) ask the lab's fake IMDS, each second.
+        "spot_agent_imds_url": f"http://127.0.0.1:{FAKE_IMDS_PORT}",
+        "spot_agent_interval_s": 1,
         # What an operator keeps in a vault.
         "prometheus_web_password": lab_secret(lab, "prometheus"),
         "alertmanager_web_password": lab_secret(lab, "alertmanager"),

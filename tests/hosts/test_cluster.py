@@ -21,7 +21,7 @@ import urllib.request
 
 import lab as labmod
 import yaml
-from conftest import TIMINGS, cluster_state, recap
+from conftest import TIMINGS, cluster_state, main_pid, recap
 
 HEAD, WORKERS = labmod.HEAD, labmod.WORKERS
 ALL = [HEAD, *WORKERS]
@@ -91,6 +91,18 @@ def test_site_starts_ray_head_and_workers_as_services(hosts):
         assert hosts(name).service("ray-worker").is_enabled
         assert hosts(name).file("/opt/ray/venv/bin/ray").exists
         assert not hosts(name).file("/opt/ray/venv/lib/python3.11/site-packages/torch").exists
+
+
+def test_the_spot_agent_runs_on_each_spot_worker_as_a_dynamic_user(hosts):
+    # The lab's pool is a spot pool: the inventory marks its workers and site.yml starts the role's unit
+    # there, never on the head. Its account is systemd's dynamic one: neither root nor ray (a job).
+    for name in WORKERS:
+        host = hosts(name)
+        assert host.service("spot-agent").is_running and host.service("spot-agent").is_enabled
+        user = host.check_output(f"ps -o user= -p {main_pid(host, 'spot-agent')}").strip()
+        assert user not in ("root", "ray"), user
+        assert host.check_output("systemctl show -p DynamicUser --value spot-agent") == "yes"
+    assert not hosts(HEAD).file("/etc/systemd/system/spot-agent.service").exists
 
 
 def test_ray_status_on_the_head_shows_three_nodes(hosts, lab):

@@ -51,7 +51,9 @@ WITH_AUTH = "/usr/local/bin/ray-cluster-env"
 SERVICE_KNOWN_HOSTS = "/var/lib/remediation/.ssh/known_hosts"
 # Seconds from the fake spot notice to its deadline (EC2 gives 120 s; the lab keeps the run short).
 SPOT_NOTICE_S = 20
-FAKE_IMDS_PORT = 8111
+FAKE_IMDS_PORT = labmod.FAKE_IMDS_PORT
+# What the spot agent's unit printed (its journal).
+AGENT_LOG = "journalctl -u spot-agent --no-pager -o cat"
 
 pytestmark = [
     pytest.mark.skipif(not labmod.TRAIN_SITE_PACKAGES.is_dir(),
@@ -410,17 +412,12 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_replaced(
         lab: labmod.Lab, hosts: Callable[[str], Any], training: Run, remediation: Service) -> None:
     worker = hosts(WORKER_B)
-    # The spot agent (ops/remediation/spot.py) as it runs on a spot node, against a fake IMDS.
-    for source in ("ops/__init__.py", "ops/remediation/__init__.py", "ops/remediation/actions.py",
-                   "ops/remediation/inputs.py", "ops/remediation/spot.py"):
-        _put(worker, f"/opt/spot/{source}", (labmod.ROOT / source).read_text())
+    # The spot agent is the unit site.yml installed on this spot worker (the spot_agent role, as on
+    # EC2), polling the lab's fake IMDS (lab.py), which comes up here now.
+    assert worker.service("spot-agent").is_running
     _put(worker, "/opt/spot/fake_imds.py", _FAKE_IMDS)
     worker.check_output(f"nohup /opt/ray/venv/bin/python /opt/spot/fake_imds.py {FAKE_IMDS_PORT} "
                         "> /tmp/fake-imds.log 2>&1 &")
-    worker.check_output(
-        f"nohup env PYTHONPATH=/opt/spot {WITH_AUTH} /opt/ray/venv/bin/python -m ops.remediation.spot "
-        f"--gcs-address {_address(lab, HEAD)}:6379 --node-address {_address(lab, WORKER_B)} "
-        f"--imds http://127.0.0.1:{FAKE_IMDS_PORT} --interval 1 > /tmp/spot-agent.log 2>&1 &")
     wait_for("the spot agent polling the fake IMDS",
              lambda: "instance-action" in worker.check_output("cat /tmp/fake-imds.log"), 60)
     fault_t = time.time()
@@ -431,11 +428,11 @@ def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_r
                        lambda: next((e for e in training.events() if e["event"] == "checkpoint"
                                      and e.get("preempted") and e["t"] > fault_t), None), 120)
     except AssertionError as err:  # which side missed it: the agent's drain or the run's watcher
-        raise AssertionError(f"{err}\nspot agent:\n{worker.check_output('cat /tmp/spot-agent.log')}\n"
+        raise AssertionError(f"{err}\nspot agent:\n{worker.check_output(AGENT_LOG)}\n"
                              f"driver (tail):\n{training.driver_log()}") from None
     # EC2 reclaims the instance at the notice's time; the spare comes up at its address.
     time.sleep(max(0.0, fault_t + SPOT_NOTICE_S - time.time()))
-    agent_log = worker.check_output("cat /tmp/spot-agent.log")
+    agent_log = worker.check_output(AGENT_LOG)
     lab.kill_node(WORKER_B)
     _spare(lab, WORKER_B)
     figures = _recover(lab, training, remediation, WORKER_B, fault_t, "(c) spot notice", hosts(HEAD))
