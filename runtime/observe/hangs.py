@@ -74,6 +74,10 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _over(named: Sequence[int]) -> str:
+    return f"hang over: {_ranks(named) + ' moved on' if named else 'the collective completed'}"
+
+
 @dataclass
 class HangDetector:
     """Rank 0's verdicts over the ranks' latest progress; ``observe`` returns lines on each change."""
@@ -103,9 +107,16 @@ class HangDetector:
         previous, self._verdict = self._verdict, verdict
         if verdict is None:  # there was one: the verdicts differ
             assert previous is not None
-            named = previous[1]
-            return [f"hang over: {_ranks(named) + ' moved on' if named else 'the collective completed'}"]
+            return [_over(previous[1])]
         return [line]
+
+    def settle(self) -> list[str]:
+        """Every rank has passed a collective since the verdict (the run's last exchange): it is over,
+        though no observation may have seen the named ranks move."""
+        if self._verdict is None:
+            return []
+        named, self._verdict = self._verdict[1], None
+        return [_over(named)]
 
     def _judge(self, now: float) -> tuple[tuple[str, tuple[int, ...], object] | None, str]:
         """The verdict now and its line. A rank is named behind only once it has sat at its point

@@ -48,6 +48,8 @@ class HangWatch:
         self._seq = 0
         self._failing = False  # the last store call failed
         self._stop = threading.Event()
+        self._judging = threading.Lock()  # the thread's verdicts and all_arrived's, one at a time
+        self._arrived = False  # every rank reached the run's last exchange: nothing left to judge
         self._thread = threading.Thread(target=self._run, name="hang-watch", daemon=True)
 
     def start(self) -> HangWatch:
@@ -65,6 +67,18 @@ class HangWatch:
             self._publish(done=True)
         except Exception as err:  # the group is going away anyway
             log.debug("hang watch: could not publish the end: %s", err)
+
+    def all_arrived(self) -> None:
+        """Every rank reached the run's last exchange, a collective: a verdict still open is over (said
+        once), though the thread may have had no turn since the named ranks moved; no more verdicts."""
+        if self.detector is None:
+            return
+        with self._judging:
+            self._arrived = True
+            lines = self.detector.settle()
+        for line in lines:
+            log.warning(line)
+            self.emit(line)
 
     def _publish(self, done: bool = False) -> None:
         step, point, entered = self.progress()
@@ -93,7 +107,10 @@ class HangWatch:
             try:
                 self._publish()
                 if self.detector is not None:
-                    for line in self.detector.observe(time.monotonic(), self._read()):
+                    published = self._read()
+                    with self._judging:
+                        lines = [] if self._arrived else self.detector.observe(time.monotonic(), published)
+                    for line in lines:
                         log.warning(line)
                         self.emit(line)
                 failed, self._failing = "", False

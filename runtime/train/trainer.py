@@ -309,7 +309,10 @@ class Trainer(OptimizerStep):
         extra = self.evaluator.run()
         self.checkpointer.finish(self.state.global_step)
         stop = self.stop.reason  # read before the exchange: the report says why training ended
-        self.report(self.exchange(want_metrics=True), extra, final=True, stop=stop)
+        b = self.exchange(want_metrics=True)
+        if self.hang_watch is not None:  # every rank is here: a hang named before is over
+            self.hang_watch.all_arrived()
+        self.report(b, extra, final=True, stop=stop)
 
     def _kept(self) -> int | None:
         """The final report's ``committed_step``: rank 0's newest commit (-1: none); None with checkpoints off."""

@@ -55,6 +55,31 @@ def test_a_rank_behind_is_named_once_its_peers_have_waited_warn_s_and_cleared_on
                              2: _at(5, 42, Point.LOCAL)}) == ["hang over: rank 1 moved on"]
 
 
+def test_a_verdict_no_observation_saw_clear_is_settled_once_every_rank_reached_the_last_exchange() -> None:
+    """Under load the run can end (every rank through its last exchange, a collective) before the watch
+    has a turn to see the named rank move: the trainer settles the verdict then, once; none is left."""
+    d = HangDetector(HOSTS[:2], warn_s=10)
+    assert d.observe(0.0, {0: _at(1, 8, Point.EXCHANGE), 1: _at(1, 8, Point.AFTER)}) == []
+    [named] = d.observe(10.0, {0: _at(2, 8, Point.EXCHANGE), 1: _at(1, 8, Point.AFTER)})
+    assert named.startswith("hang: rank 1 "), named
+    assert d.settle() == ["hang over: rank 1 moved on"]
+    assert d.settle() == []
+
+
+def test_after_every_rank_arrived_the_watch_judges_no_more(tmp_path: Path) -> None:
+    """What a rank published before the end (rank 1's last, stale position) names nobody afterwards."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 2)
+    lines: list[str] = []
+    watch = HangWatch(store, 0, 2, HOSTS[:2], warn_s=10, progress=lambda: (12, Point.AFTER, time.monotonic() - 60),
+                      emit=lines.append, interval_s=0.05)
+    store.set(KEY.format(rank=1), Progress(1, 8, Point.AFTER, 60.0).encode())
+    watch.all_arrived()
+    watch.start()
+    wait_for(lambda: watch._seq >= 5, "five turns of the watch", scaled(30))
+    watch.stop()
+    assert lines == []
+
+
 def test_a_rank_whose_publications_stop_is_named_silent_with_where_it_was_last() -> None:
     d = HangDetector(HOSTS[:2], warn_s=10)
     assert d.observe(0.0, {0: _at(1, 7, Point.EXCHANGE), 1: _at(1, 7, Point.AFTER)}) == []
