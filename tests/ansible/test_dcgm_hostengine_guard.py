@@ -11,18 +11,13 @@ ExecStartPre as root, and that dcgm-exporter and `dcgmi diag` still work with th
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.support.ansible import ANSIBLE_DIR, unit_settings
-from tests.support.calibration import scaled
+from tests.support.ansible import ANSIBLE_DIR, netns_missing, probe_in_netns, unit_settings
 
 PORT = 5555
 TEMPLATES = ANSIBLE_DIR / "roles" / "dcgm_exporter" / "templates"
@@ -55,18 +50,10 @@ with open(out, "w") as f:
 """
 
 
-def _missing() -> str | None:
-    """Why the namespace test cannot run here, or None."""
-    if os.geteuid() != 0:
-        return "needs root (a network namespace, nft, runuser)"
-    tools = [t for t in ("nft", "unshare", "runuser", "ip") if shutil.which(t) is None]
-    return f"missing {', '.join(tools)} (make ops-host-packages installs nftables)" if tools else None
-
-
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The probe's findings: the two playbook runs, each connection's outcome, the loaded ruleset."""
-    why = _missing()
+    why = netns_missing()
     if why:
         pytest.skip(why)
     out = tmp_path_factory.mktemp("guard")
@@ -78,16 +65,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> dict:
                                                          "public": True}},
                        *({"ansible.builtin.template": {"src": str(TEMPLATES / name), "dest": str(out / name[:-3]),
                                                        "mode": "0644"}} for name in RENDERED)]}]
-    (out / "play.yml").write_text(yaml.safe_dump(play))
-    (out / "probe.py").write_text(PROBE)
-    playbook = Path(sys.executable).parent / "ansible-playbook"
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{playbook.parent}:{os.environ['PATH']}")
-    done = subprocess.run(["unshare", "--net", "--", sys.executable, str(out / "probe.py"), str(out / "play.yml"),
-                           str(playbook), str(out / "result.json"), str(PORT), "root", EXPORTER, CLIENT, JOB],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=scaled(300))
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
+    result = probe_in_netns(play, PROBE, out, str(PORT), "root", EXPORTER, CLIENT, JOB)
     result["config_dir"] = str(out)
     result |= {name: (out / name).read_text() for name in ("hostengine-guard.nft", *(n[:-3] for n in RENDERED))}
     return result

@@ -16,8 +16,6 @@ starts on a booted node (the rendered units and `systemd-analyze verify` are che
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +24,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.ansible import ANSIBLE_DIR, render_template, run_preflight, unit_settings
+from tests.support.ansible import (
+    ANSIBLE_DIR,
+    netns_missing,
+    probe_in_netns,
+    render_template,
+    run_preflight,
+    unit_settings,
+)
 from tests.support.calibration import scaled
 
 PORT = 9400  # the DCGM exporter's, one of the role's defaults
@@ -99,19 +104,11 @@ with open(out, "w") as f:
 """
 
 
-def _missing() -> str | None:
-    """Why the namespace test cannot run here, or None."""
-    if os.geteuid() != 0:
-        return "needs root (a network namespace, nft, runuser)"
-    tools = [t for t in ("nft", "unshare", "runuser", "ip") if shutil.which(t) is None]
-    return f"missing {', '.join(tools)} (make ops-host-packages installs nftables)" if tools else None
-
-
 @pytest.fixture(scope="module")
 def taken_over(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The probe's findings: the two playbook runs, each scrape's outcome, what each listener was
     sent, the loaded ruleset."""
-    why = _missing()
+    why = netns_missing()
     if why:
         pytest.skip(why)
     out = tmp_path_factory.mktemp("reserved")
@@ -120,16 +117,7 @@ def taken_over(tmp_path_factory: pytest.TempPathFactory) -> dict:
                       "ansible_python_interpreter": sys.executable},
              "tasks": [{"ansible.builtin.include_role": {"name": "ray", "tasks_from": "reserved_ports",
                                                          "public": True}}]}]
-    (out / "play.yml").write_text(yaml.safe_dump(play))
-    (out / "probe.py").write_text(PROBE)
-    playbook = Path(sys.executable).parent / "ansible-playbook"
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{playbook.parent}:{os.environ['PATH']}")
-    done = subprocess.run(["unshare", "--net", "--", sys.executable, str(out / "probe.py"), str(out / "play.yml"),
-                           str(playbook), str(out / "result.json"), str(PORT), JOB, EXPORTER],
-                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=scaled(300))
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
+    result = probe_in_netns(play, PROBE, out, str(PORT), JOB, EXPORTER)
     result["rule"] = (out / "reserved-ports.nft").read_text()
     return result
 

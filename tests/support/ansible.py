@@ -47,6 +47,12 @@ def unit_settings(unit: str) -> dict[str, list[str]]:
     return settings
 
 
+def _playbook_env(playbook: Path) -> dict[str, str]:
+    """The project's ansible.cfg and roles, no colours, and the ops venv's tools first on PATH."""
+    return dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+                ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{playbook.parent}:{os.environ['PATH']}")
+
+
 def run_preflight(role: str, role_vars: dict[str, object], out: Path,
                   groups: dict[str, dict[str, dict[str, object]]] | None = None) -> subprocess.CompletedProcess[str]:
     """``roles/<role>/tasks/preflight.yml`` run with ``role_vars`` (the real ``ansible-playbook``, play
@@ -62,7 +68,31 @@ def run_preflight(role: str, role_vars: dict[str, object], out: Path,
     else:
         inventory = {"all": {"vars": local, "children": {name: {"hosts": hosts} for name, hosts in groups.items()}}}
     (out / "inventory.json").write_text(json.dumps(inventory))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"), PATH=f"{playbook.parent}:{os.environ['PATH']}")
+    env = _playbook_env(playbook)
     return subprocess.run([str(playbook), "-i", str(out / "inventory.json"), str(out / "play.yml")],
                           cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=scaled(300))
+
+
+def netns_missing() -> str | None:
+    """Why a role's firewall rule cannot be loaded in a network namespace of a test's own here, or None."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return "needs root (a network namespace, nft, runuser)"
+    tools = [t for t in ("nft", "unshare", "runuser", "ip") if shutil.which(t) is None]
+    return f"missing {', '.join(tools)} (make ops-host-packages installs nftables)" if tools else None
+
+
+def probe_in_netns(play: list[dict[str, object]], probe: str, out: Path, *args: str) -> dict[str, object]:
+    """``probe`` (a Python script) run as root in a new network namespace, handed the play's file, the
+    real ``ansible-playbook``, its result file and ``args``: it applies the play there and tries
+    connections for real, so this machine's network is never touched. Returns the JSON it wrote."""
+    (out / "play.yml").write_text(yaml.safe_dump(play))
+    (out / "probe.py").write_text(probe)
+    playbook = Path(sys.executable).parent / "ansible-playbook"
+    env = _playbook_env(playbook)
+    done = subprocess.run(["unshare", "--net", "--", sys.executable, str(out / "probe.py"), str(out / "play.yml"),
+                           str(playbook), str(out / "result.json"), *args],
+                          cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True, timeout=scaled(300))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads((out / "result.json").read_text()))
