@@ -353,10 +353,6 @@ class Lab:
     def netns(self) -> str:
         return f"/run/netns/{self.name}"
 
-    @property
-    def controller_address(self) -> str:
-        return CONTROLLER
-
     def ssh_key(self) -> Path:
         return self.workdir / "id_ed25519"
 
