@@ -195,11 +195,13 @@ QUICK_E2E := $(foreach t,test_two_worker_ddp_keeps_ranks_identical_and_loss_fall
 # Each layer once: the unit tests but those marked slow (each slow one's layer has faster tests beside
 # it: a real MLflow server, sharded and full-disk checkpoints, tensor parallel, DDP against FSDP), the
 # combination matrix (every strategy and model family trained a few steps), one Ray Train run.
+# The unit tests run in two pytest-xdist workers, each test file whole in one (its module fixtures once):
+# they wait on subprocesses and servers a third of their time, so two cores finish them in about half.
 .PHONY: test-quick
 test-quick: setup $(TF_STAMP) ## The inner loop (goal 5 min on 2 idle cores; docs/performance.md): ruff, generate --check, fast unit tests, the combination matrix, one Ray Train run.
 	$(VENV)/bin/ruff check runtime tests benchmarks kubernetes generate.py dashboards alerts ops flows
 	$(PY) -m generate --check
-	$(PY) -m pytest tests/unit -m "not slow" -q --durations=10 $(PYTEST_WORDS)
+	$(PY) -m pytest tests/unit -m "not slow" -n 2 --dist loadfile -q --durations=10 $(PYTEST_WORDS)
 	$(PY) -m pytest tests/unit/train/test_combination_matrix.py $(QUICK_E2E) --ray-only-cluster -q --durations=10 $(PYTEST_WORDS)
 
 .PHONY: bench

@@ -56,6 +56,20 @@ def pytest_runtest_logstart(nodeid, location):  # type: ignore[no-untyped-def]
     CENSUS.current = nodeid.split("::", 1)[0]  # the census credits new Ray workers to this file
 
 
+def pytest_sessionfinish(session):  # type: ignore[no-untyped-def]
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker only
+    if workeroutput is not None:
+        CENSUS.stop()
+        workeroutput["census"] = CENSUS.evidence()
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not installed
+def pytest_testnodedown(node, error):  # type: ignore[no-untyped-def]
+    """pytest-xdist's controller: a worker's census counts toward the session's."""
+    if "census" in getattr(node, "workeroutput", {}):
+        CENSUS.add(node.workeroutput["census"])
+
+
 def pytest_terminal_summary(terminalreporter, config):  # type: ignore[no-untyped-def]
     CENSUS.stop()
     if not config.option.collectonly:

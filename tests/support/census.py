@@ -21,6 +21,8 @@ the way wall time does, so the session prints them at its end:
 - Driver and CLI processes: the subprocesses the pytest process itself starts, from Python's audit
   hook on ``subprocess.Popen`` (exact, whatever environment the test gives them); those a CLI starts
   in turn are counted by what they start on Ray.
+- Under pytest-xdist (``make test-quick``'s unit tests) each worker process counts for itself and
+  hands its evidence to the controller (``evidence``/``add``), which prints the sum.
 """
 
 from __future__ import annotations
@@ -125,6 +127,21 @@ class Census:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.poll()
+
+    # ------------------------------------------------------------- xdist workers
+
+    def evidence(self) -> dict[str, Any]:
+        """What a pytest-xdist worker sends its controller (plain data: execnet pickles nothing else)."""
+        return {"sessions": sorted(self.sessions), "raylets": sorted(self.raylets),
+                "subprocesses": dict(self.subprocesses), "owners": {str(k): v for k, v in self.owners.items()}}
+
+    def add(self, evidence: dict[str, Any]) -> None:
+        """Count a worker's evidence with this process's own."""
+        self.sessions.update(evidence["sessions"])
+        self.raylets.update(evidence["raylets"])
+        self.subprocesses.update(evidence["subprocesses"])
+        for out, owner in evidence["owners"].items():
+            self.owners.setdefault(Path(out), owner)
 
     # ------------------------------------------------------------- the report
 

@@ -3,8 +3,12 @@ that was running when it was first seen, and counts a trial's process once which
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+from tests.support import ROOT
 from tests.support.census import Census
 
 
@@ -41,3 +45,31 @@ def test_workers_are_credited_to_the_file_running_when_first_seen(tmp_path: Path
 
 def test_a_session_that_started_no_ray_worker_prints_no_file_table(tmp_path: Path) -> None:
     assert not any(line.startswith("by test file") for line in Census().lines())
+
+
+def _xdist_counts(folder: Path, body: str) -> dict[str, int]:
+    """The subprocess rows an xdist session of two test files (each running ``body``) prints."""
+    folder.mkdir()
+    (folder / "conftest.py").write_text(f"exec(open({str(ROOT / 'tests' / 'conftest.py')!r}).read())\n")
+    for name in ("a", "b"):
+        (folder / f"test_{name}.py").write_text(f"import subprocess, sys\n\n\ndef test_it():\n    {body}\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", str(folder), "-n", "2", "--dist", "loadfile",
+                        "-p", "no:cacheprovider", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-3000:]
+    lines = r.stdout.splitlines()
+    start = lines.index(next(line for line in lines if "what the session started" in line))
+    rows = [line.rsplit(None, 1) for line in lines[start:] if line.startswith("  other")]
+    return {kind.strip(): int(n) for kind, n in rows}
+
+
+def test_an_xdist_session_prints_what_its_workers_started(tmp_path: Path) -> None:
+    """make test-quick's unit tests run in two pytest-xdist workers: the controller, which prints the
+    census, starts none of the tests' processes, so the workers' counts must reach it. Compared with
+    the same session whose tests start nothing (xdist's own workers and what they run at start)."""
+    idle = _xdist_counts(tmp_path / "idle", "pass")
+    busy = _xdist_counts(tmp_path / "busy", "subprocess.run(['true'], check=True); "
+                                             "subprocess.run([sys.executable, '-c', 'pass'], check=True)")
+    assert idle.get("other Python (drivers, helpers)", 0) >= 2  # the two workers themselves
+    assert {k: n - idle.get(k, 0) for k, n in busy.items()} == {
+        "other Python (drivers, helpers)": 2, "other programs": 2}
