@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.ansible import render_template
+from tests.support.ansible import render_template, run_preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMTOOL = shutil.which("promtool") or str(ROOT / ".tools" / "prometheus" / "usr" / "bin" / "promtool")
@@ -146,10 +146,23 @@ def test_every_job_writable_scrape_job_pins_the_scrape_and_honors_no_labels(tmp_
         assert scrape["honor_labels"] is False
         # A planted target's redirect (to a node's exporter) is never followed.
         assert scrape["follow_redirects"] is False
-        # Nor can a job flood Prometheus with targets or series.
+        # Nor can a job flood Prometheus with targets, series, labels or a body, nor name a rule's output.
         assert (scrape["target_limit"], scrape["sample_limit"]) == (1024, 5000), scrape
+        assert (scrape["label_limit"], scrape["label_name_length_limit"], scrape["label_value_length_limit"],
+                scrape["body_size_limit"]) == (16, 64, 512, "4MB"), scrape
+        assert scrape["metric_relabel_configs"] == [{"source_labels": ["__name__"], "regex": ".*:.*",
+                                                     "action": "drop"}], scrape
         rules = scrape["relabel_configs"]
         assert {"target_label": "job", "replacement": scrape["job_name"]} in rules
         assert {"source_labels": ["__address__"], "target_label": "instance"} in rules
         assert {"target_label": "__scrape_timeout__", "replacement": "10s"} in rules
         assert rules[-1]["action"] == "labelkeep", rules
+
+
+@pytest.mark.parametrize(("setting", "value"), [("prometheus_training_label_value_length_limit", 0),
+                                                ("prometheus_training_body_size_limit", "0MB")])
+def test_preflight_refuses_a_training_cap_that_is_off(tmp_path: Path, setting: str, value: object) -> None:
+    """Prometheus reads 0 as no limit: a site that sets one would switch the cap off without a word."""
+    proc = run_preflight("prometheus", {setting: value}, tmp_path)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert "must be whole numbers above 0 (Prometheus reads 0 as no limit)" in proc.stdout, proc.stdout[-3000:]

@@ -1,6 +1,7 @@
 """On Kubernetes a job's training exporter cannot pose as the DCGM exporter: the `rt-training` PodMonitor's
 scrape, as the Prometheus Operator writes it (its `honorLabels` and `relabelings`), run by a real Prometheus
-with the shipped PrometheusRule against an exporter that serves what a job would.
+with the shipped PrometheusRule against an exporter that serves what a job would. The PodMonitor drops no
+series by name: the rule GpuXidErrors reads keeps `job`, which stops the exporter's copy of its output.
 
 Run: .venv/bin/python -m pytest tests/observability/test_kubernetes_training_labels.py
 """
@@ -21,10 +22,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "kubernetes" / "base" / "monitoring"
 # What a job's exporter serves: a hardware XID under the DCGM exporter's job for a node it does not run
-# on, with an instance of its own, beside a series of its own.
-PLANTED = ('DCGM_FI_DEV_XID_ERRORS{job="dcgm",Hostname="gpu-node-7",gpu="0",instance="gpu-node-7:9400"} 79\n'
-           'rt_train_workers{job_id="j1",rank="0",node="gpu-node-1"} 2\n')
+# on, with an instance of its own; the same for another node under the name of the rule GpuXidErrors
+# reads (as if the rule had recorded it); beside a series of its own.
 RECORDED = "node_gpu_xid:dcgm_fi_dev_xid_errors:last"
+PLANTED = ('DCGM_FI_DEV_XID_ERRORS{job="dcgm",Hostname="gpu-node-7",gpu="0",instance="gpu-node-7:9400"} 79\n'
+           f'{RECORDED}{{job="dcgm",node="gpu-node-8",gpu="1",xid="79"}} 1\n'
+           'rt_train_workers{job_id="j1",rank="0",node="gpu-node-1"} 2\n')
 
 
 class _Exporter(BaseHTTPRequestHandler):
@@ -87,7 +90,8 @@ def test_a_jobs_exporter_cannot_pose_as_the_dcgm_exporter_nor_pick_its_instance(
     shipped = prometheus_factory(scrape_configs=[_scrape_config(endpoint, job_exporter)],
                                  rule_files=[_rules(tmp_path)])
     try:
-        assert _after_scrapes(shipped, RECORDED) == []
+        assert _after_scrapes(shipped, f'{RECORDED}{{job="dcgm"}}') == []
+        assert _after_scrapes(shipped, 'ALERTS{alertname="GpuXidErrors"}') == []
         [xid] = _after_scrapes(shipped, "DCGM_FI_DEV_XID_ERRORS")
         assert xid["metric"]["job"] == "training" and xid["metric"]["exported_job"] == "dcgm", xid
         assert xid["metric"]["instance"] == job_exporter, xid
@@ -100,7 +104,7 @@ def test_a_jobs_exporter_cannot_pose_as_the_dcgm_exporter_nor_pick_its_instance(
     honoured = prometheus_factory(scrape_configs=[_scrape_config({**endpoint, "honorLabels": True}, job_exporter)],
                                   rule_files=[_rules(tmp_path)])
     try:
-        [faked] = _after_scrapes(honoured, RECORDED)
-        assert faked["metric"]["node"] == "gpu-node-7" and faked["metric"]["xid"] == "79", faked
+        faked = _after_scrapes(honoured, 'ALERTS{alertname="GpuXidErrors"}')
+        assert sorted(a["metric"]["node"] for a in faked) == ["gpu-node-7", "gpu-node-8"], faked
     finally:
         honoured.stop()
