@@ -62,7 +62,8 @@ def test_a_bad_policy_refuses_to_start_naming_the_field(tmp_path, change, field)
 
 def test_the_shipped_example_policy_is_valid():
     policy = load_policy(ROOT / "ops" / "remediation" / "policy.example.yml")
-    assert policy.rule_for({"alertname": "NodeDown"}) is not None
+    assert policy.rule_for({"alertname": "NodeDown", "job": "node"}) is not None
+    assert policy.rule_for({"alertname": "GpuXidErrors", "job": "dcgm"}) is not None
 
 
 class Recorder:
@@ -283,7 +284,8 @@ def _shipped_rules() -> dict[str, list[dict[str, Any]]]:
 def test_a_ray_node_down_alone_never_drains_nor_replaces_under_the_shipped_rules(tmp_path, source):
     """A job runs as `ray`, as Ray's metrics agent does: it can SIGSTOP the agent and raise a genuine
     RayNodeDown for any worker it has a task on. The shipped rules act only on NodeDown (the node
-    exporter's own account) and GpuXidErrors (hardware XIDs), so that firing moves nothing."""
+    exporter's own account) and GpuXidErrors (hardware XIDs), each from its own scrape job, so that
+    firing moves nothing."""
     rules = _shipped_rules()[source]
     assert {r["alert"] for r in rules if "replace" in r["actions"]} <= {"NodeDown", "GpuXidErrors"}
     engine, drainer, record, _, registry = _engine(tmp_path, rules=rules)
@@ -292,8 +294,11 @@ def test_a_ray_node_down_alone_never_drains_nor_replaces_under_the_shipped_rules
     assert decisions == []
     assert engine.wait_idle(5) and drainer.drained == [] and not record.exists()
     assert _count(registry, "replace", "succeeded") == _count(registry, "drain", "succeeded") == 0
+    # An alert of the right name from another scrape job (a training target's series) moves nothing either.
+    assert engine.handle({"alerts": [_alert("NodeDown", "f1", instance="10.0.0.21:9100", job="training"),
+                                     _alert("GpuXidErrors", "f2", node="gpu-0", job="training")]}) == []
     # The same rules still replace a lost host: its node exporter's NodeDown.
-    [lost] = engine.handle({"alerts": [_alert("NodeDown", "l1", instance="10.0.0.21:9100")]})
+    [lost] = engine.handle({"alerts": [_alert("NodeDown", "l1", instance="10.0.0.21:9100", job="node")]})
     assert (lost.node, lost.result) == ("gpu-0", "started")
     assert engine.wait_idle(60) and record.read_text().split() == ["gpu-0"]
 
