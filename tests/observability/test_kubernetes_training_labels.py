@@ -1,7 +1,8 @@
 """On Kubernetes a job's training exporter cannot pose as the DCGM exporter: the `rt-training` PodMonitor's
 scrape, as the Prometheus Operator writes it (its `honorLabels` and `relabelings`), run by a real Prometheus
-with the shipped PrometheusRule against an exporter that serves what a job would. The PodMonitor drops no
-series by name: the rule GpuXidErrors reads keeps `job`, which stops the exporter's copy of its output.
+with the shipped PrometheusRule against an exporter that serves what a job would. Two layers stop the
+exporter's copy of the rule GpuXidErrors reads: the PodMonitor drops series named like a rule's output, and
+the rule keeps `job`. The PodMonitor's caps are the Ansible cluster's training job's.
 
 Run: .venv/bin/python -m pytest tests/observability/test_kubernetes_training_labels.py
 """
@@ -58,13 +59,28 @@ def _snake(key: str) -> str:
     return re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower()
 
 
-def _scrape_config(endpoint: dict[str, Any], target: str) -> dict[str, Any]:
+LIMITS = {"targetLimit": "target_limit", "sampleLimit": "sample_limit", "labelLimit": "label_limit",
+          "labelNameLengthLimit": "label_name_length_limit", "labelValueLengthLimit": "label_value_length_limit"}
+
+
+def _scrape_config(spec: dict[str, Any], endpoint: dict[str, Any], target: str) -> dict[str, Any]:
     """The operator's scrape job for one podMetricsEndpoint: its own `job` label first (namespace/name), then
-    the endpoint's relabelings; `honor_labels` as the endpoint says (false when unset)."""
+    the endpoint's relabelings and metricRelabelings; `honor_labels` as the endpoint says (false when unset);
+    the spec's limits."""
     relabel = [{"target_label": "job", "replacement": "rt-train/rt-training"}]
     relabel += [{_snake(k): v for k, v in r.items()} for r in endpoint.get("relabelings", [])]
     return {"job_name": "podMonitor/rt-train/rt-training/0", "honor_labels": endpoint.get("honorLabels", False),
-            "static_configs": [{"targets": [target]}], "relabel_configs": relabel}
+            "static_configs": [{"targets": [target]}], "relabel_configs": relabel,
+            "metric_relabel_configs": [{_snake(k): v for k, v in r.items()}
+                                       for r in endpoint.get("metricRelabelings", [])],
+            **{ours: spec[theirs] for theirs, ours in LIMITS.items() if theirs in spec}}
+
+
+def test_the_podmonitors_caps_are_the_ansible_clusters() -> None:
+    spec = yaml.safe_load((MONITORING / "podmonitor-training.yaml").read_text())["spec"]
+    role = yaml.safe_load((ROOT / "ansible" / "roles" / "prometheus" / "defaults" / "main.yml").read_text())
+    assert {ours: spec.get(theirs) for theirs, ours in LIMITS.items()} == {
+        ours: role[f"prometheus_training_{ours}"] for ours in LIMITS.values()}
 
 
 def _rules(tmp_path: Path) -> str:
@@ -86,11 +102,12 @@ def _after_scrapes(prometheus: Any, expr: str) -> list[dict[str, Any]]:
 def test_a_jobs_exporter_cannot_pose_as_the_dcgm_exporter_nor_pick_its_instance(
         prometheus_factory: Any, job_exporter: str, tmp_path: Path) -> None:
     monitor = yaml.safe_load((MONITORING / "podmonitor-training.yaml").read_text())
-    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
-    shipped = prometheus_factory(scrape_configs=[_scrape_config(endpoint, job_exporter)],
+    spec = monitor["spec"]
+    [endpoint] = spec["podMetricsEndpoints"]
+    shipped = prometheus_factory(scrape_configs=[_scrape_config(spec, endpoint, job_exporter)],
                                  rule_files=[_rules(tmp_path)])
     try:
-        assert _after_scrapes(shipped, f'{RECORDED}{{job="dcgm"}}') == []
+        assert _after_scrapes(shipped, f'{{__name__="{RECORDED}", job="training"}}') == []  # never stored
         assert _after_scrapes(shipped, 'ALERTS{alertname="GpuXidErrors"}') == []
         [xid] = _after_scrapes(shipped, "DCGM_FI_DEV_XID_ERRORS")
         assert xid["metric"]["job"] == "training" and xid["metric"]["exported_job"] == "dcgm", xid
@@ -101,7 +118,8 @@ def test_a_jobs_exporter_cannot_pose_as_the_dcgm_exporter_nor_pick_its_instance(
         shipped.stop()
     # The same exporter under a scrape that honours its labels raises the XID for the node it names:
     # the attack is real, and the pinning above is what stops it.
-    honoured = prometheus_factory(scrape_configs=[_scrape_config({**endpoint, "honorLabels": True}, job_exporter)],
+    honoured = prometheus_factory(scrape_configs=[_scrape_config(spec, {**endpoint, "honorLabels": True,
+                                                                          "metricRelabelings": []}, job_exporter)],
                                   rule_files=[_rules(tmp_path)])
     try:
         faked = _after_scrapes(honoured, 'ALERTS{alertname="GpuXidErrors"}')
