@@ -117,18 +117,19 @@ def _gigabytes(value: str) -> float:
 
 def _cluster(args: argparse.Namespace) -> int:
     from runtime import cluster
+    from runtime.config import check_settings
 
-    if args.action == "up":
-        from runtime.config import check_settings
-
-        try:  # a bad RT_<SERVICE>_PORT found after Ray and MLflow started would leave them running
+    try:  # up: a bad RT_<SERVICE>_PORT found after Ray and MLflow started would leave them running;
+        # status reads the ports too (down reads none: it must stop what runs whatever the settings)
+        if args.action != "down":
             check_settings(os.environ)
-            for option, value in (("--num-cpus", args.num_cpus), ("--nodes", args.nodes)):
-                if value is not None and value < 1:
-                    raise ConfigError(f"{option} must be >= 1, got {value}")
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+        for option, value in (("--num-cpus", args.num_cpus), ("--nodes", args.nodes)):
+            if args.action == "up" and value is not None and value < 1:
+                raise ConfigError(f"{option} must be >= 1, got {value}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.action == "up":
         state = cluster.up(num_cpus=args.num_cpus, with_mlflow=not args.no_mlflow,
                            with_prometheus=not args.no_prometheus, nodes=args.nodes)
         print("local cluster is up:")
@@ -364,7 +365,7 @@ def _tune(cfg: Any, args: argparse.Namespace) -> int:
     try:
         out = tune(cfg, args.run_name, job=args.job, resume=args.resume, show_progress=not args.no_progress)
     except ClusterError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_NO_CLUSTER
     print(f"search {out.name}: {len(out.trials)} trials in {out.wall_seconds:.0f} s -> {out.search_dir}")
     print(Path(out.report_files["md"]).read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cluster.processes import port_open
-from runtime.cluster.state_file import ClusterError, default_cluster_dir, load_state
+from runtime.cluster.state_file import STATE_FILE, ClusterError, default_cluster_dir, load_state
 
 
 def ray_address(cdir: Path | None = None) -> str:
@@ -26,7 +26,10 @@ def ray_address(cdir: Path | None = None) -> str:
     state = load_state(cluster_dir)
     addr = state.get("ray", {}).get("address")
     if addr:
-        host, _, port = addr.rpartition(":")
+        host, _, port = str(addr).rpartition(":")
+        if not (host and port.isdigit()):  # a hand-edited or foreign state file: say which, not a traceback
+            raise ClusterError(f"{cluster_dir / STATE_FILE}: ray.address {addr!r} is not host:port; "
+                               "restart the local cluster (`make cluster-down cluster-up`) or set RAY_ADDRESS")
         if port_open(host, int(port)):
             return str(addr)
     raise ClusterError(

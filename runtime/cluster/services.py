@@ -68,21 +68,29 @@ def prometheus_config(cluster_dir: Path, node_exporter: bool, training_scrape_s:
     ``training_scrape_s``: how often the workers' exporters are scraped and their targets re-read
     (the other jobs every 5 s)."""
     sd = cluster_dir / "prometheus" / "targets"
+    every = _duration(training_scrape_s)
     rules = _linked_rules(cluster_dir / "prometheus" / "rules")
     lines = [
         "global:", "  scrape_interval: 5s", "  evaluation_interval: 5s",
         "rule_files:", *[f"  - {r}" for r in rules],
         "scrape_configs:",
         "  - job_name: prometheus", "    static_configs:", f"      - targets: ['127.0.0.1:{port('prometheus')}']",
-        "  - job_name: training", "    honor_labels: true", f"    scrape_interval: {training_scrape_s:g}s",
+        "  - job_name: training", "    honor_labels: true", f"    scrape_interval: {every}",
         "    file_sd_configs:", f"      - files: ['{sd}/training-*.json']",
-        f"        refresh_interval: {training_scrape_s:g}s",
+        f"        refresh_interval: {every}",
         "  - job_name: ray", "    static_configs:", f"      - targets: ['127.0.0.1:{port('ray_metrics')}']",
     ]
     if node_exporter:
         target = f"127.0.0.1:{port('node_exporter')}"
         lines += ["  - job_name: node", "    static_configs:", f"      - targets: ['{target}']"]
     return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as a Prometheus duration: whole seconds as ``5s``, else milliseconds (``2500ms``), since
+    Prometheus takes integers only ("2.5s" fails the whole config); at least 1 ms."""
+    ms = max(1, round(seconds * 1000))
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
 def prometheus_up(cluster_dir: Path, node_exporter: bool, training_scrape_s: float = 5) -> dict[str, Any] | None:

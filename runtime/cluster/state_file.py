@@ -34,14 +34,17 @@ def port(name: str) -> int:
 
 
 def load_state(cdir: Path | None = None) -> dict[str, Any]:
+    """What `make cluster-up` recorded; {} when nothing was, or when the file is not a JSON object
+    (cut short or edited by hand): read as no cluster, which the caller names."""
     cluster_dir = cdir or default_cluster_dir()
     f = cluster_dir / STATE_FILE
     if not f.exists():
         return {}
     try:
-        return dict(json.loads(f.read_text()))
-    except json.JSONDecodeError:
+        state = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
+    return state if isinstance(state, dict) else {}
 
 
 def save_state(state: dict[str, Any], cluster_dir: Path) -> None:
