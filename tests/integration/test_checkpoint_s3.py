@@ -479,8 +479,10 @@ def test_s3_run_rides_out_refused_connections_from_a_commit_on_then_resumes_with
     proxy.down_after_put(f"/{step_name(2)}/{MANIFEST}")
     watcher = _OutageThenStop(proxy, tmp_path / "runs" / "s3run")
     try:
+        # One worker: rank 0 alone saves a (non-sharded) checkpoint, and one worker proves the node's own
+        # credentials reach S3 as well as two.
         sets = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=1",
-                "checkpoint.interval_steps=2", f"checkpoint.endpoint_url={proxy.endpoint}",
+                "distributed.num_workers=1", "checkpoint.interval_steps=2", f"checkpoint.endpoint_url={proxy.endpoint}",
                 # A window shorter than one attempt (a refused attempt takes >= 60 ms, botocore's own retry
                 # among it): the failed save says it gave up after 1 attempt, where the 60-s default spends
                 # all S3_DEFAULT_ATTEMPTS. A count, so the check below holds in any hour.

@@ -6,8 +6,11 @@ Faults share runs where that is honest, so the matrix costs two training runs an
 Rows (fault -> test):
 - MLflow SIGKILLed mid-run; the checkpoint disk turned read-only, then writable again, in the same run
   -> ``test_one_run_rides_out_mlflow_killed_and_a_read_only_checkpoint_disk``
-- MLflow down at the start of a run (and ``tracking.required`` refusing that start, exit 3)
-  -> test_tracking_faults.py::test_mlflow_down_at_start_trains_then_sync_creates_the_run_unless_tracking_is_required
+- MLflow down at the start of a run -> test_gcs_restart.py::
+  test_gcs_killed_mid_run_with_redis_ft_is_restarted_and_the_run_loses_no_steps (the GCS-restart run, whose
+  MLflow is down from its start; a Ray Train run costs 10-20 s to start here); ``tracking.required``
+  refusing that start, exit 3 -> test_tracking_faults.py::
+  test_tracking_required_refuses_a_run_with_mlflow_down_before_starting_anything
 - S3 refusing connections from right after a commit (before a report announced it) for longer than a
   save's retries, then back, end to end through Ray -> test_checkpoint_s3.py::
   test_s3_run_rides_out_refused_connections_from_a_commit_on_then_resumes_without_the_drivers_aws_credentials
@@ -161,7 +164,7 @@ def _failures_reported(run_dir: Path) -> Callable[[], bool]:
 
 def test_one_run_rides_out_mlflow_killed_and_a_read_only_checkpoint_disk(cluster: dict, tmp_path: Path) -> None:
     """One run, MLflow SIGKILLed mid-run and the checkpoint disk read-only then writable again: what
-    needed a run each before. MLflow down at the start of a run is test_tracking_faults.py's row."""
+    needed a run each before. MLflow down at the start of a run is test_gcs_restart.py's run's row."""
     storage, name = tmp_path / "runs", "faults"
     run_dir, disk = storage / name, storage / name / "checkpoints"
     # The checkpoint disk: a tmpfs of its own, remounted read-only mid-run. Root ignores permission bits,

@@ -8,8 +8,8 @@ which only ``register`` and ``end`` cost, not a second search and training: its 
 with the registry down (an MLflow server of the test's own, not started) fails naming the server;
 once that server is up, resuming the failed resume re-runs only ``register`` and ``end``, which
 upload the training run the server never saw and register and promote its model; loaded by alias,
-the model reproduces the evaluation. Training with MLflow down is proven by test_tracking_faults.py
-and the fault matrix.
+the model reproduces the evaluation. Training with MLflow down is proven by test_gcs_restart.py's run
+(down from the start), the fault matrix (killed mid-run) and test_tracking_faults.py (the tracker).
 """
 
 from __future__ import annotations

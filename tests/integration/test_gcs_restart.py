@@ -8,6 +8,13 @@ reads its authentication settings once per process. Without Redis the same kill 
 (`ray start --block` stops the head node when its GCS dies; a new, empty GCS would be refused by
 the raylets) and the run exits 1: measured, documented, not tested here (it is the driver re-run,
 tested in test_recovery.py, that resumes such a run).
+
+The same run proves a run survives its tracking server down from the start: it points at an MLflow
+server that is not started (tests.support.mlflow, a port that refuses connections), trains and says so
+in one console line, never creates the MLflow run, and ``report <run> --sync`` then creates it with each
+step once once the server is up (refused with exit 3 before). test_tracking_faults.py started a run of
+its own for that; its ``tracking.required`` refusal, which starts no run, stays there. Each behaviour is
+checked by name (tests.support.behaviours).
 """
 
 from __future__ import annotations
@@ -20,19 +27,27 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from runtime.cluster import ray_temp_dir
 from runtime.cluster.gcs_watchdog import running
 from runtime.cluster.services import redis_bin
+from runtime.observe.history import read_history
+from runtime.observe.mlflow_upload import SyncState
 from tests.support import ROOT
+from tests.support.behaviours import Behaviours
 from tests.support.cluster import committed_steps, own_cluster_env
+from tests.support.mlflow import MlflowServer
 from tests.support.redis import redis_says
 
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 300
+UNREACHABLE = "unreachable; metrics kept in"
+# What MLflow's client would print per retry or failure: none of it may reach the console.
+MLFLOW_NOISE = ("Traceback", "Retrying", "MlflowException", "urllib3")
 
 
 # Started beside the driver: once the run has committed its first checkpoint, SIGKILL the GCS (as an
@@ -85,16 +100,37 @@ def mentions(proc: Path, needles: tuple[bytes, ...]) -> bool:
     return any(n in cmd for n in needles)
 
 
+def _sync(run_dir: Path, url: str) -> subprocess.CompletedProcess[str]:
+    """``report --sync`` as a user runs it, with the server configured (the run folder never names it)."""
+    return subprocess.run([sys.executable, "-m", "runtime", "report", str(run_dir), "--sync"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": url},
+                          capture_output=True, text=True, timeout=300)
+
+
+def _mlflow_steps(url: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(tracking_uri=url).get_metric_history(run_id, key))
+
+
+def _history_steps(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return sorted((h["step"], float(h[key])) for h in history if isinstance(h.get(key), (int, float)))
+
+
 def test_gcs_killed_mid_run_with_redis_ft_is_restarted_and_the_run_loses_no_steps(
         ft_cluster: dict[str, str], tmp_path: Path) -> None:
+    """The GCS killed mid-run and MLflow down from the start, in one run: both ridden out (exit 0, every
+    step once, no restart); the run's MLflow run is created afterwards by ``report --sync``."""
     storage = tmp_path / "runs"
-    sets = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=1",
-            f"train.max_steps={MAX_STEPS}", "checkpoint.interval_steps=10", f"checkpoint.storage={storage}",
-            "distributed.timeout_s=30"]
+    server = MlflowServer(tmp_path / "mlflow")  # not started: its port refuses connections
+    seen = Behaviours("GCS killed, MLflow down from the start")
+    sets = ["model.name=mlp", f"tracking.mlflow_uri={server.url}", "tracking.prometheus=false",
+            "train.log_every_steps=1", f"train.max_steps={MAX_STEPS}", "checkpoint.interval_steps=10",
+            f"checkpoint.storage={storage}", "distributed.timeout_s=30"]
     cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--no-progress", "--run-name", "gcs"]
     for s in sets:
         cmd += ["--set", s]
-    checkpoints = storage / "gcs" / "checkpoints"
+    checkpoints, run_dir = storage / "gcs" / "checkpoints", storage / "gcs"
     killer = subprocess.Popen([sys.executable, "-c", KILLER, str(checkpoints)], cwd=ROOT, env=ft_cluster,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     driver = subprocess.Popen(cmd, cwd=ROOT, env=ft_cluster, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -108,19 +144,47 @@ def test_gcs_killed_mid_run_with_redis_ft_is_restarted_and_the_run_loses_no_step
                 proc.kill()
     assert killer.returncode == 0, killed_out[-3000:]
     old, new, killed_at, back_at = killed_out.split()[-4:]
-    assert old != new
-    assert driver.returncode == 0, stdout[-4000:]
-    assert "Traceback" not in stdout, stdout[-4000:]
-    history = [json.loads(line) for line in (storage / "gcs" / "history.jsonl").read_text().splitlines()]
-    assert not [h for h in history if "resumed_from_step" in h], "the worker group restarted"
+    seen.check("the GCS was killed and a new one started", old != new, killed_out[-3000:])
+    seen.check("the run exits 0", driver.returncode == 0, stdout[-4000:])
+    seen.check("no traceback on the console", "Traceback" not in stdout, stdout[-4000:])
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    seen.check("no worker-group restart", not [h for h in history if "resumed_from_step" in h],
+               [h for h in history if "resumed_from_step" in h])
     steps = [h["step"] for h in history if "step" in h and not h.get("final")]
-    assert steps == list(range(1, MAX_STEPS + 1)), "every step once, none lost or redone"
+    seen.check("every step once, none lost or redone", steps == list(range(1, MAX_STEPS + 1)), steps)
     # The kill landed mid-run: steps were reported before it and after it (the GCS was back
     # back_at - killed_at seconds later; no bound asserted on it).
     before = [h["step"] for h in history if "step" in h and h["_time"] < float(killed_at)]
     after = [h["step"] for h in history if "step" in h and h["_time"] > float(killed_at) and not h.get("final")]
-    assert before and after, f"not mid-run: {len(before)} steps reported before the kill, {len(after)} after"
-    assert committed_steps(checkpoints)[-1] == MAX_STEPS
+    seen.check("the GCS kill landed mid-run", bool(before and after),
+               f"not mid-run: {len(before)} steps reported before the kill, {len(after)} after")
+    seen.check("the last step is committed", committed_steps(checkpoints)[-1:] == [MAX_STEPS],
+               committed_steps(checkpoints))
+
+    # MLflow down from the start (what test_tracking_faults.py's own run proved).
+    seen.check("MLflow down: one console line", sum(UNREACHABLE in ln for ln in stdout.splitlines()) == 1, stdout)
+    for noise in MLFLOW_NOISE:
+        seen.check(f"MLflow down: no {noise!r} on the console", noise not in stdout, stdout[-4000:])
+    never = SyncState.load(run_dir)
+    seen.check("MLflow down: the MLflow run was never created", never is not None and never.run_id is None, never)
+    unreachable = _sync(run_dir, server.url)
+    seen.check("MLflow down: report --sync exits 3 naming it unreachable",
+               unreachable.returncode == 3 and "unreachable" in unreachable.stderr, unreachable.stderr)
+    server.start()
+    try:
+        synced = _sync(run_dir, server.url)
+        seen.check("MLflow back: report --sync creates the run", synced.returncode == 0
+                   and "(created now)" in synced.stdout, synced.stdout + synced.stderr)
+        state = SyncState.load(run_dir)
+        seen.check("MLflow back: the synced run is closed", state is not None and bool(state.run_id) and state.closed,
+                   state)
+        if state is not None and state.run_id:
+            got, want = (_mlflow_steps(server.url, state.run_id, "train/loss"),
+                         _history_steps(read_history(run_dir), "train/loss"))
+            seen.check("MLflow back: the run holds each reported step once", got == want, (got[-5:], want[-5:]))
+    finally:
+        server.kill()
+    seen.verify()
 
 
 # Holds a worker (an actor) while the test reads every process's command line.

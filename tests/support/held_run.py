@@ -29,9 +29,10 @@ def start(storage: Path, run: str, sets: list[str], hold: tuple[int, Path]) -> s
                             start_new_session=True)
 
 
-def wait_held(proc: subprocess.Popen[str], step: int, folder: Path) -> None:
+def wait_held(proc: subprocess.Popen[str], step: int, folder: Path, workers: int = WORKERS) -> None:
+    """Until each of the run's ``workers`` ranks is held at ``step`` (or the driver ended)."""
     wait_for(lambda: proc.poll() is not None
-             or all(held_file(folder, step, r).exists() for r in range(WORKERS)), f"every rank held at step {step}")
+             or all(held_file(folder, step, r).exists() for r in range(workers)), f"every rank held at step {step}")
     assert proc.poll() is None, proc.communicate()[0][-4000:]
 
 
