@@ -164,8 +164,9 @@ COVERAGE_DIR := $(CACHE_DIR)/coverage
 
 # Ray ends its workers from C++ (ray.kill), past every hook coverage.py saves in: this .pth,
 # copied into the venv's site-packages, runs tests/support/coverage_flush.py, which saves a Ray Train
-# worker's data when Ray Train shuts it down. It does nothing unless RT_COVERAGE_FLUSH names that file,
-# which only this target sets; it stays in the venv (inert) and nothing else there is touched.
+# worker's data when Ray Train shuts it down. It does nothing unless COVERAGE_RT_FLUSH names that file,
+# which only this target sets; it stays in the venv (inert) and nothing else there is touched. Not an
+# RT_ name: every CLI a test starts inherits it, and the runtime refuses RT_ variables it does not know.
 COVERAGE_PTH := rt_coverage_flush.pth
 
 # Not part of make test: measuring every line costs CPU that make test's 90-minute CI budget has
@@ -175,7 +176,7 @@ COVERAGE_PTH := rt_coverage_flush.pth
 coverage: setup prometheus-tools ## Line coverage of runtime/, ops/, flows/ over SUITES (default tests/unit), Ray workers and gloo ranks included; a table per package, .cache/coverage/report.{txt,json}. Not in make test (overhead).
 	@rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
 	@cp tests/support/$(COVERAGE_PTH) "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
-	@rc=0; RT_COVERAGE_FLUSH=$(call q,$(ROOT)/tests/support/coverage_flush.py) RT_PROMETHEUS_BIN=$(call q,$(PROMETHEUS)) \
+	@rc=0; COVERAGE_RT_FLUSH=$(call q,$(ROOT)/tests/support/coverage_flush.py) RT_PROMETHEUS_BIN=$(call q,$(PROMETHEUS)) \
 	  $(PY) -m coverage run -m pytest \
 	  $(foreach s,$(SUITES),$(call q,$(s))) -q -p no:cacheprovider $(PYTEST_WORDS) || rc=$$?; \
 	  $(PY) -m coverage combine -q; \

@@ -8,7 +8,7 @@ data file (train_loop_per_worker's body read as never run). Saving on a timer fr
 out: flushing while the C tracer writes in another thread crashed the TrainController (SIGSEGV).
 
 This file is executed at interpreter start by the ``.pth`` file ``make coverage`` copies into the
-venv (tests/support/rt_coverage_flush.pth), only while ``RT_COVERAGE_FLUSH`` (set by that target
+venv (tests/support/rt_coverage_flush.pth), only while ``COVERAGE_RT_FLUSH`` (set by that target
 alone) names it, and acts only in a Ray worker process that coverage.py measures: when Ray Train's
 worker module is imported, ``RayTrainWorker.shutdown`` is wrapped to stop coverage and save once its
 hooks ran. Other Ray actors (the TrainController, Tune's trials) still lose what they measured when

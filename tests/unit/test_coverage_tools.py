@@ -83,9 +83,9 @@ def _killed_worker_lines(tmp_path: Path, hook: bool) -> set[int]:
         "from ray.train.v2._internal.execution.worker_group.worker import RayTrainWorker\n"
         "RayTrainWorker().shutdown()\nprint('shut down', flush=True)\ntime.sleep(120)\n")
     env = {**_env(), "COVERAGE_PROCESS_START": str(tmp_path / ".coveragerc")}
-    env.pop("RT_COVERAGE_FLUSH", None)
+    env.pop("COVERAGE_RT_FLUSH", None)
     if hook:
-        env["RT_COVERAGE_FLUSH"] = str(FLUSH)
+        env["COVERAGE_RT_FLUSH"] = str(FLUSH)
     proc = subprocess.Popen([sys.executable, str(worker), str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "shut down\n"
