@@ -31,6 +31,7 @@ RUNTIME_SETTINGS = (
     "RT_GCS_FT", "RT_REDIS_SERVER_BIN",  # runtime.cluster: `make cluster-up GCS_FT=1` (Redis for the GCS)
     "RT_TRAIN_SPARES",  # runtime.train.spares: 0 turns off the spare worker processes kept for a restart
     "RT_TEST_HOLD",  # runtime.train.hold: tests only, every rank waits at a named step for a file
+    "RT_TEST_SAMPLES",  # runtime.train.sample_log: tests only, each rank records the sample ids of its steps
     "RT_TEST_CENSUS",  # tests/support/census.py: the test session's marker on the processes it starts
     # runtime.cluster.state_file.port(): RT_<SERVICE>_PORT moves a local cluster's service
     *(f"RT_{service.upper()}_PORT" for service in DEFAULT_PORTS),

@@ -27,6 +27,7 @@ from runtime.observe.cost.meter import CostLedger
 from runtime.observe.progress import failure_line
 from runtime.run import PREEMPT_FILE, RunInfo, WorkerGroupFailed, WorkerHandoff
 from runtime.train.hold import HOLD_ENV
+from runtime.train.sample_log import SAMPLES_ENV
 from runtime.train.spares import wanted as spares_wanted
 from runtime.train.spares import worker_runtime_env
 from runtime.train.stop_policy import watches_drains
@@ -77,11 +78,13 @@ def _worker_env() -> dict[str, str]:
 
 def _run_worker_env() -> dict[str, Any]:
     """This run's Train workers' runtime_env: the warm hook, and a test's step barrier (``RT_TEST_HOLD``)
-    as the driver's environment has it now. The hold goes per run, not in the job's runtime_env, which
-    a process fixes at its first connect: a hold set later was lost, and one set then held every later run."""
+    and sample log (``RT_TEST_SAMPLES``) as the driver's environment has them now. They go per run, not in
+    the job's runtime_env, which a process fixes at its first connect: a hold set later was lost, and one
+    set then held every later run."""
     env = worker_runtime_env()
-    if hold := os.environ.get(HOLD_ENV):
-        env["env_vars"] = {**env["env_vars"], HOLD_ENV: hold}
+    for name in (HOLD_ENV, SAMPLES_ENV):
+        if value := os.environ.get(name):
+            env["env_vars"] = {**env["env_vars"], name: value}
     return env
 
 

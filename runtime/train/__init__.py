@@ -28,7 +28,8 @@ nothing here imports it (the layer test in tests/unit/test_import_graph.py fails
 - ``spares``: spare worker processes for the next group; ``capacity``: refreshing Ray's view of
   the cluster (the spares' watch and the driver's elastic callback both ask it).
 - ``timeline``: where a restart's seconds go (the controller's stamps and the workers').
-- ``hold``: the step barrier tests inject faults at (``RT_TEST_HOLD``).
+- ``hold``: the step barrier tests inject faults at (``RT_TEST_HOLD``); ``sample_log``: the sample ids each
+  step trained on, per rank, that tests read (``RT_TEST_SAMPLES``).
 
 This package file imports nothing heavy.
 """

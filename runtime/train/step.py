@@ -36,6 +36,7 @@ from runtime.train.microbatch import (
 )
 from runtime.train.parallel import grad_norm
 from runtime.train.resume import Trainables
+from runtime.train.sample_log import SampleLog
 from runtime.train.setup import autocast, step_unless
 from runtime.train.stats import StepStats
 
@@ -69,6 +70,7 @@ class OptimizerStep:
     recovered: bool
     _held: list[tuple[torch.Tensor, torch.Tensor]]  # this step's loader batches (a redo reuses them)
     _recovery_noted: bool  # the recovery-time gauge is set once, at the first step after a restore
+    samples: SampleLog | None  # tests only: the sample ids each step trained on (train.sample_log)
 
     def train_step(self, batches: DevicePrefetcher) -> None:
         """One optimizer step over ``grad_accum_steps`` loader batches, with no host sync (unless
@@ -118,6 +120,8 @@ class OptimizerStep:
         self.trainables.scheduler.step()
         self.state.global_step += 1
         self.state.samples_seen += n * self.dp_world
+        if self.samples is not None:  # tests only: a line of host ids and a file append, no device sync
+            self.samples.step_done(self.state.global_step)
         self.stats.add(loss_sum, correct, norm, bad, n, items, self.state.global_step,
                        tc.nonfinite.max_consecutive)
         self.stats.data_s += batches.wait_s - waited
@@ -191,6 +195,8 @@ class OptimizerStep:
         if i == len(self._held):
             x, y, pos = next(batches)
             self.state.consume(pos, self.evaluator.epoch_ended)
+            if self.samples is not None:
+                self.samples.taken(pos)
             self._held.append((x, y))
         return self._held[i]
 

@@ -50,6 +50,7 @@ from runtime.train.model_zoo import build_model
 from runtime.train.parallel import apply_ddp, apply_fsdp, data_parallel_rank, full_tensor
 from runtime.train.reporter import Reporter, build_gauges
 from runtime.train.resume import Trainables, build_checkpoint_manager, build_payload, restore_latest
+from runtime.train.sample_log import SampleLog
 from runtime.train.setup import (
     CommTimer,
     Placement,
@@ -183,6 +184,8 @@ class Trainer(OptimizerStep):
             skipped_samples=lambda: self.loaders.train.skipped + getattr(self.loaders.device_stage, "failed", 0))
         self.on_first_step = on_first_step  # e.g. spare processes for the next group (train.spares)
         self.hold = StepHold.from_env()  # tests only: every rank waits at a named boundary (train.hold)
+        # Tests only: the sample ids each step trained on, one line per step (train.sample_log).
+        self.samples = SampleLog.from_env(cfg.data.source, self.rank, self.world)
         self.recovered = False
         self._nonfinite_exported = 0
         self._recovery_noted = False
@@ -271,10 +274,12 @@ class Trainer(OptimizerStep):
     def _start(self) -> DevicePrefetcher:
         """Batches from where the state left off, on the device one step ahead (a producer thread,
         closed in close()); with ``data.micro_batch=auto`` and no size kept from a checkpoint, the probe."""
+        source = host_batches(self.loaders.train, self.loaders.batches_per_epoch, self.state.epoch,
+                              self.state.batch_in_epoch)
+        if self.samples is not None:
+            source = self.samples.tap(source)
         batches = self.prefetcher = DevicePrefetcher(
-            host_batches(self.loaders.train, self.loaders.batches_per_epoch, self.state.epoch,
-                         self.state.batch_in_epoch),
-            self.train_stage, self.device, threaded=self.cfg.data.source not in DEVICE_RESIDENT)
+            source, self.train_stage, self.device, threaded=self.cfg.data.source not in DEVICE_RESIDENT)
         if self.micro.needs_probe() and not self.stop.done(self.state):
             self.probe(batches)
         elif self.micro.guarded:

@@ -19,6 +19,7 @@ helpers that keep that budget (and find which node holds a worker) belong with t
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -38,10 +39,12 @@ from runtime.launch.setup import connect
 from runtime.launch.stream import StreamingFit
 from runtime.run import Resized
 from runtime.train.capacity import refresh_capacity
+from runtime.train.sample_log import SAMPLES_ENV
 from tests.support import job, wait_for
 from tests.support.behaviours import Behaviours
 from tests.support.calibration import scaled
 from tests.support.cluster import oldest_allowed_resume
+from tests.support.samples import coverage, kept_steps, off_the_deal, read_records, sizes
 from tests.support.trainer import train_in_process
 
 pytestmark = pytest.mark.slow
@@ -55,15 +58,19 @@ INTERVAL = 10
 # throughout) holds for a group of 2 shrinking to 1 as for 3 to 2, with 2 workers fewer per group.
 FAMILY_MAX = 2
 # {min: 1, max: 2} x 8 per worker x 3 accumulation = 48 samples per step at every size (1 x 8 x 6);
-# 960 synthetic samples = 20 steps per epoch at every size.
+# 960 synthetic samples = 20 steps per epoch at every size. optimizer.lr=0.002: the loss falls from
+# 1.3 to 0.008 over the 200 steps, so the resized run's loss curve can be held to the uninterrupted
+# run's (at 0.05 it was ~1e-7 from step 20 on: float32 rounding, with exact zeros).
 BASE = ["model.name=mlp", "optimizer.name=sgd", "data.source=synthetic",
         "data.image_size=8", "data.num_classes=4", "data.num_samples=960", "data.val_samples=0",
         "data.batch_size=8", "train.grad_accum_steps=3", f"train.max_steps={MAX_STEPS}", "train.log_every_steps=1",
-        "train.torch_threads=1", "train.deterministic=true", "optimizer.lr=0.05", "schedule.name=constant",
+        "train.torch_threads=1", "train.deterministic=true", "optimizer.lr=0.002", "schedule.name=constant",
         f"checkpoint.interval_steps={INTERVAL}", "tracking.mlflow=false", "tracking.prometheus=false",
         "distributed.timeout_s=60", "distributed.poll_interval_s=0.25", "distributed.cpus_per_worker=1",
         f"distributed.resources_per_worker={{{SLOT}: 1}}", "distributed.elastic.resize_check_interval_s=3"]
 GLOBAL_BATCH = 48
+SAMPLES, EPOCHS = 960, MAX_STEPS * GLOBAL_BATCH // 960  # 200 steps x 48 = 10 whole epochs
+LOSS_RTOL = 0.01  # the resized run's loss, step by step, against the uninterrupted run's
 DRAIN_DEADLINE_S = 120  # an EC2 spot notice's
 # distributed.timeout_s: Ray's health checks find the lost node (local cluster: within ~20 s) and Ray
 # Train ends the group; the collective timeout only backs that up. At 20 s a rank starved of CPU on
@@ -285,16 +292,21 @@ def test_an_elastic_run_shrinks_on_a_lost_node_grows_on_its_return_and_goes_on_a
 ) -> None:
     """One elastic run, three faults at known points of its report stream: a node lost once the
     run trains at max (it shrinks), the node back (it grows), a node drained once it trains at max
-    again (a commit at the notice, the node given back, a restart on the node left at once)."""
+    again (a commit at the notice, the node given back, a restart on the node left at once). Its
+    ranks log the sample ids of every step (runtime.train.sample_log): over the steps the run kept,
+    each epoch trains on every sample once, step by step on the uninterrupted run's samples."""
     from ops.remediation.actions import RayDrainer
 
     _exactly(slots, FAMILY_MAX)
     # Ray Train's watcher polls Ray's drains every 5 s by default (an EC2 notice gives 120 s); 1 s here.
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
+    samples = Path(storage) / "samples-elastic"
+    monkeypatch.setenv(SAMPLES_ENV, str(samples))  # the driver hands it to every group's workers
     # max_failures=1: the one restart the lost node costs. A drain's restart is Ray's preemption
     # budget's: charged as a failure, it would be the second, and would end the run.
     cfg = job("digits_smoke", storage, *BASE, f"distributed.num_workers={{min: 1, max: {FAMILY_MAX}}}",
-              "checkpoint.max_failures=1", "checkpoint.on_node_drain=checkpoint")
+              "checkpoint.max_failures=1", "checkpoint.on_node_drain=checkpoint",
+              "distributed.elastic.keep=global_batch")  # the default, named: exactly-once rests on it
     assert cfg.global_batch_size() == GLOBAL_BATCH
     fit = StreamingFit(cfg, "elastic", lockstep=True)
     events: list[tuple[Resized, Any]] = []
@@ -318,7 +330,10 @@ def test_an_elastic_run_shrinks_on_a_lost_node_grows_on_its_return_and_goes_on_a
             killed_at, killed_step = at, step
         elif killed_at and not shrunk_at and world == FAMILY_MAX - 1:
             shrunk_at = at
-        elif shrunk_at and not rejoined_at and at >= shrunk_at + 5:
+        elif shrunk_at and not rejoined_at and (item.get("checkpoint_step") or 0) > history[shrunk_at - 1]["step"]:
+            # Back once the smaller group has committed a step of its own: the regrown group then
+            # resumes its checkpoint, resharded from 1 worker to 2 (an earlier return resumed the
+            # max-size one, and the smaller group's steps were dropped: no resize left in the kept steps).
             rc.add_node(slots, num_cpus=2, resources={SLOT: 1})  # the run waits meanwhile (lockstep)
             # The returning node's slot is free before the run goes on: how long a raylet takes to join
             # a loaded machine is then outside the race below (the run must not end before it grows).
@@ -356,18 +371,65 @@ def test_an_elastic_run_shrinks_on_a_lost_node_grows_on_its_return_and_goes_on_a
                all(h["samples_seen"] == h["step"] * GLOBAL_BATCH for h in history if "samples_seen" in h), history)
     seen.check("the run trains to its last step", bool(history) and history[-1]["final"]
                and history[-1]["step"] == MAX_STEPS, history[-1:])
+    # What the ranks trained on, over the steps the run kept (a restart's redone steps replace the lost
+    # group's): across two resizes, two restarts and a drain, every epoch's samples once each.
+    records = read_records(samples)
+    kept, replaced = kept_steps(records)
+    epochs, lineage = coverage(kept, SAMPLES), sizes(kept)
+    # The kept steps span all three resizes (2 workers, 1, 2, 1): each group after the first resumed a
+    # commit made at the other size, so every resize moved the data position from one world to another.
+    seen.check("each epoch trains on every sample exactly once, over every rank and group of the kept steps, "
+               "which span the shrink, the grow and the drain",
+               sorted(kept) == list(range(1, MAX_STEPS + 1)) and [e.epoch for e in epochs] == list(range(EPOCHS))
+               and all(e.seen == e.distinct == SAMPLES and not e.repeated and not e.skipped for e in epochs)
+               and len(lineage) >= 4 and lineage[0][1] == FAMILY_MAX and lineage[-1][1] == FAMILY_MAX - 1,
+               (lineage, sorted(kept)[:3], sorted(kept)[-3:], epochs))
 
     # An uninterrupted run with the same global batch (1 worker x 8 x 6) ends at the same parameters.
     # It is the yardstick, not what is proven: the trainer runs it in this process, without Ray.
     if fit.error is None:
         ref_cfg = job("digits_smoke", storage, *BASE, "distributed.num_workers=1", "train.grad_accum_steps=6")
         assert ref_cfg.global_batch_size() == GLOBAL_BATCH
-        train_in_process(ref_cfg, Path(storage) / "uninterrupted")
+        ref_samples = Path(storage) / "samples-uninterrupted"
+        monkeypatch.setenv(SAMPLES_ENV, str(ref_samples))
+        _, ref_reports = train_in_process(ref_cfg, Path(storage) / "uninterrupted")
         elastic, uninterrupted = _final_params(storage, "elastic"), _final_params(storage, "uninterrupted")
         worst = max(float((elastic[k] - uninterrupted[k]).abs().max()) for k in elastic)
         seen.check("resized, resumed and drained, the run ends at an uninterrupted run's parameters",
                    worst < 1e-4, f"parameters differ by up to {worst}")
+        # The same samples per step, in other shares: 2 ranks x 3 batches of 8, or 1 x 6 (the order of
+        # the sum over them is the accumulation-order noise the losses below allow). Every group's
+        # records count here, the replaced ones too: each resumed at its data position.
+        reference = read_records(ref_samples)
+        off = off_the_deal(records, reference)
+        seen.check("every group, replaced ones too, trains each step on the uninterrupted run's samples, "
+                   "dealt over its ranks in their order",
+                   sorted(r.step for r in reference) == list(range(1, MAX_STEPS + 1)) and not off,
+                   f"{len(off)} of {len(records)} records off: {off[:10]}")
+        losses = _losses(history)  # the newest report of each step: a redone step's replaces the lost one's
+        ref_losses = _losses(ref_reports)
+        rel = {s: abs(losses[s] - ref_losses[s]) / ref_losses[s] if ref_losses[s] else math.inf
+               for s in ref_losses if s in losses}
+        # The drain's step alone reports no loss: the boundary that sees the notice reads the step's
+        # window, and the drain's report is made by an exchange after it (Trainer._drained).
+        unreported = sorted(set(range(1, MAX_STEPS + 1)) - set(rel))
+        seen.check(f"its loss curve is the uninterrupted run's within {LOSS_RTOL:.0%} at every step",
+                   len(ref_losses) == MAX_STEPS and unreported in ([], [notice and notice["drained_at_step"]])
+                   and bool(rel) and max(rel.values()) < LOSS_RTOL and rel.get(MAX_STEPS, 1.0) < LOSS_RTOL,
+                   (unreported, sorted(rel.items(), key=lambda kv: -kv[1])[:5]))
+        print(f"kept steps by world (from step, world): {lineage}; {len(records)} records, {len(off)} off the deal; "
+              f"exactly once: {len(epochs)} epochs, samples per epoch (seen/distinct) "
+              f"{sorted({(e.seen, e.distinct) for e in epochs})}, repeated {sum(e.repeated for e in epochs)}, "
+              f"skipped {sum(e.skipped for e in epochs)}; {replaced} step record(s) of lost groups replaced; "
+              f"loss: worst step {max(rel, key=rel.__getitem__) if rel else None} "
+              f"{max(rel.values(), default=float('nan')):.2e} relative, final {losses.get(MAX_STEPS)} vs "
+              f"{ref_losses.get(MAX_STEPS)}; parameters within {worst:.1e}")
     seen.verify()
+
+
+def _losses(reports: list[dict[str, Any]]) -> dict[int, float]:
+    """Each step's training loss, from the last report of it (every step reports: log_every_steps=1)."""
+    return {r["step"]: float(r["train/loss"]) for r in reports if "train/loss" in r}
 
 
 def _lost_and_back(seen: Behaviours, history: list[dict[str, Any]], events: list[tuple[Resized, Any]],
