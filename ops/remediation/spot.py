@@ -12,8 +12,10 @@ Each poll reads both with one token. On a notice the agent asks Ray to drain thi
 notice's time as the deadline and exits: an elastic run commits and goes on on the other workers.
 On a rebalance recommendation it acts as configured (`--on-rebalance`): `drain` drains now with
 `--rebalance-deadline` seconds, so the run commits and gives the node back before the group
-terminates it, and keeps every later raylet on this node drained (the `ray` role's unit restarts a
-raylet that left, and a run would grow back onto it); `log` only logs it and waits for the notice.
+terminates it, and keeps every later raylet on this node drained (a raylet someone starts again, by
+restarting the `ray` unit, would have a run grow back onto it; the drained raylet itself exits 0,
+which `ray start --block` takes for expected, so the unit does not start one); `log` only logs it
+and waits for the notice.
 A notice after a rebalance drain still drains, with the notice's deadline where that is sooner.
 The replacement follows from the alert the lost node raises (the remediation service on the head).
 """

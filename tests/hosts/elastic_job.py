@@ -10,8 +10,18 @@ runtime's elastic callback is used as is: the test puts a copy of runtime/ on PY
 Rank 0 appends one JSON line per event to SHARED_DIR/progress.jsonl (the controller reads it,
 the nodes share one clock with it): `start` (world size, the step resumed from), `step`,
 `checkpoint` (`preempted` when it is the just-in-time one of a drain notice), `released` (rank 0
-gave the drained node back to Ray after that checkpoint: runtime/train/drain.py). The run ends at
-the step written in SHARED_DIR/finish_at (the test writes it once the faults are done).
+gave the drained node back to Ray after that checkpoint: runtime/train/drain.py). Each line names
+its worker group (`group`, drawn by its rank 0 at the group's start) and rank 0's host (`node`), as
+each checkpoint does: what a superseded group (one cut off from the cluster) wrote is told apart.
+The run ends at the step written in SHARED_DIR/finish_at (the test writes it once the faults are
+done). A fault lands at a known step: with a step in SHARED_DIR/hold_at, every rank waits at that
+step's boundary (runtime.train.hold: SHARED_DIR/holds/<step>/held_<step>_rank<r>, until
+SHARED_DIR/holds/<step>/release exists), with no collective in flight.
+
+`python elastic_job.py --verify SHARED_DIR` checks the run's checkpoints against the same steps
+trained once in one process (the model's start is seeded, each step's batch is seeded by its
+step): a step trained twice into the history, or one lost, moves the weights by about a step
+(printed), far beyond float32's summation order between sizes. Exit 0 when all match, 1 if not.
 
 Checkpoints are resumed as the runtime resumes them (docs/checkpoints.md, "Newest in storage
 wins"): rank 0 writes each one whole to SHARED_DIR/checkpoints before the next step (written
@@ -25,14 +35,28 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from runtime.train.hold import StepHold
 
 GLOBAL_BATCH = 8  # 2 workers x 4 = 1 worker x 8: the same global batch at every size
 CHECKPOINT_INTERVAL = 10  # steps; a hard node loss redoes at most this many (saves are whole before the next step)
 STEP_PACE_S = 0.25  # a tiny step is ~ms: pace it so the run lasts through the scenarios on 2 shared cores
+MODEL_SEED = 0  # the model's start, so that --verify can train the same steps again
+HOLD_FILE = "hold_at"  # in SHARED_DIR: the step every rank waits at (the test's barrier)
+# float32 sums in another order at 1 and 2 workers. Measured: 4.8e-7 apart at most, in an emulation
+# of this run (1200 steps, sizes 2, 1, 2, 1, 2) and on the test hosts (2117 steps, 9 worker groups),
+# where a step moved some weight by 2.3e-3 or more (less as the model converges, about as
+# 1/sqrt(steps)); --verify also requires a step to move weights by more than 10 x the tolerance.
+REPLAY_TOLERANCE = 1e-5
 
 
 def _finish_at(shared: Path) -> int | None:
@@ -42,9 +66,40 @@ def _finish_at(shared: Path) -> int | None:
         return None
 
 
+def _hold(shared: Path) -> StepHold | None:
+    """The step the test holds the run at, if any (read at every step by every rank: one small file)."""
+    from runtime.train.hold import StepHold
+
+    try:
+        step = int((shared / HOLD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return StepHold(step, shared / "holds" / str(step))
+
+
+def _model() -> torch.nn.Linear:
+    import torch
+
+    torch.manual_seed(MODEL_SEED)
+    return torch.nn.Linear(16, 4)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch trained after `step` steps: the same at any world size, and in --verify."""
+    import torch
+
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(GLOBAL_BATCH, 16, generator=generator)
+    return x, x[:, :4].argmax(dim=1)
+
+
+def _checkpoints(checkpoints: Path) -> list[Path]:
+    """Every whole checkpoint, oldest step first (a name is only ever a complete file: see _save)."""
+    return sorted(checkpoints.glob("step_*.pt"), key=lambda p: int(p.stem.removeprefix("step_")))
+
+
 def _newest(checkpoints: Path) -> Path | None:
-    """The newest whole checkpoint (a name is only ever a complete file: see _save)."""
-    found = sorted(checkpoints.glob("step_*.pt"), key=lambda p: int(p.stem.removeprefix("step_")))
+    found = _checkpoints(checkpoints)
     return found[-1] if found else None
 
 
@@ -72,7 +127,9 @@ def train_loop(config: dict[str, Any]) -> None:
     checkpoints = shared / "checkpoints"
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    model = torch.nn.Linear(16, 4)
+    # Who wrote what: this group's rank 0 and its host (a group cut off may outlive its successor's start).
+    group, node = uuid.uuid4().hex[:12], socket.gethostname()
+    model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     step = 0
     newest = _newest(checkpoints)
@@ -88,7 +145,8 @@ def train_loop(config: dict[str, Any]) -> None:
         if rank == 0:  # rank 0 writes the timeline; every rank trains
             with open(shared / "progress.jsonl", "a") as out:
                 out.write(json.dumps({"t": time.time(), "event": event, "step": step, "world": world,
-                                      "per_worker_batch": per_worker, **fields}) + "\n")
+                                      "per_worker_batch": per_worker, "group": group, "node": node,
+                                      **fields}) + "\n")
 
     record("start")
     while True:
@@ -96,9 +154,7 @@ def train_loop(config: dict[str, Any]) -> None:
         if finish is not None and step >= finish:
             break
         # The global batch of this step, the same at any world size; each rank trains on its slice.
-        generator = torch.Generator().manual_seed(step)
-        x = torch.randn(GLOBAL_BATCH, 16, generator=generator)
-        y = x[:, :4].argmax(dim=1)
+        x, y = _batch(step)
         mine = slice(rank * per_worker, (rank + 1) * per_worker)
         loss = torch.nn.functional.cross_entropy(ddp(x[mine]), y[mine])
         optimizer.zero_grad()
@@ -111,8 +167,8 @@ def train_loop(config: dict[str, Any]) -> None:
         preempted = notice is not None
         if step % CHECKPOINT_INTERVAL == 0 or preempted:
             if rank == 0:
-                _save(checkpoints, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                      step)
+                _save(checkpoints, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                                    "group": group, "node": node}, step)
             ray.train.report({"step": step, "loss": float(loss)})  # every rank past the save together
             record("checkpoint", preempted=preempted)
         if preempted:
@@ -127,11 +183,56 @@ def train_loop(config: dict[str, Any]) -> None:
             record("waiting_for_preemption")
             while True:
                 time.sleep(1)
+        held = _hold(shared)
+        if held is not None:  # the test's barrier: every rank between two steps, no collective in flight
+            held.wait(step, rank)
         time.sleep(STEP_PACE_S)
     record("finished")
 
 
+def verify(checkpoints: Path) -> dict[str, Any]:
+    """Each checkpoint against the same steps trained once, in this process, on the whole batch.
+
+    Per checkpoint: its step, writer (group, node) and the largest difference of any weight from
+    the replay's at that step; `step_apart`: the smallest a step moves a weight by, over the
+    checkpoints' last steps (what a step trained twice, or one lost, would show).
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    found, step, apart = [], 0, float("inf")
+    for path in _checkpoints(checkpoints):
+        state = torch.load(path, weights_only=True)
+        named = int(path.stem.removeprefix("step_"))
+        before = [p.detach().clone() for p in model.parameters()]
+        while step < named:
+            before = [p.detach().clone() for p in model.parameters()]
+            x, y = _batch(step)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+        if named > 0:
+            apart = min(apart, max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before)))
+        diff = max(float((state["model"][name] - p.detach()).abs().max()) for name, p in model.named_parameters())
+        found.append({"step": named, "saved_step": int(state["step"]), "group": state.get("group"),
+                      "node": state.get("node"), "diff": diff})
+    return {"checkpoints": found, "step_apart": apart, "tolerance": REPLAY_TOLERANCE}
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--verify"]:
+        if len(sys.argv) != 3 or not (Path(sys.argv[2]) / "checkpoints").is_dir():
+            print("usage: elastic_job.py --verify SHARED_DIR (a folder with checkpoints/)", file=sys.stderr)
+            return 2
+        verdict = verify(Path(sys.argv[2]) / "checkpoints")
+        print(json.dumps(verdict))
+        good = all(c["diff"] <= REPLAY_TOLERANCE and c["saved_step"] == c["step"] for c in verdict["checkpoints"])
+        return 0 if good and verdict["checkpoints"] and verdict["step_apart"] > 10 * REPLAY_TOLERANCE else 1
+
     import ray
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchConfig

@@ -26,6 +26,7 @@ Layout:
   (never `ip netns exec`: it remounts /sys and breaks nspawn's cgroup detection).
   Nodes get no route out, like an air-gapped cluster: packages come from a local
   apt repository and a pip wheelhouse bind-mounted read-only at /srv/offline.
+  `Lab.cut` partitions a node (its bridge port drops every frame) and `Lab.reconnect` ends it.
 
 Over 400 lines because it is one tool with its own command line (image, offline repositories,
 namespace, nodes, Terraform's inventory) that the hosts tests and a person at a shell both drive;
@@ -106,7 +107,7 @@ def can_run_nspawn() -> str | None:
     """Return None when this machine can host the lab, else the reason it cannot."""
     if os.geteuid() != 0:
         return "the nspawn lab needs root (network namespaces, overlay mounts, systemd-nspawn)"
-    for tool in ("systemd-nspawn", "debootstrap", "nsenter", "ip", "dpkg-scanpackages"):
+    for tool in ("systemd-nspawn", "debootstrap", "nsenter", "ip", "nft", "dpkg-scanpackages"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (run `make ops-host-packages`)"
     if "overlay" not in Path("/proc/filesystems").read_text():
@@ -300,6 +301,19 @@ def _build_artifacts(image: Path) -> Path:
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
+# Lab.cut: the bridge's own filter (nftables' bridge family, no br_netfilter) drops every frame of a
+# port in the set `cut`, between nodes (forward) and to or from the controller on the bridge (input,
+# output). Created at the first cut; an empty set passes everything.
+PARTITION_TABLE = "lab_partition"
+PARTITION_RULES = f"""
+table bridge {PARTITION_TABLE} {{
+  set cut {{ type ifname; }}
+  chain forward {{ type filter hook forward priority filter; policy accept; iifname @cut drop; oifname @cut drop; }}
+  chain input {{ type filter hook input priority filter; policy accept; iifname @cut drop; }}
+  chain output {{ type filter hook output priority filter; policy accept; oifname @cut drop; }}
+}}
+"""
+
 
 def setns(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -484,6 +498,43 @@ class Lab:
                 node.proc.wait()
         self._unmount(node)
 
+    # -- network partitions ------------------------------------------------------
+
+    def port(self, name: str) -> str:
+        """The node's port on the bridge: the host end of its veth, as systemd-nspawn names it."""
+        port = f"vb-{name}"
+        if run(["ip", "link", "show", port], capture_output=True, check=False).returncode != 0:
+            raise RuntimeError(f"{name}: no port {port} on {self.bridge} (systemd-nspawn shortens names over 12 "
+                               "characters; name the node shorter)")
+        return port
+
+    def cut(self, name: str) -> None:
+        """Partition the node from the VPC: every frame into or out of its bridge port is dropped, ARP
+        included, while its link stays up and it keeps running (a switch port or a security group that
+        passes nothing). It reaches nothing and nothing reaches it, the controller included; the
+        cluster's shared folder, a bind mount, stays (a storage network apart from the cluster's)."""
+        port = self.port(name)
+        if run(["nft", "list", "table", "bridge", PARTITION_TABLE], capture_output=True, check=False).returncode:
+            run(["nft", "-f", "-"], input=PARTITION_RULES, text=True)
+        run(["nft", "add", "element", "bridge", PARTITION_TABLE, "cut", f'{{ "{port}" }}'])
+
+    def reconnect(self, name: str) -> None:
+        """End the node's partition (a no-op when it is not cut)."""
+        port = self.port(name)
+        cut = run(["nft", "list", "set", "bridge", PARTITION_TABLE, "cut"], capture_output=True, text=True,
+                  check=False)
+        if f'"{port}"' in cut.stdout:
+            run(["nft", "delete", "element", "bridge", PARTITION_TABLE, "cut", f'{{ "{port}" }}'])
+
+    def reaches(self, name: str, address: str, port: int, timeout_s: float = 3.0) -> bool:
+        """Whether a TCP connection from inside the node's network namespace to address:port is
+        accepted within `timeout_s` (the node's own view, taken through its PID 1, not over SSH)."""
+        probe = (f"import socket\ntry:\n    socket.create_connection(({address!r}, {port}), timeout={timeout_s})\n"
+                 "except OSError:\n    raise SystemExit(1)")
+        leader = self.nodes[name].leader_pid()
+        return run(["nsenter", f"--target={leader}", "--net", sys.executable, "-c", probe],
+                   check=False).returncode == 0
+
     def _unmount(self, node: Node) -> None:
         for _ in range(20):
             if run(["umount", str(node.merged)], check=False,
@@ -645,12 +696,13 @@ def lab_vars(lab: Lab) -> dict:
         "remediation_ssh_key_file": REMEDIATION_KEY,
         "remediation_ansible_offline_wheelhouse": "/srv/offline/wheels",
         "remediation_ansible_pip_cert": "/srv/host-ca.crt",
-        # The lab's run waits less for a drained node than a fleet does; worker2's third fault in the
-        # hour is the flapping node test_selfheal expects the service to halt for (2 per node per hour).
+        # The lab's run waits less for a drained node than a fleet does; worker2's fourth fault in the
+        # hour is the flapping node test_selfheal expects the service to halt for (3 per node per hour:
+        # (b), (c) and (e) replace worker2).
         "remediation_drain_deadline_s": 30,
         "remediation_drain_wait_s": 60,
         "remediation_replace_timeout_s": 900,
-        "remediation_per_node_per_hour": 2,
+        "remediation_per_node_per_hour": 3,
         "remediation_total_per_hour": 6,
         # The workers have no GPU, so site.yml gives Prometheus no DCGM targets. test_selfheal's fake
         # exporter is listed here by root (as an operator's own file_sd would be), under job "dcgm":

@@ -14,13 +14,19 @@ Measured per fault (printed in the lab timings, recorded in docs/operations.md):
 the fault to the first step on fewer workers, to the first step at full size again, and the
 steps redone at each restart. Asserted: only the issue's guarantees (the run keeps its global
 batch, a hard loss redoes at most one checkpoint interval, a drain (a spot notice, a GPU XID)
-redoes none, nothing is done to the head, a node failing a third time in the hour is left alone),
-each wait bounded and generous.
+redoes none, nothing is done to the head, a partitioned worker is lost to the run and rejoins as a
+new node with nothing it did cut off in the run, a node failing a fourth time in the hour is left
+alone), each wait bounded and generous.
 
 The faults, in order: (a) worker1's machine is killed; (b) worker2's GPU reports a fatal XID (a
 fake DCGM exporter: the service drains the node, then replace_node.yml re-provisions it in place,
-as for a bare-metal node); (c) worker2 gets a spot notice and is reclaimed at its deadline; then
-worker2 fails again and the service halts for it.
+as for a bare-metal node); (c) worker2 gets a spot notice and is reclaimed at its deadline; (d)
+worker1 is partitioned from the VPC (its bridge port drops everything; the machine runs on) with
+the run held between two steps, and reconnected once the service's replacement has failed
+against it; (e) worker2 gets a rebalance recommendation (the spot agent's unit drains it and keeps
+a restarted raylet drained) and is terminated as Capacity Rebalancing would; then worker2 fails
+again and the service halts for it. At the end, the run's history
+holds each step once and every checkpoint is its steps trained once.
 
 Over 400 lines because each test is a stage of the one training run the faults go through,
 and the run's and the service's helpers serve every stage.
@@ -31,8 +37,11 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shlex
 import shutil
+import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -45,6 +54,8 @@ import lab as labmod
 import pytest
 from conftest import NOTES, TIMINGS, in_the_service, main_pid, recap
 
+from runtime.train.hold import RELEASE_FILE, held_file
+
 HEAD, (WORKER_A, WORKER_B) = labmod.HEAD, labmod.WORKERS
 WITH_AUTH = "/usr/local/bin/ray-cluster-env"
 # Where the head's service keeps the workers' host keys (its home; the role's replace_node_known_hosts_file).
@@ -54,6 +65,15 @@ SPOT_NOTICE_S = 20
 FAKE_IMDS_PORT = labmod.FAKE_IMDS_PORT
 # What the spot agent's unit printed (its journal).
 AGENT_LOG = "journalctl -u spot-agent --no-pager -o cat"
+# The partition lands at a step HOLD_OFFSET past a checkpoint (the run held there: elastic_job's
+# barrier), so the restart without the cut-off worker redoes exactly HOLD_OFFSET steps; the step is
+# chosen HOLD_MARGIN or more steps ahead, so every rank has read it before it gets there.
+HOLD_OFFSET, HOLD_MARGIN = 5, 5
+# Steps the run trains on 1 worker after a rebalance-drained node left, while the node waits for its
+# termination: 10 s at the run's pace, several of Ray Train's resize checks (3 s apart).
+HELD_OUT_STEPS = 40
+# The lab's Python with torch, which reads the run's checkpoints (elastic_job.py --verify).
+TRAIN_PYTHON = labmod.ROOT / ".venv" / "bin" / "python"
 
 pytestmark = [
     pytest.mark.skipif(not labmod.TRAIN_SITE_PACKAGES.is_dir(),
@@ -116,6 +136,55 @@ class Run:
     def driver_log(self) -> str:
         path = self.shared / "driver.log"
         return path.read_text()[-4000:] if path.exists() else ""
+
+    def hold(self, world: int) -> int:
+        """Hold every rank at the boundary of a step HOLD_OFFSET past a checkpoint, at least HOLD_MARGIN
+        steps ahead (every rank reads the step before it gets there); returns it once all `world` wait."""
+        ahead = max(e["step"] for e in self.steps()) + HOLD_MARGIN
+        step = ahead + (HOLD_OFFSET - ahead) % elastic_job.CHECKPOINT_INTERVAL
+        part = self.shared / f".{elastic_job.HOLD_FILE}.part"
+        part.write_text(str(step))
+        part.replace(self.shared / elastic_job.HOLD_FILE)
+        folder = self.shared / "holds" / str(step)
+        try:
+            wait_for(f"every rank held at step {step}",
+                     lambda: all(held_file(folder, step, rank).exists() for rank in range(world)), 300)
+        except AssertionError:
+            self.release(step)  # the run goes on for the tests after this one
+            raise
+        return step
+
+    def release(self, step: int) -> None:
+        """Let the held ranks go on (again: a no-op); the hold is not read again (a rank holds the step it read)."""
+        folder = self.shared / "holds" / str(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / RELEASE_FILE).touch()
+        (self.shared / elastic_job.HOLD_FILE).unlink(missing_ok=True)
+
+    def history(self) -> list[int]:
+        """The steps the run's state went through: each group's steps up to the step its successor
+        resumed from (what a restart redid is counted once, in the group that kept it)."""
+        events = self.events()
+        starts = [e for e in events if e["event"] == "start"]
+        steps: list[int] = []
+        for start, successor in zip(starts, [*starts[1:], None]):
+            until = successor["step"] if successor is not None else float("inf")
+            steps += [e["step"] for e in events if e["event"] == "step" and e["group"] == start["group"]
+                      and e["step"] <= until]
+        return steps
+
+    def late(self) -> list[dict[str, Any]]:
+        """Lines a group wrote after its successor's start: what a superseded group, cut off from the
+        cluster but not from storage, would add to the run."""
+        out, superseded, current = [], set(), None
+        for e in self.events():  # in the order they reached the file
+            if e["event"] == "start":
+                if current is not None:
+                    superseded.add(current)
+                current = e["group"]
+            elif e["group"] in superseded:
+                out.append(e)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +279,34 @@ def _declared_dead(head: Any, address: str, after: float) -> float | None:
     out = head.check_output(f"{WITH_AUTH} /opt/ray/venv/bin/python -c {shlex.quote(program)}")
     ends = [ms / 1000 for ms in json.loads(out.splitlines()[-1]) if ms and ms / 1000 > after]
     return min(ends) if ends else None
+
+
+def _alive_node_ids(head: Any, address: str) -> list[str]:
+    """The ids of the Ray nodes the head's GCS holds alive at `address`."""
+    filters = [("node_ip", "=", address), ("state", "=", "ALIVE")]
+    program = ("import json; from ray.util.state import list_nodes; "
+               f"nodes = list_nodes(filters={filters!r}, raise_on_missing_output=False); "
+               "print(json.dumps([n.node_id for n in nodes]))")
+    out = head.check_output(f"{WITH_AUTH} /opt/ray/venv/bin/python -c {shlex.quote(program)}")
+    return list(json.loads(out.splitlines()[-1]))
+
+
+def _verified_checkpoints(lab: labmod.Lab) -> dict[str, Any]:
+    """Every checkpoint of the run against the same steps trained once (elastic_job.py --verify)."""
+    proc = subprocess.run([str(TRAIN_PYTHON), elastic_job.__file__, "--verify", str(lab.shared)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    verdict = json.loads(proc.stdout.splitlines()[-1])
+    verdict["ok"] = proc.returncode == 0
+    return dict(verdict)
+
+
+def _controller_reaches(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=3):
+            return True
+    except OSError:
+        return False
 
 
 def _controller_stamps(lab: labmod.Lab) -> list[dict[str, Any]]:
@@ -391,13 +488,15 @@ def test_a_gpu_xid_drains_the_node_the_run_shrinks_with_no_step_redone_and_the_n
 
 _FAKE_IMDS = """
 import http.server, os, sys
-NOTICE = "/tmp/spot-notice.json"
+SIGNALS = {"/latest/meta-data/spot/instance-action": "/tmp/spot-notice.json",
+           "/latest/meta-data/events/recommendations/rebalance": "/tmp/spot-rebalance.json"}
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_PUT(self):
         self._send(200, b"lab-imds-token")
     def do_GET(self):
-        if self.path == "/latest/meta-data/spot/instance-action" and os.path.exists(NOTICE):
-            self._send(200, open(NOTICE, "rb").read())
+        path = SIGNALS.get(self.path)
+        if path is not None and os.path.exists(path):
+            self._send(200, open(path, "rb").read())
         else:
             self._send(404, b"not found")
     def _send(self, code, body):
@@ -409,17 +508,34 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
 
-def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_replaced(
-        lab: labmod.Lab, hosts: Callable[[str], Any], training: Run, remediation: Service) -> None:
-    worker = hosts(WORKER_B)
-    # The spot agent is the unit site.yml installed on this spot worker (the spot_agent role, as on
-    # EC2), polling the lab's fake IMDS (lab.py), which comes up here now.
+def _fake_imds(worker: Any) -> None:
+    """The lab's fake IMDS on the worker's loopback, polled by the spot agent's unit site.yml (or a
+    replacement) installed there (the spot_agent role, as on EC2); it says nothing until a test writes a signal."""
     assert worker.service("spot-agent").is_running
     _put(worker, "/opt/spot/fake_imds.py", _FAKE_IMDS)
     worker.check_output(f"nohup /opt/ray/venv/bin/python /opt/spot/fake_imds.py {FAKE_IMDS_PORT} "
                         "> /tmp/fake-imds.log 2>&1 &")
     wait_for("the spot agent polling the fake IMDS",
              lambda: "instance-action" in worker.check_output("cat /tmp/fake-imds.log"), 60)
+
+
+def _agent_drains(worker: Any, signal: str) -> list[dict[str, Any]]:
+    """The spot agent's drain lines for `signal` (its journal, this machine's)."""
+    out = []
+    for line in worker.check_output(AGENT_LOG).splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == "action" and entry.get("signal") == signal:
+            out.append(entry)
+    return out
+
+
+def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_replaced(
+        lab: labmod.Lab, hosts: Callable[[str], Any], training: Run, remediation: Service) -> None:
+    worker = hosts(WORKER_B)
+    _fake_imds(worker)
     fault_t = time.time()
     deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fault_t + SPOT_NOTICE_S))
     _put(worker, "/tmp/spot-notice.json", json.dumps({"action": "terminate", "time": deadline}))
@@ -449,6 +565,153 @@ def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_r
     assert figures["steps redone at the shrink"] == 0, (figures, jit)
 
 
+def test_a_partitioned_worker_is_lost_to_the_run_rejoins_as_a_new_node_and_nothing_it_did_cut_off_counts(
+        lab: labmod.Lab, hosts: Callable[[str], Any], training: Run, remediation: Service) -> None:
+    head, worker, address = hosts(HEAD), hosts(WORKER_A), _address(lab, WORKER_A)
+    before_ids = _alive_node_ids(head, address)
+    assert len(before_ids) == 1, before_ids
+    boot_id = worker.file("/proc/sys/kernel/random/boot_id").content_string.strip()
+    exporter_started = _unit_started(worker, "prometheus-node-exporter")
+    ray_restarts = int(worker.check_output("systemctl show -p NRestarts --value ray-worker"))
+    decisions_before = len(remediation.decisions(address))
+    replaces_before, drains_before = (len(remediation.actions(WORKER_A, a)) for a in ("replace", "drain"))
+    # Both ranks wait between two steps, so the cut finds no all-reduce half done; then they go on.
+    held = training.hold(world=2)
+    cut_group = next(e for e in reversed(training.events()) if e["event"] == "start")
+    assert cut_group["world"] == 2, cut_group
+    cut_t = time.time()
+    lab.cut(WORKER_A)
+    try:
+        # The fault as the rest of the VPC sees it: worker1 reaches neither Ray's GCS nor anything
+        # else, and nothing reaches it; it was not stopped.
+        assert not lab.reaches(WORKER_A, _address(lab, HEAD), 6379)
+        assert not _controller_reaches(address, 22)
+        training.release(held)
+        shrunk = wait_for("the run training on 1 worker after the partition",
+                          lambda: training.first_step(cut_t, world=1), 600)
+        dead = wait_for(f"Ray's node table to hold {WORKER_A} dead",
+                        lambda: _declared_dead(head, address, cut_t), 300, 2)
+        # NodeDown fires for the silent host, and the service treats it as a lost one: drain, then
+        # replace_node.yml, which cannot reach the node while it is cut off.
+        decided = wait_for("the service's decision on the cut-off worker's NodeDown",
+                           lambda: remediation.decisions(address)[decisions_before:], 600, 5)
+        assert decided[0]["result"] == "started", decided
+        attempt = wait_for("the service's replacement of the cut-off worker to end",
+                           lambda: remediation.actions(WORKER_A, "replace")[replaces_before:], 900, 5)[0]
+        assert not lab.reaches(WORKER_A, _address(lab, HEAD), 6379)  # it ran, and ended, against the cut
+    finally:  # whatever failed, the tests after this one get the run and worker1 back
+        training.release(held)
+        restored_t = time.time()
+        lab.reconnect(WORKER_A)
+    rejoined = wait_for(f"{WORKER_A} back in Ray as a new node",
+                        lambda: [i for i in _alive_node_ids(head, address) if i not in before_ids], 600, 3)
+    rejoined_t = time.time()
+    grown = wait_for("the run training on 2 workers again after the partition",
+                     lambda: training.first_step(restored_t, world=2), 600)
+    decisions = remediation.decisions(address)[decisions_before:]
+    drains = remediation.actions(WORKER_A, "drain")[drains_before:]
+    ready = _controller_stamp(lab, ("group_ready",), cut_t)
+    figures = {"cut -> node declared dead (s)": dead - cut_t,
+               "cut -> fewer workers (s)": shrunk["t"] - cut_t,
+               "group starts until fewer workers": float(_controller_count(lab, "group_start", cut_t,
+                                                                           ready or shrunk["t"])),
+               "cut -> reconnect, once the service's replacement ended (s)": restored_t - cut_t,
+               "replace_node.yml (s)": float(attempt["seconds"]),
+               "reconnect -> a new Ray node (s, polled every 3)": rejoined_t - restored_t,
+               "reconnect -> full size (s)": grown["t"] - restored_t,
+               "steps redone at the shrink": training.redone_at(cut_t),
+               "steps redone at the growth": training.redone_at(shrunk["t"])}
+    for key, value in figures.items():
+        TIMINGS[f"selfheal (d) network partition: {key}"] = value
+    # Why worker1's raylet left (its old session's log): Ray's GCS reconnect timeout, or told it was dead.
+    NOTES["selfheal (d) network partition: the old raylet"] = " | ".join(worker.run(
+        "grep -h -i -m2 'marked.*dead\\|connect to GCS\\|Exiting because' /tmp/ray/session_*/logs/raylet.out"
+    ).stdout.splitlines()[:4]) or "no reason found in raylet.out"
+    NOTES["selfheal (d) network partition"] = (
+        f"held at step {held}, rank 0 on {cut_group['node']}; the service: "
+        f"{[(d['alert'], d['result']) for d in decisions]}, drain {[d['result'] for d in drains]}, "
+        f"replace {attempt['result']}")
+
+    # The run: shrank as for a lost host, from the checkpoint before the hold, and grew back.
+    assert figures["steps redone at the shrink"] == HOLD_OFFSET, figures
+    start = next(e for e in training.events() if e["event"] == "start" and e["t"] > cut_t)
+    assert (start["world"], start["step"]) == (1, held - HOLD_OFFSET), start
+    # Nothing the cut-off group did reaches the run: it wrote no line after the cut, no checkpoint
+    # after the one it resumed from, and every checkpoint is the steps trained once.
+    assert [e for e in training.events() if e["group"] == cut_group["group"] and e["t"] > cut_t] == []
+    verdict = _verified_checkpoints(lab)
+    assert verdict["ok"], verdict
+    assert not [c for c in verdict["checkpoints"] if c["group"] == cut_group["group"]
+                and c["step"] > held - HOLD_OFFSET], verdict
+    # The node: the same machine, never stopped, back in Ray once, as a new member (its raylet left
+    # and the ray unit started a new one); no second node at its address.
+    assert rejoined == _alive_node_ids(head, address) and len(rejoined) == 1, rejoined
+    assert worker.file("/proc/sys/kernel/random/boot_id").content_string.strip() == boot_id
+    assert _unit_started(worker, "prometheus-node-exporter") == exporter_started
+    assert int(worker.check_output("systemctl show -p NRestarts --value ray-worker")) > ray_restarts
+    # The service: one firing acted on, its replacement could not reach the node and changed nothing
+    # on it; nothing more once the node answered again (NodeDown resolved).
+    assert [d["result"] for d in decisions if d["result"] == "started"] == ["started"], decisions
+    assert {d["alert"] for d in decisions} == {"NodeDown"}, decisions
+    assert set(d["result"] for d in decisions) <= {"started", "duplicate", "busy"}, decisions
+    assert attempt["result"] == "failed", attempt
+    kept = re.search(r"\(whole output: ([^)]+)\)", attempt["error"])
+    assert kept, attempt
+    output = remediation.output({"log": kept.group(1)})
+    # replace_node.yml's wait for the node timed out (its one task to fail there): nothing ran on it.
+    counts = recap(output)[WORKER_A]
+    assert counts["failed"] + counts["unreachable"] == 1 and counts["changed"] == 0, output[-3000:]
+    assert "Wait briefly for the node to answer" in output, output[-3000:]
+    assert remediation.actions(WORKER_A, "replace")[replaces_before:] == [attempt]
+
+
+def test_a_rebalance_recommendation_drains_through_the_unit_keeps_the_node_out_and_the_node_is_replaced(
+        lab: labmod.Lab, hosts: Callable[[str], Any], training: Run, remediation: Service) -> None:
+    head, worker, address = hosts(HEAD), hosts(WORKER_B), _address(lab, WORKER_B)
+    _fake_imds(worker)
+    fault_t = time.time()
+    _put(worker, "/tmp/spot-rebalance.json",
+         json.dumps({"noticeTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fault_t))}))
+    try:
+        jit = wait_for("the just-in-time checkpoint at the rebalance drain",
+                       lambda: next((e for e in training.events() if e["event"] == "checkpoint"
+                                     and e.get("preempted") and e["t"] > fault_t), None), 120)
+        # The run gives the node back; its raylet leaves.
+        left = wait_for(f"Ray's node table to hold {WORKER_B} dead after the drain",
+                        lambda: _declared_dead(head, address, fault_t), 120, 2)
+    except AssertionError as err:  # which side missed it: the agent or the run
+        raise AssertionError(f"{err}\nspot agent:\n{worker.check_output(AGENT_LOG)}\n"
+                             f"driver (tail):\n{training.driver_log()}") from None
+    # The node stays out of the run until the group terminates it: the run trains on at 1 worker for
+    # HELD_OUT_STEPS after the raylet left (several of Ray Train's resize checks, 3 s apart).
+    after = wait_for(f"{HELD_OUT_STEPS} steps at 1 worker after {WORKER_B} left",
+                     lambda: [e for e in training.steps() if e["t"] > left][HELD_OUT_STEPS - 1:], 300)[0]
+    alive_there = _alive_node_ids(head, address)
+    unit = worker.check_output("systemctl show -p ActiveState -p NRestarts ray-worker").split()
+    raylet = worker.run("pgrep -x raylet").rc == 0
+    drains = _agent_drains(worker, "rebalance")
+    agent_log = worker.check_output(AGENT_LOG)
+    # Capacity Rebalancing: the group terminates the at-risk instance once its replacement is up; the
+    # spare comes up at its address.
+    lab.kill_node(WORKER_B)
+    _spare(lab, WORKER_B)
+    figures = _recover(lab, training, remediation, WORKER_B, fault_t, "(e) rebalance recommendation", head)
+    # The run is at full size after the replacement.
+    wait_for("the run training on 2 workers after the replacement",
+             lambda: training.first_step(time.time(), world=2), 300)
+    TIMINGS["selfheal (e) rebalance recommendation: recommendation -> just-in-time checkpoint (s)"] = (
+        jit["t"] - fault_t)
+    NOTES["selfheal (e) rebalance recommendation"] = (
+        f"the agent's drains: {[(d['result'], d['deadline_s']) for d in drains]}; held out for "
+        f"{HELD_OUT_STEPS} steps: Ray nodes there {alive_there}, ray-worker {unit}, raylet running: {raylet}")
+    assert '"event": "rebalance_recommendation"' in agent_log, agent_log
+    assert [d["result"] for d in drains][:1] == ["drained"], agent_log
+    assert figures["steps redone at the shrink"] == 0, (figures, jit)
+    assert after["world"] == 1 and not [e for e in training.steps() if left < e["t"] <= after["t"] and
+                                        e["world"] != 1], after
+    assert alive_there == [], alive_there
+
+
 def test_the_run_finishes_at_full_size_with_the_global_batch_it_started_with(
         lab: labmod.Lab, training: Run) -> None:
     finish = max(e["step"] for e in training.steps()) + 40
@@ -462,21 +725,37 @@ def test_the_run_finishes_at_full_size_with_the_global_batch_it_started_with(
     batches = {e["world"] * e["per_worker_batch"] for e in events if e["event"] == "step"}
     assert batches == {elastic_job.GLOBAL_BATCH}, batches
     assert {e["world"] for e in events if e["event"] == "step"} == {1, 2}
+    # Through every fault: the run's history holds each step once, no group wrote after its successor
+    # started, and every checkpoint is its steps trained once, in order (elastic_job.py --verify).
+    history = training.history()
+    assert history == list(range(1, finish + 1)), [s for i, s in enumerate(history) if s != i + 1][:20]
+    assert training.late() == [], training.late()[:10]
+    verdict = _verified_checkpoints(lab)
+    assert verdict["ok"], verdict
+    TIMINGS["selfheal: checkpoints verified against a replay"] = len(verdict["checkpoints"])
+    NOTES["selfheal: checkpoints against a replay"] = (
+        f"largest difference {max(c['diff'] for c in verdict['checkpoints']):.2e}, one step moves a weight "
+        f"by {verdict['step_apart']:.2e} or more; {len(training.events())} lines, "
+        f"{len({e['group'] for e in events})} worker groups")
 
 
 def test_a_worker_failing_again_within_the_hour_is_left_alone_and_the_service_halts_for_it(
         lab: labmod.Lab, remediation: Service) -> None:
-    # worker2 was replaced twice, in (b) and (c): its budget (per_node_per_hour: 2) is spent.
+    # worker2 was replaced three times, in (b), (c) and (e): its budget (per_node_per_hour: 3) is spent.
+    # worker1's replacement in (d), while it was cut off, failed: it counts against worker1's budget.
     lab.kill_node(WORKER_B)
     _spare(lab, WORKER_B)
-    halted = wait_for("the service's decision on worker2's third fault",
+    halted = wait_for("the service's decision on worker2's fourth fault",
                       lambda: [d for d in remediation.decisions(_address(lab, WORKER_B)) if d["result"] == "halted"],
                       400, 5)
     assert halted[0]["node"] == WORKER_B, halted
     replacements = [e for e in remediation.entries() if e.get("event") == "action" and e.get("action") == "replace"]
     started = [(d["alert"], d["node"], d.get("began"), d["result"]) for d in remediation.entries()
                if d.get("event") == "decision"]
-    assert [e["node"] for e in replacements] == [WORKER_A, WORKER_B, WORKER_B], (replacements, started)
+    assert [(e["node"], e["result"]) for e in replacements] == [
+        (WORKER_A, "succeeded"), (WORKER_B, "succeeded"), (WORKER_B, "succeeded"), (WORKER_A, "failed"),
+        (WORKER_B, "succeeded")], (
+        replacements, started)
     # RemediationHalted's series (alerts/remediation.rules.yml; the rule is tested with promtool).
     url = f"http://{_address(lab, HEAD)}:{labmod.REMEDIATION_PORT}/metrics"
     with urllib.request.urlopen(url, timeout=5) as reply:
