@@ -53,7 +53,8 @@ def test_without_a_replacement_command_the_rules_only_drain(tmp_path):
     policy = _render(tmp_path, remediation_dry_run=True)
     assert "replace" not in policy
     assert [r["actions"] for r in policy["rules"]] == [["drain"]] * 2
-    assert policy["rules"][1] == {"alert": "GpuXidErrors", "node_label": "node", "actions": ["drain"]}
+    assert policy["rules"][1] == {"alert": "GpuXidErrors", "labels": {"job": "dcgm"}, "node_label": "node",
+                                 "actions": ["drain"]}
     assert policy["dry_run"] is True
 
 
