@@ -26,6 +26,10 @@ windows (warm-up and compilation left out), each with the peak GPU memory of its
 - ``microbatch``: the runtime's ResNet-50 (eager) with ``data.micro_batch`` equal to the batch
   (one micro-step, guarded against running out of memory) against the unguarded step: the
   guard's per-step cost. Goal: >= 0.97.
+- ``microbatch_fsdp``: the same guard under FSDP on 2 GPU workers, the GPT of ``gpt`` (eager),
+  where it puts an agreement point (a flag all-reduce and a host read) before each FSDP unit's
+  collectives; the points exist only on a group of two or more ranks, so it needs 2 GPUs and
+  says it skipped on one (NCCL refuses two ranks on one device). Goal: >= 0.97.
 - ``recovery``: the runtime's ResNet-50, compiled, 1 GPU worker: its worker SIGKILLed just after
   a checkpoint (``BENCH_GPU_RECOVERY_KILLS``, 3) -> the next trained step, split into the restart
   timeline's phases (detection, teardown, group start, restore, first step from the warm compile
@@ -68,7 +72,7 @@ STEPS = int(os.environ.get("BENCH_GPU_STEPS", "60"))  # measured steps a variant
 WARMUP = int(os.environ.get("BENCH_GPU_WARMUP", "15"))
 ROUNDS = int(os.environ.get("BENCH_GPU_ROUNDS", "2"))
 JPEGS = int(os.environ.get("BENCH_GPU_JPEGS", "2048"))
-PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch", "recovery", "tp")
+PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch", "microbatch_fsdp", "recovery", "tp")
 RECOVERY_KILLS = int(os.environ.get("BENCH_GPU_RECOVERY_KILLS", "3"))
 RECOVERY_INTERVAL = 20  # steps between checkpoints in the recovery part (~1 s of compiled ResNet-50 on an H200)
 CLASSES = 1000
@@ -559,6 +563,34 @@ def part_microbatch(device: torch.device, storage: str, use_gpu: bool) -> dict[s
             "rounds": rounds, "goal": "guarded/unguarded >= 0.97"}
 
 
+def part_microbatch_fsdp(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
+    """The guard's agreement points under FSDP (docs/memory.md): the GPT of ``gpt``, eager, on 2 workers,
+    ``data.micro_batch`` = the batch (guarded) against none. Two GPUs, or two gloo ranks on a CPU."""
+    if use_gpu and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}: the agreement points exist only "
+                           "on a group of 2 or more ranks, and NCCL refuses two ranks on one device"}
+    size = GPT if use_gpu else GPT_CPU
+
+    def variant(guarded: bool) -> dict[str, float]:
+        sets = [f"model.transformer.{k}={v}" for k, v in size.items()]
+        sets += ["model.compile=false", "distributed.strategy=fsdp", "distributed.num_workers=2",
+                 "data.source=tokens", "optimizer.weight_decay=0.1"]
+        if guarded:
+            sets.append(f"data.micro_batch={GPT_BATCH}")
+        return runtime_run("gpt_small", sets, storage, use_gpu, batch=GPT_BATCH, rate="train/tokens_per_s")
+
+    rounds = _interleave({"unguarded": lambda: variant(False), "guarded": lambda: variant(True)})
+    rate = {n: _median(r, "rate") for n, r in rounds.items()}
+    return {"description": "gpt_small scaled up (" + ", ".join(f"{k} {v}" for k, v in size.items())
+                           + f"), batch {GPT_BATCH} per worker, eager, FSDP2 on 2 workers: data.micro_batch="
+                           f"{GPT_BATCH} (guarded: agreement points before each FSDP unit's collectives) "
+                           "against none",
+            "tokens_per_s_median": {n: round(v, 1) for n, v in rate.items()},
+            "ratio": {"guarded_over_unguarded": round(rate["guarded"] / rate["unguarded"], 4)},
+            "peak_memory_bytes": {n: max(x["peak_memory_bytes"] for x in r) for n, r in rounds.items()},
+            "rounds": rounds, "goal": "guarded/unguarded >= 0.97"}
+
+
 def part_recovery(device: torch.device, storage: str, use_gpu: bool) -> dict[str, Any]:
     """A GPU job's restart: the runtime's ResNet-50 (compiled on a GPU; eager on a CPU, whose compile
     takes minutes), 1 worker, checkpointing every RECOVERY_INTERVAL steps; its worker is SIGKILLed
@@ -598,11 +630,12 @@ def part_recovery(device: torch.device, storage: str, use_gpu: bool) -> dict[str
 
 
 def suspect_ratios(result: dict[str, Any]) -> list[str]:
-    """Ratios of the runtime (or FSDP) over its baseline above SUSPECT_RATIO: measurement errors to explain."""
+    """Ratios over a baseline (runtime, FSDP, guarded step) above SUSPECT_RATIO: measurement errors to explain."""
     out = []
     for part, body in result.items():
         for name, value in (body.get("ratio", {}) if isinstance(body, dict) else {}).items():
-            if (name.startswith("runtime_over") or name.endswith("_over_ddp")) and value > SUSPECT_RATIO:
+            over_a_baseline = name.startswith(("runtime_over", "guarded_over")) or name.endswith("_over_ddp")
+            if over_a_baseline and value > SUSPECT_RATIO:
                 out.append(f"{part}.{name}={value} is above {SUSPECT_RATIO}: the runtime cannot beat the loop it "
                            "wraps; find the timing error before quoting it")
     return out
@@ -626,6 +659,9 @@ def markdown(result: dict[str, Any]) -> str:
             groups = ", ".join(f"{k} {medians[k]} s" for k in PHASE_GROUPS if k in medians)
             lines.append(f"| recovery ({body.get('recoveries_seen')} of {body.get('kills')} kills) | SIGKILL -> "
                          f"next trained step | {body.get('recovery_seconds_median')} s median | | {groups} |")
+            continue
+        if "skipped" in body:
+            lines.append(f"| {part} | skipped: {body['skipped']} | | | |")
             continue
         rates = body.get("images_per_s_median") or body.get("tokens_per_s_median") or {}
         unit = "tokens/s" if "tokens_per_s_median" in body else "img/s"
@@ -672,6 +708,7 @@ def run(results_dir: Path) -> dict[str, Any]:
             result[part] = part_tp(device, use_gpu)
         else:
             result[part] = {"synthetic": part_synthetic, "gpt": part_gpt, "microbatch": part_microbatch,
+                            "microbatch_fsdp": part_microbatch_fsdp,
                             "recovery": part_recovery}[part](device, storage, use_gpu)
         result[part]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"{part}: {json.dumps({k: v for k, v in result[part].items() if k != 'rounds'})}", flush=True)

@@ -111,3 +111,14 @@ def test_tp_part_times_plain_fsdp_against_the_plan_at_tp1_on_its_2d_mesh(
     assert "| tp (1 round) | fsdp_eager |" in bench_gpu.markdown({"device": "cpu", "torch": "", "cuda": None,
                                                                   "tp": result})
     assert not dist.is_initialized()
+
+
+def test_a_part_that_needs_more_gpus_says_it_skipped_and_a_guard_faster_than_no_guard_is_suspect(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    skipped = bench_gpu.part_microbatch_fsdp(torch.device("cuda", 0), "/nonexistent", True)
+    assert "needs 2 GPUs, found 1" in skipped["skipped"]  # returned before any run or device use
+    table = bench_gpu.markdown({"device": "H", "torch": "", "cuda": None, "microbatch_fsdp": skipped})
+    assert "| microbatch_fsdp | skipped: needs 2 GPUs, found 1" in table
+    assert bench_gpu.suspect_ratios({"microbatch_fsdp": {"ratio": {"guarded_over_unguarded": 1.05}}})
+    assert not bench_gpu.suspect_ratios({"microbatch_fsdp": {"ratio": {"guarded_over_unguarded": 0.98}}})
