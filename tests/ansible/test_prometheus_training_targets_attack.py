@@ -5,6 +5,8 @@ config (or rules) without the setting that stops them, so they show the attack i
 
 - a planted target is fetched as plain `GET /metrics` whatever its labels say, and its redirect to a
   node's exporter is never followed (`follow_redirects: false`);
+- a targets server's redirect to another target list is never followed (`follow_redirects: false` on
+  each http_sd config): that list is never fetched, its targets never scraped;
 - no spelling of a node exporter's address (leading zeros, names, IPv6 and integer forms, a port past
   65535, URL punctuation) reaches that exporter for the job;
 - a series named like a recording rule's output (`node_gpu_xid:...{node="gpu-2", xid="79"}`) or like
@@ -45,6 +47,7 @@ from tests.support.ansible import render_template
 PROMETHEUS = Path(os.environ.get("RT_PROMETHEUS_BIN") or ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus")
 pytestmark = pytest.mark.skipif(not PROMETHEUS.exists(), reason="prometheus: run `make prometheus-tools`")
 TEXT = {"Content-Type": "text/plain; version=0.0.4"}
+JSON = {"Content-Type": "application/json"}  # http_sd refuses any other type
 # The rule files whose alerts read other jobs' series: the remediation service acts on GpuXidErrors
 # (and NodeDown); RemediationHalted and RemediationFailed page.
 RULES = ("gpu.rules.yml", "nodes.rules.yml", "remediation.rules.yml")
@@ -119,21 +122,28 @@ class Site:
     rules: Path
 
 
+def _render(out: Path, node: Exporter, dcgm: Exporter, **overrides: object) -> dict[str, Any]:
+    """The role's prometheus.yml (ansible-playbook), parsed: scrapes and rules every second, the
+    exporters the inventory lists, and the password file its own job reads in ``out``."""
+    out.mkdir(exist_ok=True)
+    (out / "web-password").write_text("p" * 16)
+    return yaml.safe_load(render_template(
+        "prometheus", "prometheus.yml.j2", out, prometheus_config_dir=str(out), prometheus_scrape_interval="1s",
+        prometheus_scrape_timeout="1s", prometheus_evaluation_interval="1s",
+        prometheus_node_exporter_targets=[node.address], prometheus_dcgm_targets=[dcgm.address], **overrides))
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory, exporters: Callable[..., Exporter]) -> Site:
-    """Rendered once (ansible-playbook): scrapes and rules every second, the exporters the inventory lists."""
+    """Rendered once, with the shipped alert rules."""
     out = tmp_path_factory.mktemp("site")
     node = exporters(_text("node_boot_time_seconds 1\n"))
     dcgm = exporters(_text('DCGM_FI_DEV_XID_ERRORS{gpu="0",Hostname="gpu-1"} 0\n'))
-    text = render_template("prometheus", "prometheus.yml.j2", out, prometheus_config_dir=str(out),
-                           prometheus_scrape_interval="1s", prometheus_scrape_timeout="1s",
-                           prometheus_evaluation_interval="1s", prometheus_node_exporter_targets=[node.address],
-                           prometheus_dcgm_targets=[dcgm.address])
-    (out / "web-password").write_text("p" * 16)
+    config = _render(out, node, dcgm)
     (out / "rules").mkdir()
     for name in RULES:
         shutil.copy(ROOT / "alerts" / name, out / "rules" / name)
-    return Site(yaml.safe_load(text), node, dcgm, out / "rules")
+    return Site(config, node, dcgm, out / "rules")
 
 
 def _training(config: dict[str, Any]) -> dict[str, Any]:
@@ -146,6 +156,14 @@ def _without(config: dict[str, Any], *keys: str) -> dict[str, Any]:
     changed = copy.deepcopy(config)
     for key in keys:
         del _training(changed)[key]
+    return changed
+
+
+def _without_sd(config: dict[str, Any], key: str) -> dict[str, Any]:
+    """``config`` with ``key`` taken out of each of the training job's http_sd configs."""
+    changed = copy.deepcopy(config)
+    for sd in _training(changed)["http_sd_configs"]:
+        del sd[key]
     return changed
 
 
@@ -191,6 +209,12 @@ class Prometheus:
         assert len(result) <= 1, result
         return float(result[0]["value"][1]) if result else None
 
+    def own(self, name: str) -> float:
+        """The value of Prometheus' own unlabelled metric ``name``, read from its /metrics now."""
+        [value] = [line.split()[1] for line in self._get("/metrics").decode().splitlines()
+                   if line.startswith(name + " ")]
+        return float(value)
+
     def errors(self, job: str) -> dict[str, str]:
         """instance -> the last scrape's error ('' when it succeeded) of each of the job's targets."""
         body = self._get("/api/v1/targets?state=active")
@@ -235,6 +259,30 @@ def test_a_planted_target_is_fetched_as_plain_get_metrics_and_its_redirect_never
     with _prometheus(tmp_path / "following", _without(site.config, "follow_redirects"), site.rules, planted):
         wait_for(lambda: "/metrics?via=redirect" in site.node.paths(start),
                  "the node exporter scraped through the redirect", 60)
+
+
+def test_a_targets_servers_redirect_to_another_target_list_is_never_followed(
+        site: Site, exporters: Callable[..., Exporter], tmp_path: Path) -> None:
+    """Whoever answers on a node's targets port (a job holding it) could answer "302 Location: <any URL
+    the monitoring host reaches>": Prometheus would fetch that URL and, where it answers a target list,
+    scrape what it lists for the training job. The scrape job's follow_redirects covers scrapes only."""
+    victim = exporters(_text(OWN))
+    listing = exporters(lambda: (200, JSON, json.dumps([{"targets": [victim.address], "labels": {}}]).encode()))
+    redirect = exporters(lambda: (302, {"Location": f"http://{listing.address}/targets.json"}, b""))
+    config = _render(tmp_path / "site", site.node, site.dcgm,
+                     prometheus_training_http_sd_urls=[f"http://{redirect.address}/targets.json"])
+    with _prometheus(tmp_path / "shipped", config, site.rules, []) as prometheus:
+        # A refresh is counted as failed once its request has returned: had it followed the redirect,
+        # the list would have been fetched by then (and a followed one is no failure).
+        wait_for(lambda: listing.seen != [] or prometheus.own("prometheus_sd_http_failures_total") >= 2,
+                 "two failed refreshes", 60)
+        assert redirect.paths() == {"/targets.json"}, redirect.seen
+        assert listing.seen == [], listing.seen
+        assert victim.seen == [] and prometheus.errors("training") == {}, victim.seen
+    with _prometheus(tmp_path / "following", _without_sd(config, "follow_redirects"), site.rules, []) as prometheus:
+        wait_for(lambda: victim.seen != [], "the listed target scraped through the redirect", 60)
+        assert listing.paths() == {"/targets.json"}, listing.seen
+        assert victim.address in prometheus.errors("training")
 
 
 def test_no_spelling_of_an_exporters_address_reaches_it_for_the_training_job(

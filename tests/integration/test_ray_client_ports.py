@@ -2,12 +2,13 @@
 attacked as a local account without the cluster token would.
 
 The head is started as the ray role's unit starts it (`ray start --head` with `--ray-client-server-port`,
-token mode, systemd's UMask), on ports of its own. For each `ray://` client, the client server on that
-port (Ray's proxier) starts a "specific server" with its ProxyManager: a port from 23000-23999, the host
-`get_localhost_ip()`, then `ray._private.services.start_ray_client_server(..., server_type=
-"specific-server")`. Here a helper process runs that same ProxyManager code against the head, with the
-address the head's proxier was given, and the server it starts is attacked: found by its pid and command
-line, only its own listeners count (another Ray process may hold a port in the range).
+token mode, systemd's UMask), on ports of its own (``tests.support.cluster.token_head``). For each
+`ray://` client, the client server on that port (Ray's proxier) starts a "specific server" with its
+ProxyManager: a port from 23000-23999, the host `get_localhost_ip()`, then
+`ray._private.services.start_ray_client_server(..., server_type="specific-server")`. Here a helper
+process runs that same ProxyManager code against the head, with the address the head's proxier was given,
+and the server it starts is attacked: found by its pid and command line, only its own listeners count
+(another Ray process may hold a port in the range).
 
 Why not through a real `ray://` client: on this machine the head's proxier failed to start the server for
 3 connections in 25 (1 head in 8), whatever the test waited. strace showed why, in Ray and gRPC: the
@@ -26,20 +27,17 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
-import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from tests.support import free_port, stop_process, wait_for
+from tests.support import stop_process, wait_for
+from tests.support.cluster import TokenHead, token_head
 
 pytestmark = pytest.mark.slow
 
@@ -64,28 +62,12 @@ sys.stdin.read()
 
 
 @pytest.fixture(scope="module")
-def head() -> Iterator[dict[str, Any]]:
-    """A token-authenticated head with Ray Client on; its pid, client port, token, temp dir and env."""
-    temp = Path(tempfile.mkdtemp(prefix="rt-rc-", dir="/tmp"))  # short: Ray's socket paths are length-limited
-    token = secrets.token_hex(32)
-    (temp / "auth_token").write_text(token)
-    (temp / "auth_token").chmod(0o600)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(temp / "auth_token"), "HOME": str(temp)}
-    gcs, client = free_port(), free_port()
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={gcs}", f"--ray-client-server-port={client}", f"--temp-dir={temp / 'ray'}", "--num-cpus=1",
-         "--include-dashboard=false", "--disable-usage-stats"],
-        # umask: systemd's default UMask, which the ray units keep.
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, umask=0o022)
-    try:
-        wait_for(lambda: _listening({proc.pid, *_children(proc.pid)}, client) != [], "Ray Client's server",
+def head() -> Iterator[TokenHead]:
+    """A token-authenticated head with Ray Client on, once Ray Client's server listens."""
+    with token_head() as h:
+        wait_for(lambda: _listening({h.pid, *_children(h.pid)}, h.client_port) != [], "Ray Client's server",
                  timeout=120)
-        yield {"pid": proc.pid, "client": client, "token": token, "temp": temp, "env": env}
-    finally:
-        stop_process(proc, grace_s=30)
-        shutil.rmtree(temp, ignore_errors=True)
+        yield h
 
 
 def _children(pid: int) -> set[int]:
@@ -134,13 +116,13 @@ def _server_logs(temp: Path, port: int) -> str:
 
 
 def test_a_clients_session_server_binds_loopback_and_refuses_a_caller_without_the_token(
-        head: dict[str, Any]) -> None:
-    started, helper_err = head["temp"] / "specific-server.json", head["temp"] / "helper.err"
+        head: TokenHead) -> None:
+    started, helper_err = head.temp / "specific-server.json", head.temp / "helper.err"
     with helper_err.open("w") as err:
         # No client attaches to this server, and Ray stops an idle one after 30 one-second checks
         # (TIMEOUT_FOR_SPECIFIC_SERVER_S): on a loaded host the attack below could outlast that.
-        helper = subprocess.Popen([sys.executable, "-c", HELPER, _proxier_address(head["pid"]), str(started)],
-                                  env={**head["env"], "TIMEOUT_FOR_SPECIFIC_SERVER_S": "3600"},
+        helper = subprocess.Popen([sys.executable, "-c", HELPER, _proxier_address(head.pid), str(started)],
+                                  env={**head.env, "TIMEOUT_FOR_SPECIFIC_SERVER_S": "3600"},
                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
     pid = None
     try:
@@ -150,13 +132,13 @@ def test_a_clients_session_server_binds_loopback_and_refuses_a_caller_without_th
             pytest.fail(f"the helper ended before starting a server:\n{helper_err.read_text()[-3000:]}")
         server = json.loads(started.read_text())
         pid, port = server["pid"], server["port"]
-        assert server["started"], _server_logs(head["temp"], port)
+        assert server["started"], _server_logs(head.temp, port)
         assert port in SPECIFIC_PORTS
         wait_for(lambda: _listening({pid}, port) != [] or not psutil.pid_exists(pid), "the server to listen",
                  timeout=120)
         cmdline = _cmdline(pid)
         assert "--mode=specific-server" in cmdline and f"--port={port}" in cmdline, \
-            f"pid {pid} is not the specific server: {cmdline}\n{_server_logs(head['temp'], port)}"
+            f"pid {pid} is not the specific server: {cmdline}\n{_server_logs(head.temp, port)}"
         # Only the specific server's own sockets count: another Ray process may listen in the range.
         listeners = _listening({pid}, port)
         assert listeners, f"the specific server (pid {pid}) does not listen on {port}"
@@ -168,7 +150,7 @@ def test_a_clients_session_server_binds_loopback_and_refuses_a_caller_without_th
         assert _ping(port, []) == "UNAUTHENTICATED"
         assert _ping(port, [("authorization", "Bearer " + secrets.token_hex(32))]) == "UNAUTHENTICATED"
         # The same call with the cluster's token is answered (the refusals above are the token's).
-        assert _ping(port, [("authorization", f"Bearer {head['token']}")]) == "OK"
+        assert _ping(port, [("authorization", f"Bearer {head.token}")]) == "OK"
     finally:
         # stdin closed: the helper exits, and its ProxyManager kills the server (atexit; fate-shared too).
         if helper.stdin:

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,7 +25,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from runtime.cluster.processes import alive
-from tests.support import ROOT, free_port, wait_for
+from tests.support import ROOT, free_port, stop_process, wait_for
 from tests.support.calibration import scaled
 
 # Every service runtime.cluster reads a port for (RT_<NAME>_PORT).
@@ -64,6 +68,45 @@ def local_cluster(cluster_dir: Path, **up: Any) -> Iterator[dict[str, Any]]:
             ray.shutdown()
         rc.down(cluster_dir)
         os.environ.pop("RAY_ADDRESS", None)
+
+
+class TokenHead(NamedTuple):
+    """A bare token-authenticated Ray head (``token_head``): what its attackers and checks need."""
+
+    pid: int
+    client_port: int  # Ray Client's server (the proxier)
+    token: str
+    temp: Path  # the token file, HOME, and Ray's temp dir (``temp / "ray"``)
+    env: dict[str, str]  # the head's environment: token mode, no RAY_* of the caller's
+
+
+@contextmanager
+def token_head() -> Iterator[TokenHead]:
+    """A head started as the ray role's unit starts it (`ray start --head` with Ray Client on, token mode,
+    systemd's UMask) on free ports, with nothing of ``runtime.cluster``: the security tests attack Ray's
+    own listeners and sockets. Yielded once the raylet's socket exists; stopped and its folder removed after."""
+    temp = Path(tempfile.mkdtemp(prefix="rt-rc-", dir="/tmp"))  # short: Ray's socket paths are length-limited
+    token = secrets.token_hex(32)
+    (temp / "auth_token").write_text(token)
+    (temp / "auth_token").chmod(0o600)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(temp / "auth_token"), "HOME": str(temp)}
+    client = free_port()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={free_port()}", f"--ray-client-server-port={client}", f"--temp-dir={temp / 'ray'}",
+         "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats"],
+        # umask: systemd's default UMask, which the ray units keep.
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, umask=0o022)
+    try:
+        raylet = temp / "ray" / "session_latest" / "sockets" / "raylet"
+        wait_for(lambda: raylet.exists() or proc.poll() is not None, "the raylet's socket", timeout=120)
+        if proc.poll() is not None:
+            raise RuntimeError(f"`ray start --head` exited with {proc.returncode} before its raylet's socket")
+        yield TokenHead(proc.pid, client, token, temp, env)
+    finally:
+        stop_process(proc, grace_s=30)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def train_worker_pids(job_id: str | None = None) -> list[int]:
