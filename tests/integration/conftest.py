@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.support.cluster import local_cluster, own_cluster_env
+from tests.support.object_stores import AZURITE_ENV
 
 # Decided at import, before any test module imports Ray: Ray reads its authentication
 # settings once per process, so the test cluster's token path must be in the environment first.
@@ -50,7 +51,10 @@ def cluster(pytestconfig: pytest.Config) -> Iterator[dict[str, Any]]:
     --ray-only-cluster (make test-quick): Ray alone, for tests that need neither MLflow nor Prometheus
     (the MLflow server alone takes ~30 s to answer)."""
     ray_only = pytestconfig.getoption("--ray-only-cluster")
-    with local_cluster(CLUSTER_DIR, num_cpus=4, training_scrape_s=2, log_monitor=False,
+    # Azurite's public development account (accepted by Azurite alone) in the nodes' environment, where an
+    # operator puts Azure credentials (docs/storage.md): an az:// run's workers open the store with it, and
+    # the drivers here hold no key (test_recovery.py's run on az://).
+    with local_cluster(CLUSTER_DIR, node_env=AZURITE_ENV, num_cpus=4, training_scrape_s=2, log_monitor=False,
                        with_mlflow=not ray_only, with_prometheus=not ray_only) as state:
         yield {**state, "dir": CLUSTER_DIR}
 

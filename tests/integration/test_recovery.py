@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+from pyarrow.fs import FileType, LocalFileSystem, copy_files
+from ray.train.v2._internal.constants import VALIDATE_STORAGE_MARKER_FILENAME
 
-from runtime.checkpoint import step_name
+from runtime.checkpoint import CheckpointReader, step_name
+from runtime.config.storage import parse_storage
+from runtime.config.storage.azure import ACCOUNT_ENV, KEY_ENV
+from runtime.layout import CHECKPOINTS, LOCAL_RUNS
 from runtime.observe.history import read_history
 from runtime.run import TrainOutcome
 from runtime.train.hold import RELEASE_FILE
@@ -27,12 +35,14 @@ from tests.support import ROOT, job, wait_for
 from tests.support.behaviours import Behaviours
 from tests.support.cluster import WorkerGroupKiller, committed_steps, oldest_allowed_resume, train_worker_pids
 from tests.support.held_run import finish, start, wait_held
+from tests.support.object_stores import AZURITE_ACCOUNT, AZURITE_ENV, AZURITE_KEY, free_port, start_azurite, stop
 from tests.support.recovery import BASE, MAX_STEPS, assert_matches_reference, final_model
 from tests.support.trainer import folded, train_in_process
 
 pytestmark = pytest.mark.slow
 
 INTERVAL = 10
+AZ_CONTAINER = "rt-recovery"
 # The summary a finished run prints (run, steps, checkpoint, curves, history, ...) with room for a wrapped line.
 CONSOLE_SUMMARY_LINES = 10
 # How many of the run's own start-ups a restart may take, from the kill to the next step: it makes a new
@@ -140,56 +150,100 @@ def test_worker_kills_resume_from_the_last_commit_before_the_kill_and_end_bit_id
 
 
 def test_resume_skips_corrupt_checkpoints_says_why_and_a_kill_past_the_failure_budget_exits_1(
-        cluster: dict, tmp_path: Path) -> None:
+        cluster: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One CLI run proves two behaviours. Its resume: manifest missing / truncated / one byte flipped /
     one file deleted, each newer checkpoint skipped and named, the run going on from the valid one. Its
     end: a worker killed with no restarts allowed (``max_failures=0``, ranks held at step 26 after the
     re-save of 25): exit 1 with one line and no traceback. (The other exit codes: 0 with MLflow down in
     test_gcs_restart.py, 3 in test_tracking_faults.py, 2 in tests/unit/test_config_bad_input.py, 3 without
-    a cluster in tests/unit/test_config_errors.py, 5 and 130 in test_run_edges.py.)"""
-    storage, run = tmp_path / "runs", "corrupt"
+    a cluster in tests/unit/test_config_errors.py, 5 and 130 in test_run_edges.py.)
+
+    The run keeps its storage on ``az://``, Azure Blob's emulator (Azurite) on 127.0.0.1: the checkpoints
+    are only in its container, Ray Train's storage marker and the re-saves go there. The worker opens it
+    with the key in its node's environment (the session cluster's, tests/integration/conftest.py); the
+    driver names the account and holds no key (docs/storage.md). A run that fell back to a local folder
+    finds nothing to resume; one that needed the driver's key fails at Ray's storage marker."""
+    run = f"corrupt-{uuid.uuid4().hex[:8]}"  # its local folder is <repo>/runs/<run> (the CLI's cwd)
+    local_run_dir = ROOT / LOCAL_RUNS / run
+    port = free_port()
+    endpoint, azurite = f"http://127.0.0.1:{port}", start_azurite(port)
+    storage = f"az://{AZ_CONTAINER}/runs"
+    uri = f"{storage}/{run}/checkpoints"
     # One worker: what is checked is the driver's resume and its failure budget, which one worker meets
     # as two do (the 2-worker resumes: the run with workers killed above, test_run_edges.py).
     sets = [*BASE, "train.max_steps=30", "checkpoint.interval_steps=5", "checkpoint.keep=5",
-            "checkpoint.max_failures=0", "distributed.num_workers=1"]
-    seen = Behaviours("corrupt checkpoints, then no restarts left")
-    # The checkpoints to corrupt come from the trainer in this process (Ray is not what makes them
-    # valid or not); the resume below is a real 1-worker run on the cluster.
-    train_in_process(job("digits_smoke", str(storage), *sets, "train.max_steps=25"), storage / run)
-    d = storage / run / "checkpoints"
-    assert committed_steps(d) == [5, 10, 15, 20, 25]
-    (d / step_name(25) / "manifest.json").unlink()
-    model = d / step_name(20) / "model.pt"
-    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
-    opt = d / step_name(15) / "optimizer.pt"
-    blob = bytearray(opt.read_bytes())
-    blob[len(blob) // 2] ^= 0x01
-    opt.write_bytes(bytes(blob))
-    (d / step_name(10) / "trainer.pt").unlink()
+            "checkpoint.max_failures=0", "distributed.num_workers=1", f"checkpoint.endpoint_url={endpoint}"]
+    seen = Behaviours("corrupt checkpoints on az://, then no restarts left")
 
-    hold = tmp_path / "hold-26"
-    proc = start(storage, run, sets, (26, hold))
+    def committed() -> list[int]:
+        """Steps committed in the container (this process holds the key from here on)."""
+        return sorted(r.step for r, status in CheckpointReader(uri, endpoint_url=endpoint).list() if status == "valid")
+
     try:
-        wait_held(proc, 26, hold, workers=1)
-        wait_for(lambda: 25 in committed_steps(d), "the re-save of step 25")
-        os.kill(train_worker_pids()[-1], signal.SIGKILL)
-    finally:
-        console = finish(proc, hold / RELEASE_FILE)
+        # The checkpoints to corrupt come from the trainer in this process (Ray is not what makes them
+        # valid or not), corrupted on disk and uploaded; the resume below is a real 1-worker run on the cluster.
+        seed = tmp_path / "seed"
+        train_in_process(job("digits_smoke", str(tmp_path), *sets, "train.max_steps=25"), seed)
+        d = seed / "checkpoints"
+        assert committed_steps(d) == [5, 10, 15, 20, 25]
+        (d / step_name(25) / "manifest.json").unlink()
+        model = d / step_name(20) / "model.pt"
+        model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+        opt = d / step_name(15) / "optimizer.pt"
+        blob = bytearray(opt.read_bytes())
+        blob[len(blob) // 2] ^= 0x01
+        opt.write_bytes(bytes(blob))
+        (d / step_name(10) / "trainer.pt").unlink()
+        for name, value in AZURITE_ENV.items():
+            monkeypatch.setenv(name, value)
+        location = parse_storage(uri)
+        container = location.filesystem(endpoint)
+        container.create_dir(AZ_CONTAINER)
+        copy_files(str(d), location.fs_path, source_filesystem=LocalFileSystem(), destination_filesystem=container)
 
-    first = next(h for h in read_history(storage / run) if "resumed_from_step" in h)
-    seen.check("the resume goes on from the newest valid checkpoint (5)",
-               first["resumed_from_step"] == 5 and first["step"] == 6, first)
-    warnings = first.get("restore_warnings") or []
-    expected = [(25, "manifest.json missing"), (20, "model.pt size"), (15, "optimizer.pt sha256 mismatch"),
-                (10, "trainer.pt missing")]
-    seen.check("each skipped checkpoint is named with why, newest first", len(warnings) == len(expected) and all(
-        w.startswith(step_name(step)) and why in w and w.endswith(f"using {step_name(5)}")
-        for w, (step, why) in zip(warnings, expected)), warnings)
-    seen.check("the console shows each skipped checkpoint", all(w in console for w in warnings), console)
-    seen.check("the re-saved step 25 replaced the uncommitted folder", final_model(str(d))[0] == 25,
-               committed_steps(d))
-    seen.check("a kill past the failure budget exits 1", proc.returncode == 1, console)
-    seen.check("the budget's end is one line", "no restarts left (0 allowed): the run fails" in console
-               and "error: the run failed: Training failed due to worker errors:" in console, console)
-    seen.check("a failed run prints no traceback", "Traceback" not in console, console)
+        # The driver: the account named (a job on az:// needs it), no key; it inherits this environment.
+        monkeypatch.delenv(KEY_ENV)
+        hold = tmp_path / "hold-26"
+        hold.mkdir()  # so a driver that fails before any rank holds is released, and its own error reported
+        proc = start(storage, run, sets, (26, hold))
+        monkeypatch.setenv(KEY_ENV, AZURITE_KEY)
+        try:
+            wait_held(proc, 26, hold, workers=1)
+            wait_for(lambda: 25 in committed(), "the re-save of step 25 in the container")
+            worker = train_worker_pids()[-1]
+            driver_env, worker_env = psutil.Process(proc.pid).environ(), psutil.Process(worker).environ()
+            os.kill(worker, signal.SIGKILL)
+        finally:
+            console = finish(proc, hold / RELEASE_FILE)
+
+        seen.check("the driver holds the account and no key", driver_env.get(ACCOUNT_ENV) == AZURITE_ACCOUNT
+                   and KEY_ENV not in driver_env, sorted(driver_env))
+        seen.check("the worker holds its node's key", worker_env.get(KEY_ENV) == AZURITE_KEY, sorted(worker_env))
+        first = next(h for h in read_history(local_run_dir) if "resumed_from_step" in h)
+        seen.check("the resume goes on from the newest valid checkpoint (5)",
+                   first["resumed_from_step"] == 5 and first["step"] == 6, first)
+        warnings = first.get("restore_warnings") or []
+        expected = [(25, "manifest.json missing"), (20, "model.pt size"), (15, "optimizer.pt sha256 mismatch"),
+                    (10, "trainer.pt missing")]
+        seen.check("each skipped checkpoint is named with why, newest first", len(warnings) == len(expected) and all(
+            w.startswith(step_name(step)) and why in w and w.endswith(f"using {step_name(5)}")
+            for w, (step, why) in zip(warnings, expected)), warnings)
+        seen.check("the console shows each skipped checkpoint", all(w in console for w in warnings), console)
+        seen.check("the re-saved step 25 replaced the uncommitted folder", final_model(uri, endpoint)[0] == 25,
+                   committed())
+        keys = CheckpointReader(uri, endpoint_url=endpoint).storage.list("")
+        seen.check("every re-save committed in the container, none left staged",
+                   committed() == [5, 10, 15, 20, 25] and not [k for k in keys if k.startswith(".tmp-")], sorted(keys))
+        marker = f"{AZ_CONTAINER}/runs/{run}/{VALIDATE_STORAGE_MARKER_FILENAME}"
+        seen.check("Ray Train's storage marker is in the container",
+                   container.get_file_info(marker).type == FileType.File, marker)
+        seen.check("no checkpoint on the local disk", not (local_run_dir / CHECKPOINTS).exists(),
+                   sorted(p.name for p in local_run_dir.iterdir()))
+        seen.check("a kill past the failure budget exits 1", proc.returncode == 1, console)
+        seen.check("the budget's end is one line", "no restarts left (0 allowed): the run fails" in console
+                   and "error: the run failed: Training failed due to worker errors:" in console, console)
+        seen.check("a failed run prints no traceback", "Traceback" not in console, console)
+    finally:
+        stop(azurite)
+        shutil.rmtree(local_run_dir, ignore_errors=True)
     seen.verify()

@@ -52,13 +52,33 @@ def cluster_up_env(cluster: Mapping[str, Any], tmp_path: Path) -> dict[str, str]
 
 
 @contextmanager
-def local_cluster(cluster_dir: Path, **up: Any) -> Iterator[dict[str, Any]]:
+def node_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment for the block only, as it was afterwards: what a process
+    started in the block inherits (a raylet), and this process (a driver) no longer holds."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def local_cluster(cluster_dir: Path, node_env: Mapping[str, str] | None = None,
+                  **up: Any) -> Iterator[dict[str, Any]]:
     """``runtime.cluster.up(cluster_dir, **up)`` with RAY_ADDRESS set; on exit disconnect and stop
-    exactly what it started (``down`` reads this cluster's own state file)."""
+    exactly what it started (``down`` reads this cluster's own state file). ``node_env``: variables
+    the cluster's processes start with, as an operator's ``/etc/ray/ray.env`` gives every node (the
+    workers inherit the raylet's), left out of this process; nodes added later (``add_node``) lack them."""
     from runtime import cluster as rc
 
     try:
-        state = rc.up(cluster_dir, **up)
+        with node_environment(node_env or {}):
+            state = rc.up(cluster_dir, **up)
         os.environ["RAY_ADDRESS"] = state["ray"]["address"]
         yield state
     finally:

@@ -18,7 +18,7 @@ BASE = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", 
         "distributed.timeout_s=30", "distributed.poll_interval_s=0.25", "schedule.warmup_steps=0"]
 
 
-def start(storage: Path, run: str, sets: list[str], hold: tuple[int, Path]) -> subprocess.Popen[str]:
+def start(storage: Path | str, run: str, sets: list[str], hold: tuple[int, Path]) -> subprocess.Popen[str]:
     """``python -m runtime train`` as a terminal starts it (a process group of its own), its ranks
     held at ``hold = (step, folder)``."""
     cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--no-progress", "--run-name", run]

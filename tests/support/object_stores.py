@@ -11,12 +11,16 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.config.storage.azure import ACCOUNT_ENV, KEY_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 AZURITE_VERSION = "3.37.0"  # as mk/azurite.mk installs it
 AZURITE_BLOB = ROOT / ".tools" / f"azurite-{AZURITE_VERSION}" / "node_modules" / ".bin" / "azurite-blob"
 # Azurite's well-known development account (published in its README; accepted by Azurite only).
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+# In the variables a node (or an operator's shell) names them in.
+AZURITE_ENV = {ACCOUNT_ENV: AZURITE_ACCOUNT, KEY_ENV: AZURITE_KEY}
 
 
 def free_port() -> int:

@@ -131,6 +131,32 @@ def test_an_azure_location_without_its_account_is_refused_naming_the_variable(mo
         parse_storage("az://c-1/runs").check()
 
 
+def test_an_azure_filesystem_travels_without_the_key_and_opens_with_the_receiving_processs_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray pickles the driver's RunConfig filesystem (cloudpickle) to its controller and workers: the
+    driver's key must not go with it, and the process that loads it opens the store with its own
+    environment (a node's), the job's endpoint kept."""
+    import cloudpickle
+    import pyarrow.fs
+
+    monkeypatch.delenv("AZURE_STORAGE_ENDPOINT", raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "driveracct")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "driver-key-sentinel")
+    _, fs = parse_storage("az://c-1/runs").ray_storage("http://127.0.0.1:10000")
+    sent = cloudpickle.dumps(fs)
+    assert b"driver-key-sentinel" not in sent and b"driveracct" not in sent
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "nodeacct")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "node-key")
+    loaded = cloudpickle.loads(sent)
+    options = pyarrow.fs.AzureFileSystem.__reduce__(loaded)[1][0]  # pyarrow's own view of its options
+    assert (options["account_name"], options["account_key"]) == ("nodeacct", "node-key")
+    assert options["blob_storage_authority"] == "127.0.0.1:10000" and options["blob_storage_scheme"] == "http"
+    assert isinstance(loaded, pyarrow.fs.AzureFileSystem) and loaded.type_name == "abfs"
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME")
+    with pytest.raises(ValueError, match="set AZURE_STORAGE_ACCOUNT_NAME"):  # a node without the account
+        cloudpickle.loads(sent)
+
+
 def test_no_module_outside_the_storage_package_reads_a_scheme_off_a_url() -> None:
     """"Remote?", "which store?" are asked of the location type: a ``startswith("s3://")`` or a
     ``removeprefix("gs://")`` elsewhere would leave a new scheme half supported."""
