@@ -162,7 +162,7 @@ def test_report_shows_the_spend_and_each_pause(tmp_path: Path) -> None:
 
 def test_the_cli_exits_4_when_the_budget_stopped_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    """The mapping only: the run itself is the integration test's (tests/integration/test_cost_pause_run.py)."""
+    """The mapping only: rank 0's cost stop in a real run is tests/integration/test_run_edges.py's (a price pause)."""
     import runtime.launch.driver as driver
     from runtime.cli import EXIT_BUDGET, main
 
