@@ -2,7 +2,8 @@
 
 Every file in the repository that a program writes, listed once in GENERATORS: the Grafana
 dashboards, the PrometheusRule (the alert rules with their runbook links), the KubeRay JSON Schemas,
-Terraform's example inventory and each Terraform module's README tables (inputs, outputs). `make
+Terraform's example inventory, each Terraform module's README tables (inputs, outputs) and the
+health gate's bus bandwidth floors (from the DDP scaling model). `make
 generate` rewrites the ones that differ from their generator's output (and deletes a file in a
 generator's outputs that it no longer makes); `--check` (`make generate-check`, part of `make test`)
 changes nothing and fails naming each stale file and the command that fixes it.
@@ -126,6 +127,15 @@ def _module_readmes(tree: Tree) -> dict[str, str]:
     return made
 
 
+def _health_floors(_tree: Tree) -> dict[str, str]:
+    from benchmarks import scaling_model
+
+    try:
+        return {scaling_model.HEALTH_FLOORS_FILE: scaling_model.health_floors_yaml()}
+    except scaling_model.ModelError as e:
+        raise GenerateError(f"health floors: {e}") from None
+
+
 GENERATORS = (
     Generator("dashboards", "dashboards/boards/*.py", ("dashboards/*.json",), _dashboards),
     Generator("prometheus-rule", "alerts/*.rules.yml via kubernetes/k8s_rules.py and alerts/runbooks.py",
@@ -136,6 +146,8 @@ GENERATORS = (
               ("terraform/examples/aws_cluster/inventory.example.yml",), _example_inventory),
     Generator("module-readmes", "terraform/modules/*/{variables,outputs}.tf via terraform/tools/module_docs.py",
               ("terraform/modules/*/README.md",), _module_readmes),
+    Generator("health-floors", "benchmarks/scaling_model.py (health_floors)",
+              ("ansible/playbooks/vars/health_check_floors.yml",), _health_floors),
 )
 
 

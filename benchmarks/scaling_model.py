@@ -478,6 +478,132 @@ def calibrate_efa(measured_s: float = NCCL_527_FOUR_NODES_S, nbytes: int = 2**30
     return 2 * (nodes - 1) / nodes * nbytes / inter_bw_time / sys_.efa.line_bytes_per_s
 
 
+# ---------------------------------------------------------------- the health gate's floors
+
+
+# The spread the floors are computed at. 0: the network alone, so a node below a floor makes the goal
+# unreachable whatever the ranks' spread (a necessary condition, the loosest defensible floor). The
+# spread a real cluster has is not measured yet (docs/scaling.md, "Calibration"); a measured 8-GPU
+# one-node efficiency gives it, and the floors rise with it (docs/scaling.md, "Floors for the health gate").
+HEALTH_FLOOR_STEP_CV = 0.0
+HEALTH_SYSTEMS = ("p4d", "p5")  # the modelled node types with EFA: the ones a cluster here runs on
+HEALTH_WORKLOAD = "resnet50"  # the requirements' goal: >85% on 4 nodes x 8 GPUs, ResNet-50
+HEALTH_NODES = 4
+HEALTH_FLOORS_FILE = "ansible/playbooks/vars/health_check_floors.yml"
+
+
+def bus_bandwidth(nbytes: float, seconds: float, ranks: int) -> float:
+    """nccl-tests' all-reduce busbw (bytes/s): algbw x 2(n-1)/n, so it reads against the links' speed at any n."""
+    if seconds <= 0 or ranks < 2:
+        raise ModelError(f"bus bandwidth: expected seconds > 0 and ranks >= 2, got {seconds} and {ranks}")
+    return nbytes / seconds * 2 * (ranks - 1) / ranks
+
+
+def scaled_link(link: Link, scale: float) -> Link:
+    """The link at ``scale`` of its bandwidth (a node running slow), latency unchanged."""
+    return replace(link, efficiency=link.efficiency * scale)
+
+
+def lowest_scale(efficiency_at: Callable[[float], float], goal: float) -> float:
+    """The smallest bandwidth scale in (0, 1] at which ``efficiency_at`` still reaches ``goal`` (bisection:
+    efficiency never falls as bandwidth grows). A ModelError when even the full bandwidth misses it."""
+    if efficiency_at(1.0) < goal:
+        raise ModelError(f"the model misses {goal:.0%} at the links' full bandwidth: no floor keeps the goal")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if efficiency_at(mid) >= goal else (mid, hi)
+    return hi
+
+
+@dataclass(frozen=True)
+class HealthFloors:
+    """What one node of ``system`` must reach in the health gate's two all-reduces of ``message_bytes``:
+    inside the node (its GPUs over NVLink, nccl-tests) and with one peer node (2 x gpus_per_node ranks).
+    Expected: the model's figure at the links' full bandwidth. Floor: the bus bandwidth at the lowest link
+    bandwidth at which ``nodes`` nodes still reach ``goal`` (the all-reduce rings run at their slowest
+    node's pace, so one node that slow costs the whole fleet the goal). Bytes per second."""
+
+    system: str
+    gpu: str
+    gpus_per_node: int
+    message_bytes: int
+    workload: str
+    nodes: int
+    goal: float
+    step_cv: float
+    intra_expected: float
+    intra_floor: float
+    intra_floor_scale: float  # the NVLink bandwidth at the floor, as a fraction of the model's
+    pair_expected: float
+    pair_floor: float
+    pair_floor_scale: float  # the network's bandwidth at the floor, as a fraction of the model's
+
+
+def health_floors(system_key: str, message_bytes: int = DDP_BUCKET_BYTES, goal: float = GOAL,
+                  step_cv: float = HEALTH_FLOOR_STEP_CV, workload: str = HEALTH_WORKLOAD,
+                  nodes: int = HEALTH_NODES, network: str = "efa", grad: str = "fp32") -> HealthFloors:
+    """The health gate's floors for one node type, from ``predict`` (docs/scaling.md says how to read them)."""
+    if system_key not in SYSTEMS:
+        raise ModelError(f"system: expected one of {sorted(SYSTEMS)}, got {system_key!r}")
+    if workload not in WORKLOADS:
+        raise ModelError(f"workload: expected one of {sorted(WORKLOADS)}, got {workload!r}")
+    if message_bytes <= 0:
+        raise ModelError(f"message_bytes: expected > 0, got {message_bytes}")
+    system = SYSTEMS[system_key]
+    g = system.gpus_per_node
+    s = Scenario(WORKLOADS[workload], system, network, grad, step_cv=step_cv)
+    inter = s.inter()
+
+    def with_nvlink(scale: float) -> float:
+        slow = replace(system, nvlink=scaled_link(system.nvlink, scale))
+        return predict(replace(s, system=slow), nodes, g).efficiency
+
+    def with_network(scale: float) -> float:
+        return predict(replace(s, inter_override=scaled_link(inter, scale)), nodes, g).efficiency
+
+    def intra(nvlink: Link) -> float:  # one node's GPUs, as all_reduce_perf -g <gpus> measures it
+        return bus_bandwidth(message_bytes, allreduce_s(message_bytes, 1, g, nvlink, inter, s.algorithm), g)
+
+    def pair(network_link: Link) -> float:  # two nodes' GPUs, as the two-node check measures it
+        seconds = allreduce_s(message_bytes, 2, g, system.nvlink, network_link, s.algorithm)
+        return bus_bandwidth(message_bytes, seconds, 2 * g)
+
+    nvlink_scale, network_scale = lowest_scale(with_nvlink, goal), lowest_scale(with_network, goal)
+    return HealthFloors(
+        system_key, system.gpu, g, message_bytes, workload, nodes, goal, step_cv,
+        intra(system.nvlink), intra(scaled_link(system.nvlink, nvlink_scale)), nvlink_scale,
+        pair(inter), pair(scaled_link(inter, network_scale)), network_scale)
+
+
+def health_floors_yaml(systems: Sequence[str] = HEALTH_SYSTEMS) -> str:
+    """The health gate's floors as the Ansible vars file ``make generate`` writes (GB/s = 1e9 bytes/s,
+    as nccl-tests prints them; floors rounded down, expectations to the nearest 0.01)."""
+    floors = [health_floors(k) for k in systems]
+    first = floors[0]
+    lines = [
+        "---",
+        "# Generated by `make generate` from benchmarks/scaling_model.py (health_floors): do not edit;",
+        "# `python -m benchmarks.scaling_model --health-floors` prints it. docs/scaling.md says how they are made.",
+        f"# The bus bandwidth (GB/s) of an all-reduce of DDP's bucket ({first.message_bytes // MIB} MiB) a node must",
+        f"# reach: below a floor, {first.nodes} nodes x {first.gpus_per_node} GPUs of {first.workload} miss "
+        f"{first.goal:.0%} scaling efficiency (the model at step_cv {first.step_cv:g}).",
+        f"health_check_ddp_message_bytes: {first.message_bytes}",
+        "health_check_model_floors:",
+    ]
+    for f in floors:
+        lines += [
+            f"  {f.system}:",
+            f"    gpu: {f.gpu}",
+            f"    gpus_per_node: {f.gpus_per_node}",
+            f"    intra_node_expected_busbw_gbps: {f.intra_expected / 1e9:.2f}",
+            f"    intra_node_min_busbw_gbps: {math.floor(f.intra_floor / 1e7) / 100:.2f}",
+            f"    two_node_expected_busbw_gbps: {f.pair_expected / 1e9:.2f}",
+            f"    two_node_min_busbw_gbps: {math.floor(f.pair_floor / 1e7) / 100:.2f}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- GPU calibration run: gradient-ready times
 
 
@@ -752,8 +878,13 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--ready-times", type=Path, default=None, help="a `measure` JSON (per-bucket ready times)")
     ap.add_argument("--report", action="store_true", help="also the calibration and the 4-node predictions grid")
     ap.add_argument("--plot", action="store_true", help=f"efficiency vs nodes as PNG under {RESULTS}")
+    ap.add_argument("--health-floors", action="store_true",
+                    help=f"print the health gate's bus bandwidth floors ({HEALTH_FLOORS_FILE}) and nothing else")
     args = ap.parse_args(argv)
     try:
+        if args.health_floors:
+            print(health_floors_yaml(), end="")
+            return 0
         cv = calibrate() if args.step_cv is None else args.step_cv
         measured = load_measured(args.ready_times) if args.ready_times else None
         if measured and measured.model != args.model:

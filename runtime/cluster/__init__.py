@@ -8,6 +8,8 @@ The runtime only needs an address: ``RAY_ADDRESS`` wins, else the state that
 - ``local``: the local embedded cluster (``python -m runtime cluster up|down|status``, extra raylets).
 - ``services``: MLflow, node exporter and Prometheus beside the local Ray head.
 - ``processes``: spawning and stopping exactly the processes the local cluster started.
+- ``allreduce_check``: the health gate's timed all-reduce between two nodes (``python -m
+  runtime.cluster.allreduce_check``); self-contained, as the playbook copies it to the head.
 """
 
 from runtime.cluster.connect import (
