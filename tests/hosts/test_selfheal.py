@@ -587,6 +587,7 @@ def test_a_partitioned_worker_is_lost_to_the_run_rejoins_as_a_new_node_and_nothi
         assert not lab.reaches(WORKER_A, _address(lab, HEAD), 6379)
         assert not _controller_reaches(address, 22)
         training.release(held)
+        released_t = time.time()
         shrunk = wait_for("the run training on 1 worker after the partition",
                           lambda: training.first_step(cut_t, world=1), 600)
         dead = wait_for(f"Ray's node table to hold {WORKER_A} dead",
@@ -611,7 +612,18 @@ def test_a_partitioned_worker_is_lost_to_the_run_rejoins_as_a_new_node_and_nothi
     decisions = remediation.decisions(address)[decisions_before:]
     drains = remediation.actions(WORKER_A, "drain")[drains_before:]
     ready = _controller_stamp(lab, ("group_ready",), cut_t)
+    # Where the time to fewer workers goes: the ranks' release (after the cut's own checks), Ray
+    # Train's restart (the collective's timeout or the GCS's verdict, whichever first), its sizing.
+    restarted = _controller_stamp(lab, ("state:RestartingState", "state:ReschedulingState"), cut_t)
+    scheduling = _controller_stamp(lab, ("state:SchedulingState",), restarted or cut_t)
+    started = _controller_stamp(lab, ("group_start",), restarted or cut_t)
+    nan = float("nan")
     figures = {"cut -> node declared dead (s)": dead - cut_t,
+               "cut -> the held ranks released (s)": released_t - cut_t,
+               "cut -> Ray Train restarts the group (s)": (restarted or nan) - cut_t,
+               "cut -> Ray Train sizes the group (s)": (scheduling or nan) - cut_t,
+               "cut -> first group start (s)": (started or nan) - cut_t,
+               "cut -> smaller group ready (s)": (ready or nan) - cut_t,
                "cut -> fewer workers (s)": shrunk["t"] - cut_t,
                "group starts until fewer workers": float(_controller_count(lab, "group_start", cut_t,
                                                                            ready or shrunk["t"])),
