@@ -23,9 +23,16 @@ node), and Ray ends those processes without their exit handlers, so a span left 
 them. They are few (a handful per attempt, one per checkpoint on the writer's thread); Ray's per-call
 spans stay batched, exported every 5 s off the training thread.
 
+Span and trace ids come from the OS's randomness (:func:`_os_random_ids`), not OpenTelemetry's default,
+the ``random`` module: the trainer seeds that (seed + rank) and a resume restores it from the checkpoint,
+so a restarted group's rank would make the ids its predecessor made, and MLflow keeps one span per id
+(the later one replaces the earlier, silently).
+
 An endpoint that is down costs one warning line per process and at most one export's wait
 (EXPORT_TIMEOUT_S, retries included) on the thread that ended a phase; after that a phase is batched
-like any span (sent every 5 s, dropped while the endpoint stays down) and training goes on.
+like any span (sent every 5 s, dropped while the endpoint stays down) and training goes on. Once an
+export succeeds again (one slow answer on a loaded server is a failed export too), phases are
+exported as they end again: a failure does not leave the rest of the process's phases to the batch.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import contextvars
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -70,10 +78,11 @@ def mlflow_otlp_env(tracking_uri: str, experiment_id: str, run_id: str | None = 
 
 class _OneLineExporter:
     """Wraps the OTLP exporter: the first failed export prints one line naming the endpoint, later
-    ones drop their spans quietly (the exporter's own per-retry log lines are silenced)."""
+    ones drop their spans quietly (the exporter's own per-retry log lines are silenced). ``failing``:
+    whether the newest export failed (phases are not waited for while it did)."""
 
     def __init__(self, inner: Any, endpoint: str) -> None:
-        self.inner, self.endpoint, self.warned = inner, endpoint, False
+        self.inner, self.endpoint, self.warned, self.failing = inner, endpoint, False, False
 
     def export(self, spans: Sequence[Any]) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult
@@ -84,7 +93,8 @@ class _OneLineExporter:
             result, why = SpanExportResult.FAILURE, str(e)
         else:
             why = "the endpoint did not accept the spans"
-        if result != SpanExportResult.SUCCESS and not self.warned:
+        self.failing = result != SpanExportResult.SUCCESS
+        if self.failing and not self.warned:
             self.warned = True
             log.warning("traces: cannot export to %s (%s); spans of this process are dropped, training goes on",
                         self.endpoint, why.splitlines()[0][:200] if why else why)
@@ -97,16 +107,35 @@ class _OneLineExporter:
         return bool(self.inner.force_flush(timeout_millis))
 
 
+def _os_random_ids() -> Any:
+    """An id generator the training loop's seeding cannot repeat (see the module docstring)."""
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
+
+    class _OsRandomIds(IdGenerator):
+        def generate_span_id(self) -> int:
+            while (span_id := secrets.randbits(64)) == INVALID_SPAN_ID:
+                pass
+            return span_id
+
+        def generate_trace_id(self) -> int:
+            while (trace_id := secrets.randbits(128)) == INVALID_TRACE_ID:
+                pass
+            return trace_id
+
+    return _OsRandomIds()
+
+
 def _phase_flushing(exporter: _OneLineExporter) -> Any:
     """A batch span processor over ``exporter`` that exports the batch, synchronously, each time a
-    span of this module's tracer ends (see the module docstring), until the endpoint first fails."""
+    span of this module's tracer ends (see the module docstring), unless the newest export failed."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     class _PhaseFlushing(BatchSpanProcessor):
         def on_end(self, span: Any) -> None:
             super().on_end(span)
             scope = span.instrumentation_scope
-            if scope is not None and scope.name == TRACER and not exporter.warned:
+            if scope is not None and scope.name == TRACER and not exporter.failing:
                 self.force_flush(int(EXPORT_TIMEOUT_S * 1000))
 
     return _PhaseFlushing(exporter)  # type: ignore[arg-type]
@@ -114,7 +143,7 @@ def _phase_flushing(exporter: _OneLineExporter) -> Any:
 
 def tracer_provider(endpoint: str, headers: dict[str, str] | None = None) -> Any:
     """A TracerProvider exporting to ``endpoint``: in batches, and the batch at once as a root or
-    phase span ends (not made global: :func:`setup_tracing` does)."""
+    phase span ends; ids not from ``random`` (not made global: :func:`setup_tracing` does)."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -122,7 +151,8 @@ def tracer_provider(endpoint: str, headers: dict[str, str] | None = None) -> Any
     logging.getLogger("opentelemetry.exporter").setLevel(logging.CRITICAL)  # _OneLineExporter says it once
     exporter = OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=EXPORT_TIMEOUT_S)
     provider = TracerProvider(resource=Resource.create(
-        {"service.name": SERVICE, "host.name": socket.gethostname(), "process.pid": os.getpid()}))
+        {"service.name": SERVICE, "host.name": socket.gethostname(), "process.pid": os.getpid()}),
+        id_generator=_os_random_ids())
     provider.add_span_processor(_phase_flushing(_OneLineExporter(exporter, endpoint)))
     return provider
 

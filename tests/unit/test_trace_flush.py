@@ -1,5 +1,5 @@
 """A phase span is at the endpoint when ``phase_span`` returns (with what the batch held), while other spans
-wait for the batch; an endpoint that failed once is not waited for again.
+wait for the batch; an endpoint whose newest export failed is not waited for, one that answers again is.
 
 The batch's timer is set past the test (OTEL_BSP_SCHEDULE_DELAY), so every export seen here is one the
 span processor made on the ending thread. The kill that this ordering survives, against a real MLflow
@@ -65,5 +65,23 @@ def test_after_the_endpoint_refused_a_phase_span_it_is_not_waited_for_again(
     for name in ("restore", "first step", "save"):
         traces.phase_span(name, now - 1, now, None, {"rt.run": "r", "rt.rank": 0})
     assert len(sink.bodies) == 1, "only the first phase waited for the endpoint"
+    warned = [r.getMessage() for r in caplog.records if "cannot export" in r.getMessage()]
+    assert len(warned) == 1, warned
+
+
+def test_once_an_export_succeeds_after_a_failure_phase_spans_are_exported_as_they_end_again(
+        sink: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """One failed answer (a loaded server's, say) must not leave the process's later phases to the batch,
+    where a SIGKILL at a held step takes them: the next export that succeeds turns waiting back on."""
+    sink.status = 500  # one failure, not retried
+    now = time.time()
+    traces.phase_span("restore", now - 1, now, None, {"rt.run": "r", "rt.rank": 0})
+    traces.phase_span("first step", now - 1, now, None, {"rt.run": "r", "rt.rank": 0})
+    assert len(sink.bodies) == 1, "a failing endpoint is waited for once"
+    sink.status = 200
+    traces.flush()  # the batch's own export (its timer's, here at once): the endpoint answers again
+    assert len(sink.bodies) == 2 and b"first step" in sink.bodies[1]
+    traces.phase_span("save", now - 1, now, None, {"rt.run": "r", "rt.rank": 0, "rt.step": 20})
+    assert len(sink.bodies) == 3 and b"save" in sink.bodies[2], "the save waited in the batch"
     warned = [r.getMessage() for r in caplog.records if "cannot export" in r.getMessage()]
     assert len(warned) == 1, warned

@@ -1,4 +1,5 @@
-"""Traces off by default; an endpoint that is down costs one warning line, never the caller.
+"""Traces off by default; an endpoint that is down costs one warning line, never the caller; a span's id
+is its own whatever the training loop did to ``random``.
 
 The spans reaching a real MLflow server: tests/integration/test_run_logs_and_traces.py.
 """
@@ -14,8 +15,10 @@ import torch
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from runtime.checkpoint.extra_state import capture_rng_state, restore_rng_state
 from runtime.checkpoint.manager import CheckpointManager
 from runtime.observe import traces
+from runtime.train.setup import seed_everything
 
 
 def test_without_the_endpoint_a_run_span_is_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,3 +70,32 @@ def test_the_checkpoint_writers_lines_carry_the_span_that_saved(
     committed = [r for r in caplog.records if "committed" in r.getMessage()]
     assert committed and (committed[0].threadName or "").startswith("checkpoint-writer"), caplog.records
     assert getattr(committed[0], "trace_id", None) == expected
+
+
+def test_a_restarted_groups_spans_do_not_repeat_the_ids_its_predecessor_made() -> None:
+    """Each worker group seeds ``random`` alike (seed + rank) and a resume restores the checkpoint's
+    state: MLflow keeps one span per (trace, span) id, so a repeated id replaces the first group's
+    ``restore`` or its last ``save`` without a word (a rank-0 restore and step-20 save went missing so)."""
+    with socket.socket() as s:  # nothing is exported: the spans never end
+        s.bind(("127.0.0.1", 0))
+        provider = traces.tracer_provider(f"http://127.0.0.1:{s.getsockname()[1]}/v1/traces")
+    tracer = provider.get_tracer(traces.TRACER)
+
+    def ids(name: str) -> tuple[int, int]:
+        ctx = tracer.start_span(name).get_span_context()
+        return ctx.trace_id, ctx.span_id
+
+    try:
+        seed_everything(7, deterministic=False)  # group 1, rank 0: its restore
+        first_restore = ids("restore")
+        at_step_20 = capture_rng_state()  # what the step-20 checkpoint holds
+        first_save = ids("save")
+        seed_everything(7, deterministic=False)  # group 2, rank 0, a new process: its restore
+        second_restore = ids("restore")
+        restore_rng_state(at_step_20)  # resumed from step 20: its first step
+        second_first_step = ids("first step")
+    finally:
+        provider.shutdown()
+    made = [first_restore, first_save, second_restore, second_first_step]
+    assert len({span_id for _, span_id in made}) == 4, made
+    assert len({trace_id for trace_id, _ in made}) == 4, made  # a root span's trace id alike
