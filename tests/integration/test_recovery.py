@@ -3,7 +3,8 @@ signals: test_run_edges.py; S3: test_checkpoint_s3.py; a full disk: tests/unit/c
 
 Every run is tests.support.recovery's small 2-worker MLP on digits, so the file stays within a few minutes
 on 2 cores. Its report history shows every step, which is how steps redone and steps lost are counted: a
-restarted worker group's first report carries ``resumed_from_step``.
+restarted worker group's first report carries ``resumed_from_step``. The run with workers killed is the
+session's one (tests.support.killed_run): test_run_logs_and_traces.py reads its logs and spans.
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,15 +31,15 @@ from runtime.run import TrainOutcome
 from runtime.train.hold import RELEASE_FILE
 from tests.support import ROOT, job, wait_for
 from tests.support.behaviours import Behaviours
-from tests.support.cluster import WorkerGroupKiller, committed_steps, oldest_allowed_resume, train_worker_pids
+from tests.support.cluster import committed_steps, oldest_allowed_resume, train_worker_pids
 from tests.support.held_run import finish, start, wait_held
+from tests.support.killed_run import INTERVAL, MAX_FAILURES, RUN, KilledRun, killed_run
 from tests.support.object_stores import AZURITE_ACCOUNT, AZURITE_ENV, AZURITE_KEY, free_port, start_azurite, stop
 from tests.support.recovery import BASE, MAX_STEPS, assert_matches_reference, final_model
 from tests.support.trainer import folded, train_in_process
 
 pytestmark = pytest.mark.slow
 
-INTERVAL = 10
 AZ_CONTAINER = "rt-recovery"
 # The summary a finished run prints (run, steps, checkpoint, curves, history, ...) with room for a wrapped line.
 CONSOLE_SUMMARY_LINES = 10
@@ -61,32 +59,32 @@ def restarts(history: list[dict[str, Any]]) -> list[tuple[int, int, float]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def killed(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> KilledRun:
+    """The session's run with three workers killed (tests.support.killed_run), which
+    test_run_logs_and_traces.py reads too."""
+    return killed_run(cluster, tmp_path_factory)
+
+
 def test_worker_kills_resume_from_the_last_commit_before_the_kill_and_end_bit_identical(
-        cluster: dict, tmp_path: Path, reference: TrainOutcome) -> None:
-    """SIGKILL twice, then SIGTERM, to one worker each time, in one ``python -m runtime train`` run: each
-    restart resumes within the documented guarantee, a dead peer fails the group in a restart's time, not
-    a hang, the run ends bit-identical to the uninterrupted one, and its console is one line per event.
+        killed: KilledRun, reference: TrainOutcome) -> None:
+    """SIGKILL twice, then SIGTERM, to one worker each time, in one ``runtime train`` run (the CLI's main in
+    tests/integration/traced_driver.py, as ``make train`` runs it with traces on): each restart resumes
+    within the documented guarantee, a dead peer fails the group in a restart's time, not a hang, the run
+    ends bit-identical to the uninterrupted one, and its console is one line per event.
+    The first SIGKILL lands while every rank is held at step 30 (tests.support.killed_run), the others
+    once a new group has committed.
 
     Ray 2.60 workers exit on SIGTERM through Ray's own handler (the train function runs off the main
     thread and cannot install one), so a worker SIGTERM is a restart from the newest committed
     checkpoint, like a kill. The spot-notice path with an emergency checkpoint is the driver's SIGTERM
     (test_run_edges.py).
     """
-    storage, run = tmp_path / "runs", "kills"
-    run_dir = storage / run
+    run, run_dir = RUN, killed.run_dir
     seen = Behaviours("workers killed")
-    cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--run-name", run]
-    for s in (*BASE, f"checkpoint.interval_steps={INTERVAL}", "checkpoint.max_failures=5",
-              f"checkpoint.storage={storage}"):
-        cmd += ["--set", s]
-    # Each kill hits a new worker group once it has committed a checkpoint, so its restart shows in the history.
-    with WorkerGroupKiller(run_dir / "checkpoints", (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM)) as killer:
-        started = time.time()
-        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=900)
-    console, lines = done.stdout, done.stdout.splitlines()
-    kills = killer.kills
-    assert len(kills) == 3 and done.returncode == 0, (kills, console[-6000:])
+    console, lines = killed.console, killed.console.splitlines()
+    kills = killed.kills
+    assert len(kills) == 3 and killed.returncode == 0, (kills, console[-6000:])
     history = read_history(run_dir)
     out = TrainOutcome(run_name=run, run_dir=str(run_dir), checkpoint_uri=str(run_dir / "checkpoints"),
                        metrics=folded(history), history=history)
@@ -94,7 +92,7 @@ def test_worker_kills_resume_from_the_last_commit_before_the_kill_and_end_bit_id
                and bool(out.metrics.get("final")), out.metrics)
     # The run's own start-up (the driver's start to its first step: a worker group made, torch imported, the
     # process group formed) is the unit a restart is measured in: both stretch alike with the host's load.
-    startup = history[0]["_time"] - started
+    startup = history[0]["_time"] - killed.started
     restarted = restarts(history)
     seen.check("each kill shows as one restart in the history", len(restarted) == 3, restarted)
     for n, ((killed_at, committed, sig), (last, resumed, first_after)) in enumerate(zip(kills, restarted), 1):
@@ -127,7 +125,7 @@ def test_worker_kills_resume_from_the_last_commit_before_the_kill_and_end_bit_id
     # workers' tracebacks, the controller's failure policy dump) stays in Ray's log files.
     for n in (1, 2, 3):
         seen.check(f"console: failure {n} is one line naming the rank and the budget", any(
-            "worker died (rank" in ln and f"restarting the workers (failure {n} of 5 allowed)" in ln
+            "worker died (rank" in ln and f"restarting the workers (failure {n} of {MAX_FAILURES} allowed)" in ln
             for ln in lines), console)
     # "(N steps to redo)" only when a report reached the driver before the kill: otherwise the
     # driver does not know how far the dead group had got.

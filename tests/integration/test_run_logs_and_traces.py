@@ -1,95 +1,39 @@
-"""A run with a killed worker, seen afterwards from one place: ``python -m runtime logs`` shows the dead
+"""A run with killed workers, seen afterwards from one place: ``python -m runtime logs`` shows the dead
 rank's last lines in time order beside the restart, and the run's spans are in the real MLflow server;
 the restarted group runs in the spare processes (runtime.train.spares) its first group asked for.
 
-One Train run (2 workers, one SIGKILL while every rank is held at step 30) driven as ``make train`` runs
-with traces on (tests/integration/traced_driver.py): Ray Train's JSON logs on, the tracing hook in the
-cluster, spares on (off elsewhere in the suite).
+The session's one Train run with workers killed (tests.support.killed_run, which test_recovery.py checks
+too): 2 workers, driven as ``make train`` runs with traces on (tests/integration/traced_driver.py: Ray
+Train's JSON logs on, the tracing hook in the cluster, spares on, off elsewhere in the suite). Its first
+kill, the one read here, is a SIGKILL while every rank is held at step 30; two more groups are killed
+after it (four worker groups, three restarts).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
-from runtime.cluster.local import ray_temp_dir
 from runtime.observe import logs, traces
 from runtime.observe.history import read_history
-from runtime.train.hold import HOLD_ENV, RELEASE_FILE, held_file
-from tests.support import ROOT, wait_for
-from tests.support.cluster import committed_steps, oldest_allowed_resume, train_worker_pids, workers_on
+from tests.support.cluster import oldest_allowed_resume
+from tests.support.killed_run import HOLD_AT, INTERVAL, RUN, killed_run
+from tests.support.recovery import MAX_STEPS
 
 pytestmark = pytest.mark.slow
 
-RUN = "logged"
-STEPS = 60
-WORKERS = 2
-INTERVAL = 10
-HOLD_AT = 30  # after the commits of steps 10 and 20, before step 30's save starts
-# Small and fast: 2 workers x 32 per worker; a checkpoint every 10 steps, so the kill lands mid-run.
-SETS = ["model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=10",
-        f"train.max_steps={STEPS}", f"checkpoint.interval_steps={INTERVAL}", "checkpoint.max_failures=2",
-        "distributed.timeout_s=10", "distributed.poll_interval_s=0.25"]
 _LINE = re.compile(r"(\S+) a(\d+|-) r(\d+|-) ~step (\d+|-) (\S+) (\S+) (\S+) (.*)")
 
 
 @pytest.fixture(scope="module")
 def traced(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from mlflow.tracking import MlflowClient
-
-    url = cluster["mlflow"]["url"]
-    experiment = MlflowClient(url).create_experiment("rt-traces")
-    storage = tmp_path_factory.mktemp("logs") / "runs"
-    run_dir = storage / RUN
-    hold = tmp_path_factory.mktemp("hold")
-    # Every rank waits at step HOLD_AT until released (runtime.train.hold): the kill lands at a known step.
-    held = {HOLD_ENV: f"{HOLD_AT}:{hold}"}  # in every Train worker's environment: this run's, no other's
-    # Spares on (the driver reads it as it builds the trainer; conftest.py turns them off for the suite).
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **traces.mlflow_otlp_env(url, experiment), **held,
-           "RT_TRAIN_SPARES": "1",
-           "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "1", "RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING": "1"}
-    sets = " ".join([f"checkpoint.storage={storage}", *SETS])
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/integration/traced_driver.py"), str(run_dir), "--",
-                             "digits_smoke", "--sets", sets], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(lambda: proc.poll() is not None
-                 or all(held_file(hold, HOLD_AT, r).exists() for r in range(WORKERS)),
-                 f"both ranks held at step {HOLD_AT}")
-        assert proc.poll() is None, proc.communicate()[0]
-        checkpoints = run_dir / "checkpoints"
-        # Step 20's save is asynchronous: committed before the kill, it is the one step the restart may resume from.
-        wait_for(lambda: HOLD_AT - INTERVAL in committed_steps(checkpoints), f"step {HOLD_AT - INTERVAL} committed")
-        # Each node's local rank 0 asked its raylet for one spare per worker there after the first step:
-        # the kill comes once they are idle processes of this run's runtime_env, not after a guessed time.
-        raylets = {r for pid in train_worker_pids() if (r := psutil.Process(pid).parent()) is not None}
-
-        def spares() -> set[int]:
-            return set().union(*(workers_on(r, held, idle=True) for r in raylets))
-
-        wait_for(lambda: len(spares()) >= WORKERS, "the first group's spares idle under its raylets")
-        spare_starts = [psutil.Process(pid).create_time() for pid in spares()]
-        killed = train_worker_pids()[-1]
-        committed, killed_at = committed_steps(checkpoints)[-1], time.time()
-        os.kill(killed, signal.SIGKILL)
-        (hold / RELEASE_FILE).touch()  # the survivor goes on, fails on its dead peer; the restart passes the hold
-        console, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, console
-    return {"run_dir": run_dir, "killed": killed, "console": console, "url": url, "experiment": experiment,
-            "ray_logs": Path(ray_temp_dir(cluster["dir"])), "killed_at": killed_at, "committed": committed,
-            "spare_starts": spare_starts}
+    run = killed_run(cluster, tmp_path_factory)
+    assert run.returncode == 0, run.console[-6000:]
+    return {"run_dir": run.run_dir, "killed": run.killed_pid, "console": run.console, "url": run.url,
+            "experiment": run.experiment, "ray_logs": run.ray_logs, "killed_at": run.killed_at,
+            "committed": run.committed, "spare_starts": run.spare_starts, "restarts": len(run.kills)}
 
 
 def run_logs(traced: dict[str, Any], capsys: pytest.CaptureFixture[str], *args: str) -> list[re.Match[str]]:
@@ -192,21 +136,25 @@ def test_the_restart_after_the_kill_is_phase_spans_under_the_attempts_root_span(
               ("worker group start", "teardown", "restart", "resize", "restore", "first step", "save")]
     named = sorted(s.name for s in phases)
     print("\n".join(span_tree(spans, root)))  # what docs/operations.md pastes
-    # Two worker groups (the first, and the one after the kill), each of 2 ranks restoring.
-    assert named.count("worker group start") == 2 and named.count("restart") == 1, named
-    restart = next(s for s in phases if s.name == "restart")
-    second = max((s for s in phases if s.name == "worker group start"), key=lambda s: s.start_time_ns)
+    # A worker group per kill after the first group, each of 2 ranks restoring; the first kill's
+    # restart (the held one) is read in detail, up to the next restart.
+    kills = traced["restarts"]
+    assert named.count("worker group start") == kills + 1 and named.count("restart") == kills, named
+    restart, *later = sorted((s for s in phases if s.name == "restart"), key=lambda s: s.start_time_ns)
+    until = later[0].start_time_ns if later else float("inf")
+    second = sorted((s for s in phases if s.name == "worker group start"), key=lambda s: s.start_time_ns)[1]
     assert restart.end_time_ns == second.end_time_ns  # the restart ends when the new group is ready
     restores = [s for s in phases if s.name == "restore"]
-    late = sorted(s.attributes["rt.rank"] for s in restores if s.start_time_ns >= restart.end_time_ns)
+    late = sorted(s.attributes["rt.rank"] for s in restores if restart.end_time_ns <= s.start_time_ns < until)
     assert late == [0, 1], "both ranks of the new group restored after the restart"
     # Both ranks of the first group restored before the kill; each phase span is exported as it ends, so
-    # neither the killed rank's SIGKILL nor the survivor's teardown (no exit handler) took them along.
+    # neither the killed rank's SIGKILL nor the survivor's teardown (no exit handler) took them along, and
+    # has an id of its own, so no later group (seeded alike, its RNG restored) replaced it in MLflow.
     before = sorted(s.attributes["rt.rank"] for s in restores if s.end_time_ns <= restart.start_time_ns)
     assert before == [0, 1], named
     # The loop's own phases (the trainer's first step, the checkpointer's commits) come through the timeline too.
     firsts = sorted(s.attributes["rt.rank"] for s in phases
-                    if s.name == "first step" and s.start_time_ns >= restart.end_time_ns)
+                    if s.name == "first step" and restart.end_time_ns <= s.start_time_ns < until)
     assert firsts == [0, 1], named
     assert any(s.name == "save" and s.attributes["rt.rank"] == 0 and s.start_time_ns >= restart.end_time_ns
                for s in phases), "rank 0 of the new group committed checkpoints"
@@ -217,7 +165,7 @@ def test_the_restarted_groups_rank0_runs_in_a_warmed_spare_started_before_the_ki
     kill), warmed by Ray's setup hook, and resumes from the step a restart without spares resumes from."""
     history = read_history(traced["run_dir"])
     killed_at = traced["killed_at"]
-    assert max(h["step"] for h in history if "step" in h) == STEPS
+    assert max(h["step"] for h in history if "step" in h) == MAX_STEPS
     resumed = [h for h in history if "resumed_from_step" in h and h["_time"] > killed_at]
     assert resumed, "no worker group resumed after the kill"
     first = resumed[0]

@@ -214,14 +214,17 @@ class WorkerGroupKiller(threading.Thread):
     ``kills`` holds what was sent. ``stop()`` ends the loop (the run finished first); a group that
     does not appear within ``timeout`` seconds raises TimeoutError in the thread. ``settle_s``: the kill
     follows the first commit at least that long after the group appeared (a failure hours into a run,
-    not one while the processes Ray keeps for the next restart are still starting).
+    not one while the processes Ray keeps for the next restart are still starting). ``hit``: the
+    workers of a group the test has already signalled itself, never taken for a new one.
     """
 
     def __init__(self, checkpoints: Path, signals: Sequence[int] = (signal.SIGKILL,), *,
-                 job_id: str | None = None, workers: int = 2, timeout: float = 240, settle_s: float = 0) -> None:
+                 job_id: str | None = None, workers: int = 2, timeout: float = 240, settle_s: float = 0,
+                 hit: Sequence[int] = ()) -> None:
         super().__init__(daemon=True)
         self.checkpoints, self.signals, self.job_id = checkpoints, tuple(signals), job_id
         self.workers, self.timeout, self.settle_s = workers, timeout, settle_s
+        self.hit = set(hit)
         self.kills: list[Kill] = []
         self._stopping = threading.Event()
 
@@ -250,7 +253,7 @@ class WorkerGroupKiller(threading.Thread):
         return True
 
     def run(self) -> None:
-        killed_group: set[int] = set()
+        killed_group: set[int] = set(self.hit)
         for sig in self.signals:
             while True:
                 pids: list[int] = []
