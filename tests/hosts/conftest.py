@@ -74,6 +74,23 @@ def recap(stdout: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Time each test's own work, not the session's set-up it happens to pay for.
+
+    The first test's set-up builds the golden image and offline repository (cold in a fresh clone),
+    applies the AWS example on moto, boots the lab and runs site.yml: 851 s of it was the image and
+    repository alone in a fresh clone beside the Python suites and two busy loops, and the 900-s
+    guard meant for one test's work failed all 42 tests at set-up. Each of those steps ends by
+    itself (a subprocess that finishes or fails, SSH that answers within its own wait), and the CI
+    job's limit bounds a hang; each test keeps its own guard (pyproject's, or its module's)."""
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = (marker.args[0] if marker and marker.args else marker.kwargs.get("timeout") if marker else None)
+        if seconds is None:
+            seconds = float(item.config.getini("timeout") or 0)
+        item.add_marker(pytest.mark.timeout(seconds, func_only=True))
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
