@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -277,6 +278,16 @@ def _connect(address: str | None) -> None:
             raise CheckError(str(e), EXIT_NOT_PLACED) from None
         authenticate()
     target = address or os.environ["RAY_ADDRESS"]
+    # Ray's own connect retries an address that does not answer for a minute, printing its warnings:
+    # one TCP connect says "no cluster" at once.
+    host, _, port = target.rpartition(":")
+    if host and port.isdigit():
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except OSError as e:
+            raise CheckError(f"no Ray cluster at {target}: {e}", EXIT_NOT_PLACED) from None
+    elif address:  # RAY_ADDRESS may be Ray's own "auto"; --address names a head
+        raise CheckError(f"--address: expected the head's host:port, got {address!r}", EXIT_BAD_INPUT)
     try:
         ray.init(address=target, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:

@@ -66,6 +66,7 @@ PAIR = ["--node", "x", "--peer", "y"]
     ([*PAIR, "--device", "tpu"], "allreduce_check: argument --device: invalid choice: 'tpu' "
                                  "(choose from 'auto', 'cuda', 'cpu')"),
     (["--node", "x"], "allreduce_check: the following arguments are required: --peer"),
+    ([*PAIR, "--address", "headnode"], "allreduce_check: --address: expected the head's host:port, got 'headnode'"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_connection(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,3 +76,16 @@ def test_bad_input_is_one_line_and_exit_2_before_any_connection(
         code = int(e.code or 0)
     out = capsys.readouterr()
     assert (code, out.out, out.err) == (2, "", message + "\n")
+
+
+def test_a_head_address_nothing_listens_on_is_one_line_and_exit_3_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not Ray's minute of connect retries and warnings: nothing was measured."""
+    import socket
+
+    with socket.socket() as s:  # a port just freed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ac.main([*PAIR, "--address", f"127.0.0.1:{port}"])
+    out = capsys.readouterr()
+    assert code == 3 and out.out == "", out
+    assert out.err.startswith(f"allreduce_check: no Ray cluster at 127.0.0.1:{port}: ") and out.err.count("\n") == 1
