@@ -6,10 +6,11 @@ tests that start no trainer; the in-process trainer lives in ``tests.support.tra
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -31,6 +32,22 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment for the block only, as it was afterwards: what a process
+    started in the block inherits, and this process no longer holds."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextmanager

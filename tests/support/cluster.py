@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from runtime.cluster.processes import alive
-from tests.support import ROOT, free_port, stop_process, wait_for
+from tests.support import ROOT, environment, free_port, stop_process, wait_for
 from tests.support.calibration import scaled
 
 # Every service runtime.cluster reads a port for (RT_<NAME>_PORT).
@@ -52,22 +52,6 @@ def cluster_up_env(cluster: Mapping[str, Any], tmp_path: Path) -> dict[str, str]
 
 
 @contextmanager
-def node_environment(env: Mapping[str, str]) -> Iterator[None]:
-    """``env`` in this process's environment for the block only, as it was afterwards: what a process
-    started in the block inherits (a raylet), and this process (a driver) no longer holds."""
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextmanager
 def local_cluster(cluster_dir: Path, node_env: Mapping[str, str] | None = None,
                   **up: Any) -> Iterator[dict[str, Any]]:
     """``runtime.cluster.up(cluster_dir, **up)`` with RAY_ADDRESS set; on exit disconnect and stop
@@ -77,7 +61,7 @@ def local_cluster(cluster_dir: Path, node_env: Mapping[str, str] | None = None,
     from runtime import cluster as rc
 
     try:
-        with node_environment(node_env or {}):
+        with environment(node_env or {}):
             state = rc.up(cluster_dir, **up)
         os.environ["RAY_ADDRESS"] = state["ray"]["address"]
         yield state

@@ -8,7 +8,6 @@ whole run (a reference run that a Ray run must match bit for bit, at a fraction 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from runtime.config import JobConfig
 from runtime.run import RunInfo, TrainOutcome
 from runtime.train.setup import Placement
 from runtime.train.trainer import Trainer
-from tests.support import job
+from tests.support import environment, job
 from tests.support.ranks import spawn_ranks
 
 
@@ -69,16 +68,8 @@ def train_ranks_in_turn(name: str, runs: list[tuple[Path, tuple[str, ...], dict[
 
 def _train_runs(rank: int, world: int, name: str, runs: list[tuple[str, tuple[str, ...], dict[str, str]]]) -> None:
     for folder, overrides, env in runs:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environment(env):
             _train_rank(rank, world, name, folder, overrides)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def folded(reports: list[dict[str, Any]]) -> dict[str, Any]:
