@@ -74,7 +74,7 @@ def _hold(shared: Path) -> StepHold | None:
         step = int((shared / HOLD_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return StepHold(step, shared / "holds" / str(step))
+    return StepHold(frozenset({step}), shared / "holds" / str(step))
 
 
 def _model() -> torch.nn.Linear:

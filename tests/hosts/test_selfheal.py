@@ -325,6 +325,18 @@ def _controller_count(lab: labmod.Lab, event: str, after: float, before: float) 
     return sum(1 for s in _controller_stamps(lab) if s["event"] == event and after < s["time"] < before)
 
 
+def _diagnosis(lab: labmod.Lab, head: Any, since: float) -> str:
+    """Where the run stood when a wait after `since` (time.time()) timed out: Ray Train's controller
+    states since then, rank 0's last lines and the controller's own log on the head (its resize
+    decisions), so that a CI failure names the side that stopped."""
+    stamps = [f"{s['time'] - since:+.1f} s {s['event']}" for s in _controller_stamps(lab) if s["time"] > since]
+    events = [f"{e['t'] - since:+.1f} s {e['event']} step {e['step']} world {e['world']} on {e['node']}"
+              for e in Run(lab.shared).events()[-5:]]
+    controller = head.run("tail -q -n 30 /tmp/ray/session_latest/logs/train/ray-train-sys-controller-*.log").stdout
+    return (f"controller states since then: {stamps[-20:] or 'none'}\nrank 0's last lines: {events}\n"
+            f"Ray Train controller (log tail):\n{controller}")
+
+
 def _recover(lab: labmod.Lab, run: Run, service: Service, node: str, fault_t: float, label: str,
              head: Any) -> dict[str, float]:
     """Wait for shrink, replacement and growth after a fault at `fault_t` (time.time()); return the figures."""
@@ -534,7 +546,7 @@ def _agent_drains(worker: Any, signal: str) -> list[dict[str, Any]]:
 
 def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_replaced(
         lab: labmod.Lab, hosts: Callable[[str], Any], training: Run, remediation: Service) -> None:
-    worker = hosts(WORKER_B)
+    head, worker = hosts(HEAD), hosts(WORKER_B)
     _fake_imds(worker)
     fault_t = time.time()
     deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(fault_t + SPOT_NOTICE_S))
@@ -545,7 +557,7 @@ def test_a_spot_notice_checkpoints_shrinks_with_no_step_redone_and_the_node_is_r
                                      and e.get("preempted") and e["t"] > fault_t), None), 120)
     except AssertionError as err:  # which side missed it: the agent's drain or the run's watcher
         raise AssertionError(f"{err}\nspot agent:\n{worker.check_output(AGENT_LOG)}\n"
-                             f"driver (tail):\n{training.driver_log()}") from None
+                             f"{_diagnosis(lab, head, fault_t)}") from None
     # EC2 reclaims the instance at the notice's time; the spare comes up at its address.
     time.sleep(max(0.0, fault_t + SPOT_NOTICE_S - time.time()))
     agent_log = worker.check_output(AGENT_LOG)
@@ -607,8 +619,11 @@ def test_a_partitioned_worker_is_lost_to_the_run_rejoins_as_a_new_node_and_nothi
     rejoined = wait_for(f"{WORKER_A} back in Ray as a new node",
                         lambda: [i for i in _alive_node_ids(head, address) if i not in before_ids], 600, 3)
     rejoined_t = time.time()
-    grown = wait_for("the run training on 2 workers again after the partition",
-                     lambda: training.first_step(restored_t, world=2), 600)
+    try:
+        grown = wait_for("the run training on 2 workers again after the partition",
+                         lambda: training.first_step(restored_t, world=2), 600)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{_diagnosis(lab, head, restored_t)}") from None
     decisions = remediation.decisions(address)[decisions_before:]
     drains = remediation.actions(WORKER_A, "drain")[drains_before:]
     ready = _controller_stamp(lab, ("group_ready",), cut_t)
@@ -693,7 +708,7 @@ def test_a_rebalance_recommendation_drains_through_the_unit_keeps_the_node_out_a
                         lambda: _declared_dead(head, address, fault_t), 120, 2)
     except AssertionError as err:  # which side missed it: the agent or the run
         raise AssertionError(f"{err}\nspot agent:\n{worker.check_output(AGENT_LOG)}\n"
-                             f"driver (tail):\n{training.driver_log()}") from None
+                             f"{_diagnosis(lab, head, fault_t)}") from None
     # The node stays out of the run until the group terminates it: the run trains on at 1 worker for
     # HELD_OUT_STEPS after the raylet left (several of Ray Train's resize checks, 3 s apart).
     after = wait_for(f"{HELD_OUT_STEPS} steps at 1 worker after {WORKER_B} left",

@@ -22,6 +22,10 @@ Rows (fault -> test):
 - the same faults without Ray, in detail -> test_checkpoint_s3.py (throttled, refused),
   test_checkpoint_readonly_disk.py, test_tracking_faults.py (the tracker's sender)
 
+Faults land at known steps, not against the clock: the run is held at step boundaries (the trainer's
+test barrier, runtime.train.hold) while a fault is injected, and it trains only as many steps as the
+faults need.
+
 Each training row asserts: exit 0; history.jsonl holds every reported step once, up to the last, and counts the
 failed saves; the newest committed checkpoint is the last step and verifies; the console has exactly one line per
 state change of MLflow and no traceback or retry line; ``report --sync`` then makes the MLflow run hold each step
@@ -42,9 +46,10 @@ from typing import Any
 
 import pytest
 
-from runtime.checkpoint import CheckpointReader
+from runtime.checkpoint import CheckpointReader, step_name
 from runtime.observe.history import read_history
 from runtime.observe.mlflow_upload import SyncState
+from runtime.train.hold import HOLD_ENV, RELEASE_FILE, held_file, release_file
 from tests.support import ROOT, free_port, wait_for
 from tests.support.cluster import committed_steps
 from tests.support.mlflow import MlflowServer
@@ -54,7 +59,12 @@ pytestmark = pytest.mark.slow
 MLFLOW_DOWN = "unreachable; metrics kept in"
 MLFLOW_BACK = "reachable again"
 NOISE = ("Traceback", "Retrying", "retrying in", "MlflowException", "urllib3", "botocore")
-STEPS = 3000  # ~85 s at ~30 ms a step (1 worker, MLP); the faults are done ~75 s after the start
+STEPS = 300  # commits at 50 and 100 before the faults, the last step's after them
+# The faults go in while the run is held at FAULT_STEP (two commits made). The save at 150 fails on the
+# read-only disk; the run is then held at each of CHECK_STEPS until the failure is in the reports,
+# the disk is made writable there and every later hold let go: the last step's save is the first
+# commit after the outage, whatever the backoff.
+FAULT_STEP, CHECK_STEPS = 110, tuple(range(170, STEPS, 10))
 SETS = ("model.name=mlp", "distributed.num_workers=1", "tracking.prometheus=false", "train.log_every_steps=10",
         "checkpoint.interval_steps=50", "distributed.poll_interval_s=0.25")
 
@@ -62,12 +72,13 @@ SETS = ("model.name=mlp", "distributed.num_workers=1", "tracking.prometheus=fals
 class Run:
     """``python -m runtime train`` in a subprocess; its console collected line by line as it comes."""
 
-    def __init__(self, name: str, cwd: Path, *sets: str) -> None:
+    def __init__(self, name: str, cwd: Path, *sets: str, hold: str = "") -> None:
         cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--run-name", name, "--no-progress"]
         for s in (*SETS, *sets):
             cmd += ["--set", s]
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **({HOLD_ENV: hold} if hold else {})}
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -83,6 +94,12 @@ class Run:
 
     def alive(self) -> None:
         assert self.proc.poll() is None, "the run ended before the fault:\n" + "\n".join(self.lines[-60:])
+
+    def held(self, folder: Path, step: int) -> None:
+        """Wait until the run's one rank is held at ``step``'s boundary."""
+        wait_for(lambda: held_file(folder, step, 0).exists() or self.proc.poll() is not None,
+                 f"the run held at step {step}", 600)
+        self.alive()
 
     def finish(self) -> tuple[int, str]:
         code = self.proc.wait(timeout=900)
@@ -175,27 +192,36 @@ def test_one_run_rides_out_mlflow_killed_and_a_read_only_checkpoint_disk(cluster
         why = mounted.stderr.strip() if mounted else "not root"
         pytest.skip(f"needs root with CAP_SYS_ADMIN to mount a tmpfs: {why}")
     server = MlflowServer(tmp_path / "mlflow").start()
-    t0 = time.monotonic()
+    holds = tmp_path / "holds"
     run = Run(name, ROOT, f"checkpoint.storage={storage}", f"tracking.mlflow_uri={server.url}",
-              f"train.max_steps={STEPS}")
+              f"train.max_steps={STEPS}", hold=f"{','.join(map(str, (FAULT_STEP, *CHECK_STEPS)))}:{holds}")
     try:
-        wait_for(_steps_reached(run_dir, 100), "step 100 (two checkpoints committed)", 600)
-        run.alive()
+        run.held(holds, FAULT_STEP)
+        wait_for(lambda: committed_steps(disk) == [50, 100], "the save at 100 committed (it runs in the background)",
+                 300)
         server.kill()  # the issue's fault: 27 minutes, a traceback and exit 2 before
-        before = max(committed_steps(disk))
         _remount(disk, "ro")
-        wait_for(_failures_reported(run_dir), "a failed save in the reports", 300)
-        run.alive()
-        time.sleep(3)  # saves are skipped under backoff meanwhile; training goes on
+        release_file(holds, FAULT_STEP).touch()
+        # The save at 150 fails. At each later hold every report before it is in the history (the
+        # driver's stream is in order): the hold where the failure first shows is where the disk comes back.
+        for step in CHECK_STEPS:
+            run.held(holds, step)
+            wait_for(_steps_reached(run_dir, step - 10), f"the reports up to step {step - 10}", 300)
+            if _failures_reported(run_dir)():
+                break
+            release_file(holds, step).touch()
+        else:
+            raise AssertionError(f"no failed save in the reports by step {CHECK_STEPS[-1]}:\n"
+                                 + "\n".join(run.lines[-60:]))
+        assert committed_steps(disk) == [50, 100]
         _remount(disk, "rw")
-        wait_for(lambda: max(committed_steps(disk)) > before or run.proc.poll() is not None,
-                 "a commit after the disk is writable again", 300)
-        faults_done = time.monotonic() - t0
+        (holds / RELEASE_FILE).touch()
         code, console = run.finish()
         ended = time.time()
-        print(f"faults done {faults_done:.0f} s after the start; run ended after {time.monotonic() - t0:.0f} s")
+        print(f"the disk came back at step {step}")
         history = _assert_row(code, console, run_dir, str(disk), None, {
-            MLFLOW_DOWN: 1, MLFLOW_BACK: 0, "checkpoint saves failing at step": 1, "checkpoint storage is back": 1})
+            MLFLOW_DOWN: 1, MLFLOW_BACK: 0, "checkpoint saves failing at step": 1,
+            f"checkpoint storage is back: {step_name(STEPS)} committed": 1})
         # Measured, not asserted (a loaded machine decides): the issue's run took 27 minutes here.
         print(f"run ended {ended - history[-1]['_time']:.1f} s after its last report")
         assert any("not in MLflow" in ln and f"report {run_dir} --sync" in ln for ln in console.splitlines())
