@@ -36,6 +36,7 @@ from runtime.cluster.gcs_watchdog import running
 from runtime.cluster.services import redis_bin
 from runtime.observe.history import read_history
 from runtime.observe.mlflow_upload import SyncState
+from runtime.train.hold import HOLD_ENV, RELEASE_FILE
 from tests.support import ROOT
 from tests.support.behaviours import Behaviours
 from tests.support.cluster import committed_steps, own_cluster_env
@@ -50,17 +51,23 @@ UNREACHABLE = "unreachable; metrics kept in"
 MLFLOW_NOISE = ("Traceback", "Retrying", "MlflowException", "urllib3")
 
 
-# Started beside the driver: once the run has committed its first checkpoint, SIGKILL the GCS (as an
-# OOM kill would); restart_gcs returns once the watchdog's new GCS answers. Prints pids and times.
+# The fault's step: both ranks held at its boundary (the trainer's test barrier, runtime.train.hold),
+# a commit (20) made before it and most of the run after it.
+KILL_STEP = 21
+# Started beside the driver: once both ranks are held at KILL_STEP, let them go and SIGKILL the GCS (as
+# an OOM kill would) while the run trains on; restart_gcs returns once the watchdog's new GCS answers.
+# Prints pids and times.
 KILLER = """
 import sys, time
 from pathlib import Path
 from runtime.cluster.local import gcs_pid, restart_gcs
-from tests.support.cluster import committed_steps
-checkpoints = Path(sys.argv[1])
-while not committed_steps(checkpoints):
+from runtime.train.hold import RELEASE_FILE, held_file
+hold, step = Path(sys.argv[1]), int(sys.argv[2])
+while not all(held_file(hold, step, rank).exists() for rank in (0, 1)):
     time.sleep(0.02)
-old, killed = gcs_pid(), time.time()
+old = gcs_pid()
+(hold / RELEASE_FILE).touch()
+killed = time.time()
 new = restart_gcs()
 print(old, new, killed, time.time())
 """
@@ -130,15 +137,17 @@ def test_gcs_killed_mid_run_with_redis_ft_is_restarted_and_the_run_loses_no_step
     cmd = [sys.executable, "-m", "runtime", "train", "digits_smoke", "--no-progress", "--run-name", "gcs"]
     for s in sets:
         cmd += ["--set", s]
-    checkpoints, run_dir = storage / "gcs" / "checkpoints", storage / "gcs"
-    killer = subprocess.Popen([sys.executable, "-c", KILLER, str(checkpoints)], cwd=ROOT, env=ft_cluster,
+    checkpoints, run_dir, hold = storage / "gcs" / "checkpoints", storage / "gcs", tmp_path / "hold"
+    killer = subprocess.Popen([sys.executable, "-c", KILLER, str(hold), str(KILL_STEP)], cwd=ROOT, env=ft_cluster,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    driver = subprocess.Popen(cmd, cwd=ROOT, env=ft_cluster, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    driver = subprocess.Popen(cmd, cwd=ROOT, env={**ft_cluster, HOLD_ENV: f"{KILL_STEP}:{hold}"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         killed_out, _ = killer.communicate(timeout=400)
         stdout, _ = driver.communicate(timeout=400)
     finally:
+        hold.mkdir(parents=True, exist_ok=True)
+        (hold / RELEASE_FILE).touch()
         for proc in (killer, driver):
             if proc.poll() is None:
                 proc.kill()
@@ -152,8 +161,8 @@ def test_gcs_killed_mid_run_with_redis_ft_is_restarted_and_the_run_loses_no_step
                [h for h in history if "resumed_from_step" in h])
     steps = [h["step"] for h in history if "step" in h and not h.get("final")]
     seen.check("every step once, none lost or redone", steps == list(range(1, MAX_STEPS + 1)), steps)
-    # The kill landed mid-run: steps were reported before it and after it (the GCS was back
-    # back_at - killed_at seconds later; no bound asserted on it).
+    # The kill landed mid-run, the run held at KILL_STEP: steps were reported before it and after it (the
+    # GCS was back back_at - killed_at seconds later; no bound asserted on it).
     before = [h["step"] for h in history if "step" in h and h["_time"] < float(killed_at)]
     after = [h["step"] for h in history if "step" in h and h["_time"] > float(killed_at) and not h.get("final")]
     seen.check("the GCS kill landed mid-run", bool(before and after),
