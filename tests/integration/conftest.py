@@ -69,6 +69,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="session")
+def reference_one_rank(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The same uninterrupted run on one rank, for the driver's signals (test_run_edges.py): what they
+    prove is the driver's, on one worker; the ranks' agreement on a stop is test_stop_agreement.py's."""
+    from tests.support.recovery import reference_run
+
+    return reference_run(tmp_path_factory.mktemp("reference-1"), world=1)
+
+
+@pytest.fixture(scope="session")
 def digits(cluster: dict[str, Any], pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The shipped digits job trained once (tests.support.digits_run): test_training.py,
     test_observability.py and test_model_registry.py each check their behaviours on this one run."""

@@ -8,12 +8,11 @@ filled, the spot price raised) is injected while the trainer's test barrier (run
 every rank at a known boundary, so nothing is raced against wall time. Each behaviour is checked by name
 (tests.support.behaviours): one broken behaviour does not hide the others.
 
-Six Ray Train runs: one per driver, and the last driver's second attempt after the price pause
-(runtime.launch.attempts: the driver itself waits, with no workers, and resumes). The second driver
-runs on one worker: what it proves is the driver's (it ends while its rank is held, and the rank ends
-with it, never released), and it commits nothing, so none of its arithmetic reaches the model compared
-with the 2-rank reference. Every other driver's steps are in the final model's lineage and run on the
-reference's 2 workers.
+Six Ray Train runs of one worker each: one per driver, and the last driver's second attempt after the
+price pause (runtime.launch.attempts: the driver itself waits, with no workers, and resumes). What
+they prove is the driver's, so one worker does (the final model is compared with a one-rank
+reference); that every rank stops at the boundary rank 0 read a stop marker at is proven on 2 gloo
+ranks in tests/unit/train/test_stop_agreement.py.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from runtime.train.hold import HOLD_ENV, RELEASE_FILE, held_file
 from tests.support import job, tmpfs, wait_for
 from tests.support.behaviours import Behaviours
 from tests.support.cluster import committed_steps
-from tests.support.held_run import WORKERS, finish, start, wait_held
+from tests.support.held_run import finish, start, wait_held
 from tests.support.recovery import BASE, MAX_STEPS, assert_matches_reference
 
 pytestmark = pytest.mark.slow
@@ -51,7 +50,8 @@ pytestmark = pytest.mark.slow
 # No interval commit before the last signal (step 40): every commit until then is one a signal made. The
 # first interval commit (50) is the one the full disk leaves newest. keep=3 holds 20, 40 and 50: no
 # rotation frees room once the disk is filled, so every later save finds none.
-SETS = [*BASE, "checkpoint.interval_steps=50", "checkpoint.keep=3"]
+SETS = [*BASE, "checkpoint.interval_steps=50", "checkpoint.keep=3", "distributed.num_workers=1"]
+RANKS = 1
 
 # The last driver's spot price (docs/cost.md): a price table the run re-reads when it changes (what a
 # deployment's own price feed would write), raised while every rank is held at PAUSE_STEP (no interval
@@ -104,7 +104,7 @@ def market(prices: Path, hold: Path, run_dir: Path, seen: dict[str, Any]) -> Non
     driver has been paused a while. Whatever happens, the ranks are released and the price falls:
     a failure here is reported by the test, not a run waiting for ever."""
     try:
-        wait_for(lambda: all(held_file(hold, PAUSE_STEP, r).exists() for r in range(WORKERS)),
+        wait_for(lambda: all(held_file(hold, PAUSE_STEP, r).exists() for r in range(RANKS)),
                  f"every rank held at step {PAUSE_STEP}")
         set_spot_price(prices, 5.0)
         # Rank 0 last read the price at step 74's boundary, before it was held: one TTL on, its read at
@@ -139,17 +139,18 @@ def _since_resume(run_dir: Path) -> list[dict[str, Any]]:
     return reports[starts[-1]:] if starts else []
 
 
-def _held_driver(storage: Path, run: str, hold: Path, step: int, workers: int = WORKERS) -> subprocess.Popen[str]:
-    proc = start(storage, run, [*SETS, f"distributed.num_workers={workers}"], (step, hold))
-    wait_held(proc, step, hold, workers)
+def _held_driver(storage: Path, run: str, hold: Path, step: int) -> subprocess.Popen[str]:
+    proc = start(storage, run, SETS, (step, hold))
+    wait_held(proc, step, hold, RANKS)
     return proc
 
 
 def test_ctrl_c_twice_sigterm_full_disk_and_price_pause_commit_or_stop_as_documented_and_the_resume_is_bit_identical(
-        cluster: dict, tmp_path: Path, small_disk: Path, reference: TrainOutcome, monkeypatch: pytest.MonkeyPatch,
+        cluster: dict, tmp_path: Path, small_disk: Path, reference_one_rank: TrainOutcome,
+        monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture[str]) -> None:
     """1. Ctrl+C at step 20: a commit at the boundary it reached, exit 130, the lock given back.
-    2. Ctrl+C twice at step 30 (one worker): the driver ends while its rank is still held, exit 130, the
+    2. Ctrl+C twice at step 30: the driver ends while its rank is still held, exit 130, the
        rank ends with it, nothing newer committed (the next driver resumes from 20), the lock file left
        naming it.
     3. The driver's SIGTERM (a spot notice) at step 40: it takes over the abandoned lock, commits an
@@ -184,7 +185,7 @@ def test_ctrl_c_twice_sigterm_full_disk_and_price_pause_commit_or_stop_as_docume
                (run_dir / LOCK_FILE).read_text())
 
     hold = tmp_path / "hold-30"
-    proc = _held_driver(storage, run, hold, 30, workers=1)  # commits nothing: off the model's lineage
+    proc = _held_driver(storage, run, hold, 30)  # commits nothing: off the model's lineage
     try:
         ranks = _carrying(HOLD_ENV, f"30:{hold}") - {proc.pid}  # what its run started with this hold
         os.killpg(proc.pid, signal.SIGINT)
@@ -279,7 +280,7 @@ def test_ctrl_c_twice_sigterm_full_disk_and_price_pause_commit_or_stop_as_docume
                and committed_steps(checkpoints)[-1] == MAX_STEPS,
                (out.metrics.get("step"), out.preempted, out.metrics.get("stop_reason"), committed_steps(checkpoints)))
     try:
-        assert_matches_reference(out, reference)
+        assert_matches_reference(out, reference_one_rank)
         seen.check("the signalled and paused run ends bit-identical to the uninterrupted one", True)
     except AssertionError as e:
         seen.check("the signalled and paused run ends bit-identical to the uninterrupted one", False, e)

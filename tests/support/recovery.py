@@ -1,8 +1,8 @@
 """What the recovery scenarios share: one job, one uninterrupted reference, and the bit-for-bit check.
 
 Every interrupted run (workers killed in test_recovery.py, the driver's signals in test_run_edges.py)
-must end bit-identical to the same job trained without interruption; one reference serves them all
-because checkpoint cadence, holds and signals do not touch the arithmetic.
+must end bit-identical to the same job trained without interruption at its size; one reference per
+size serves them all because checkpoint cadence, holds and signals do not touch the arithmetic.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ BASE = ("model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", 
         "distributed.poll_interval_s=0.25", f"train.max_steps={MAX_STEPS}")
 
 
-def reference_run(folder: Path) -> TrainOutcome:
-    """The uninterrupted run: the same trainer on 2 gloo ranks of its own (what the scenarios prove is
-    the recovery through Ray and the driver, not this run)."""
-    out = train_ranks("digits_smoke", folder, *BASE)
+def reference_run(folder: Path, world: int = 2) -> TrainOutcome:
+    """The uninterrupted run: the same trainer on ``world`` gloo ranks of its own (what the scenarios
+    prove is the recovery through Ray and the driver, not this run)."""
+    out = train_ranks("digits_smoke", folder, *BASE, f"distributed.num_workers={world}", world=world)
     assert out.metrics["step"] == MAX_STEPS
     return out
 
