@@ -723,9 +723,11 @@ def test_a_rebalance_recommendation_drains_through_the_unit_keeps_the_node_out_a
     lab.kill_node(WORKER_B)
     _spare(lab, WORKER_B)
     figures = _recover(lab, training, remediation, WORKER_B, fault_t, "(e) rebalance recommendation", head)
-    # The run is at full size after the replacement.
+    # The run is at full size after the replacement, and trains on at it (a step after this moment:
+    # taken once, not at each poll, where only a step written during the poll's own read would count).
+    since = time.time()
     wait_for("the run training on 2 workers after the replacement",
-             lambda: training.first_step(time.time(), world=2), 300)
+             lambda: training.first_step(since, world=2), 300)
     TIMINGS["selfheal (e) rebalance recommendation: recommendation -> just-in-time checkpoint (s)"] = (
         jit["t"] - fault_t)
     NOTES["selfheal (e) rebalance recommendation"] = (
