@@ -55,7 +55,7 @@ MLFLOW_NOISE = ("Traceback", "Retrying", "MlflowException", "urllib3")
 # a commit (20) made before it and most of the run after it. One worker: what rides the GCS out is the
 # controller, the worker and the driver (ranks exchange over gloo, which never touches the GCS).
 KILL_STEP = 21
-# Started beside the driver: once the rank is held at KILL_STEP, let them go and SIGKILL the GCS (as
+# Started beside the driver: once the rank is held at KILL_STEP, let it go and SIGKILL the GCS (as
 # an OOM kill would) while the run trains on; restart_gcs returns once the watchdog's new GCS answers.
 # Prints pids and times.
 KILLER = """
