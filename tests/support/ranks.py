@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,22 @@ from tests.support import free_port
 
 # Imported once in the fork server (before its first fork), so every rank starts with them.
 PRELOAD = ["torch", "torch.distributed", "runtime.train.trainer"]
+
+
+def in_background(call: Callable[..., Any], *args: Any) -> tuple[threading.Thread, list[Any]]:
+    """``call(*args)`` (ranks, usually) on a thread, so the test can release or signal them meanwhile;
+    the list gets its result, or its failure, for the test to check after joining."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call(*args))
+        except BaseException as err:  # reported by the test's own thread
+            outcome.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
 
 
 def spawn_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:

@@ -13,10 +13,8 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ from runtime.train.hold import HOLD_ENV, RELEASE_FILE, held_file
 from runtime.train.stats import StepStats
 from tests.support import wait_for
 from tests.support.calibration import scaled
-from tests.support.ranks import spawn_ranks
+from tests.support.ranks import in_background, spawn_ranks
 from tests.support.trainer import REPORTS_FILE, train_job
 
 HOSTS = [Host("gpu-1", "10.0.0.1"), Host("gpu-2", "10.0.0.2"), Host("gpu-3", "10.0.0.3")]
@@ -125,22 +123,6 @@ def test_a_garbled_progress_planted_in_the_store_is_left_out_and_the_watch_goes_
                              3: Progress(1, 7, Point.LOCAL, 0.5)}
 
 
-def _ranks_in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, list[BaseException]]:
-    """2 gloo ranks running ``fn`` on a thread, so the test can release or continue them meanwhile;
-    the list gets the ranks' failure, for the test to report after joining."""
-    failure: list[BaseException] = []
-
-    def ranks() -> None:
-        try:
-            spawn_ranks(fn, 2, *args)
-        except BaseException as err:  # reported by the test's own thread
-            failure.append(err)
-
-    runner = threading.Thread(target=ranks)
-    runner.start()
-    return runner, failure
-
-
 def _held_then_frozen(rank: int, world: int, folder: Path, warn_s: float) -> None:
     """Both ranks train steps 1 and 2 as the loop marks them; rank 1 is held in step 1's local part
     until the test releases it, and stops itself (SIGSTOP) in step 2's until the test continues it."""
@@ -178,7 +160,7 @@ def test_two_gloo_ranks_name_a_held_rank_then_a_frozen_one_while_rank_0_waits_in
     lines = tmp_path / "lines"
     # A publisher this load keeps off the CPU for warn_s would read as silent: warn_s is
     # stretched by the host's slowness (the verdicts do not depend on its value).
-    runner, failure = _ranks_in_thread(_held_then_frozen, tmp_path, scaled(2.0))
+    runner, outcome = in_background(spawn_ranks, _held_then_frozen, 2, tmp_path, scaled(2.0))
     try:
         wait_for(lambda: lines.exists() and "hang: rank 1" in lines.read_text(), "the held rank named", 120)
         (tmp_path / "release").touch()
@@ -188,7 +170,7 @@ def test_two_gloo_ranks_name_a_held_rank_then_a_frozen_one_while_rank_0_waits_in
         if (tmp_path / "pid").exists():
             os.kill(int((tmp_path / "pid").read_text()), signal.SIGCONT)
     runner.join(timeout=300)
-    assert not runner.is_alive() and not failure, failure
+    assert not runner.is_alive() and outcome == [None], outcome
     seen = lines.read_text().splitlines()
     assert seen[0] == (f"hang: rank 1 on host {HOSTS[1]} is still in its own part of step 1 (data, forward, "
                        f"backward before the gradient sync) after {seen[0].split(' after ')[1].split(' s;')[0]} s; "
@@ -224,7 +206,7 @@ def test_the_trainer_names_a_rank_held_at_a_boundary_while_rank_0_waits_in_its_a
     sets = ("model.name=mlp", "train.max_steps=12", "train.log_every_steps=4", "checkpoint.interval_steps=100",
             "tracking.mlflow=false", "tracking.prometheus=false", f"distributed.hang_warn_s={scaled(2.0):.1f}")
     log0 = tmp_path / "rank0.log"
-    runner, failure = _ranks_in_thread(_logged_trainer_rank, tmp_path, sets)
+    runner, outcome = in_background(spawn_ranks, _logged_trainer_rank, 2, tmp_path, sets)
     try:
         wait_for(lambda: log0.exists() and "hang: rank 1" in log0.read_text(), "rank 0 to name rank 1", 180)
         assert held_file(hold, 8, 1).exists() and not held_file(hold, 8, 0).exists()
@@ -232,7 +214,7 @@ def test_the_trainer_names_a_rank_held_at_a_boundary_while_rank_0_waits_in_its_a
         hold.mkdir(exist_ok=True)
         (hold / RELEASE_FILE).touch()
     runner.join(timeout=300)
-    assert not runner.is_alive() and not failure, failure
+    assert not runner.is_alive() and outcome == [None], outcome
     lines = [ln for ln in log0.read_text().splitlines() if ln.startswith("hang")]
     assert lines[0].startswith(f"hang: rank 1 on host {Host.here()} is still in the gradient sync, optimizer, "
                                "evaluation or commit of step 8 after ")

@@ -5,7 +5,6 @@ held at a known step (runtime.train.hold) while the marker is written. The drive
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from runtime.run import PREEMPT_FILE
 from runtime.train.hold import HOLD_ENV, RELEASE_FILE, held_file
 from tests.support import wait_for
 from tests.support.cluster import committed_steps
+from tests.support.ranks import in_background
 from tests.support.trainer import TrainOutcome, train_ranks
 
 HOLD_STEP = 12  # a report boundary (every 4 steps), no interval commit there
@@ -26,16 +26,7 @@ def test_both_ranks_held_at_a_boundary_stop_there_together_on_rank_0s_marker_wit
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hold = tmp_path / "hold"
     monkeypatch.setenv(HOLD_ENV, f"{HOLD_STEP}:{hold}")
-    outcome: list[TrainOutcome | BaseException] = []
-
-    def ranks() -> None:
-        try:
-            outcome.append(train_ranks("digits_smoke", tmp_path, *SETS))
-        except BaseException as err:  # reported by the test's own thread
-            outcome.append(err)
-
-    runner = threading.Thread(target=ranks)
-    runner.start()
+    runner, outcome = in_background(train_ranks, "digits_smoke", tmp_path, *SETS)
     try:
         wait_for(lambda: all(held_file(hold, HOLD_STEP, r).exists() for r in (0, 1)) or not runner.is_alive(),
                  f"both ranks held at step {HOLD_STEP}", 300)
