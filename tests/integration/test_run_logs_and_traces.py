@@ -5,8 +5,8 @@ the restarted group runs in the spare processes (runtime.train.spares) its first
 The session's one Train run with workers killed (tests.support.killed_run, which test_recovery.py checks
 too): 2 workers, driven as ``make train`` runs with traces on (tests/integration/traced_driver.py: Ray
 Train's JSON logs on, the tracing hook in the cluster, spares on, off elsewhere in the suite). Its first
-kill, the one read here, is a SIGKILL while every rank is held at step 30; two more groups are killed
-after it (four worker groups, three restarts).
+kill, the one read here, is a SIGKILL while every rank is held at step 30; the restarted group is killed
+too, at a later held step (three worker groups, two restarts).
 """
 
 from __future__ import annotations

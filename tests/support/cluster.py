@@ -1,4 +1,4 @@
-"""A local Ray cluster of our own, and the worker-killing loop, for tests and benchmarks alike.
+"""A local Ray cluster of our own for tests and benchmarks, and the worker-killing loop bench_recovery times.
 
 A test or benchmark cluster runs beside a developer's ``make cluster-up`` one: every service gets
 a free port and token auth lives in the cluster's own folder. Ray reads its authentication
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from runtime.cluster.processes import alive
-from tests.support import ROOT, environment, free_port, stop_process, wait_for
+from tests.support import environment, free_port, stop_process, wait_for
 from tests.support.calibration import scaled
 
 # Every service runtime.cluster reads a port for (RT_<NAME>_PORT).
@@ -198,17 +198,14 @@ class WorkerGroupKiller(threading.Thread):
     ``kills`` holds what was sent. ``stop()`` ends the loop (the run finished first); a group that
     does not appear within ``timeout`` seconds raises TimeoutError in the thread. ``settle_s``: the kill
     follows the first commit at least that long after the group appeared (a failure hours into a run,
-    not one while the processes Ray keeps for the next restart are still starting). ``hit``: the
-    workers of a group the test has already signalled itself, never taken for a new one.
+    not one while the processes Ray keeps for the next restart are still starting).
     """
 
     def __init__(self, checkpoints: Path, signals: Sequence[int] = (signal.SIGKILL,), *,
-                 job_id: str | None = None, workers: int = 2, timeout: float = 240, settle_s: float = 0,
-                 hit: Sequence[int] = ()) -> None:
+                 job_id: str | None = None, workers: int = 2, timeout: float = 240, settle_s: float = 0) -> None:
         super().__init__(daemon=True)
         self.checkpoints, self.signals, self.job_id = checkpoints, tuple(signals), job_id
         self.workers, self.timeout, self.settle_s = workers, timeout, settle_s
-        self.hit = set(hit)
         self.kills: list[Kill] = []
         self._stopping = threading.Event()
 
@@ -237,7 +234,7 @@ class WorkerGroupKiller(threading.Thread):
         return True
 
     def run(self) -> None:
-        killed_group: set[int] = set(self.hit)
+        killed_group: set[int] = set()
         for sig in self.signals:
             while True:
                 pids: list[int] = []
@@ -261,21 +258,3 @@ class WorkerGroupKiller(threading.Thread):
             self.kills.append(Kill(time.time(), committed_steps(self.checkpoints)[-1], sig))
             killed_group = set(pids)
             os.kill(pids[-1], sig)
-
-
-def cli_console_with_a_worker_killed(cmd: list[str], checkpoints: Path) -> tuple[str, int]:
-    """Run a training CLI command, SIGKILL one of its 2 workers after the first checkpoint, and
-    return what the console printed and the exit code."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(lambda: proc.poll() is not None or (bool(committed_steps(checkpoints))
-                                                     and len(train_worker_pids()) == 2),
-                 "the first checkpoint of a 2-worker group")
-        assert proc.poll() is None, "the run ended before a worker could be killed"
-        os.kill(train_worker_pids()[-1], signal.SIGKILL)
-        console, _ = proc.communicate(timeout=scaled(600))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return console, proc.returncode
