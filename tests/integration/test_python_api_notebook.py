@@ -1,5 +1,5 @@
 """Every runnable example of docs/python-api.md, in order, as a notebook would run them: load and
-validate a job, train it on the session's local cluster (20 steps of the digits job), list its
+validate a job, train it on the session's local cluster (20 steps of the digits job, 1 worker), list its
 checkpoints. The tune example is compiled only (tests/integration/test_tune.py runs tune())."""
 
 from __future__ import annotations

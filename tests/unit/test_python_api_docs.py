@@ -49,7 +49,7 @@ def test_the_examples_that_need_no_cluster_run_and_leave_the_environment_alone(
     assert dict(os.environ) == before
     assert list(tmp_path.iterdir()) == []  # loading and validating writes nothing
     out = capsys.readouterr().out
-    assert "small_cnn 20 64" in out and "digits_smoke: invalid job configuration (2 errors)" in out
+    assert "small_cnn 20 32" in out and "digits_smoke: invalid job configuration (2 errors)" in out
     assert ns["spec"] is not None
 
 
