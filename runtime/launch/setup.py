@@ -76,15 +76,27 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+TEST_HOOKS = (HOLD_ENV, SAMPLES_ENV)  # a test's step barrier and sample log (never set outside tests)
+
+
+def current_test_hooks() -> dict[str, str]:
+    """The tests-only variables as this process has them now. They go per run (and per search, to its
+    trials: runtime.tune), not in the job's runtime_env, which a process fixes at its first connect: a
+    hold set later was lost, and one set then held every later run."""
+    return {name: value for name in TEST_HOOKS if (value := os.environ.get(name))}
+
+
+def use_test_hooks(hooks: dict[str, str]) -> None:
+    """Make this process's test hooks exactly ``hooks`` (a trial process: its search's, none other)."""
+    for name in TEST_HOOKS:
+        os.environ.pop(name, None)
+    os.environ.update({name: hooks[name] for name in TEST_HOOKS if name in hooks})
+
+
 def _run_worker_env() -> dict[str, Any]:
-    """This run's Train workers' runtime_env: the warm hook, and a test's step barrier (``RT_TEST_HOLD``)
-    and sample log (``RT_TEST_SAMPLES``) as the driver's environment has them now. They go per run, not in
-    the job's runtime_env, which a process fixes at its first connect: a hold set later was lost, and one
-    set then held every later run."""
+    """This run's Train workers' runtime_env: the warm hook, and the driver's test hooks."""
     env = worker_runtime_env()
-    for name in (HOLD_ENV, SAMPLES_ENV):
-        if value := os.environ.get(name):
-            env["env_vars"] = {**env["env_vars"], name: value}
+    env["env_vars"] = {**env["env_vars"], **current_test_hooks()}
     return env
 
 

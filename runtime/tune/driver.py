@@ -118,7 +118,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     from ray import tune as rt
 
     from runtime.cluster import tracking_uri
-    from runtime.launch.setup import connect, resolve_use_gpu
+    from runtime.launch.setup import connect, current_test_hooks, resolve_use_gpu
     from runtime.observe.tracking import Tracker
 
     spec = parse_tune(cfg)
@@ -147,7 +147,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
                         trial_keep=tc.trial_keep, parent_run_id=parent.run_id if parent else None,
                         mlflow_uri=parent.uri if parent else (cfg.tracking.mlflow_uri or tracking_uri()),
                         endpoint_url=cfg.checkpoint.endpoint_url, poll_interval_s=tc.trial_poll_interval_s,
-                        lockstep=tc.method in SCHEDULERS)
+                        lockstep=tc.method in SCHEDULERS, test_hooks=current_test_hooks())
     trial = rt.with_parameters(run_trial, ctx=ctx)
     trial.__name__ = TRIAL_TRAINABLE  # Tune names its trial folders after it (runtime.layout)
     trainable = rt.with_resources(trial, partial(trial_placement, ctx, tc, resolve_use_gpu(spec.job)))

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,9 @@ class SearchContext:
     poll_interval_s: float  # tune.trial_poll_interval_s
     lockstep: bool  # a scheduler acts on every result: rank 0 waits for Tune (Worker._stream)
     endpoint_url: str | None = None
+    # The driver's test hooks (runtime.launch.setup.current_test_hooks) when the search began: a trial process
+    # has the job's environment, fixed at the driver's first connect, so they travel with the search.
+    test_hooks: dict[str, str] = field(default_factory=dict)
 
 
 def trial_resources(tc: TuneConfig, cfg: JobConfig, use_gpu: bool) -> dict[str, float]:
@@ -388,5 +391,8 @@ class TrialRun:
 
 def run_trial(config: dict[str, Any], ctx: SearchContext) -> None:
     """Tune function trainable: one trial = one training run with these hyperparameters."""
+    from runtime.launch.setup import use_test_hooks
+
     os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(CANCEL_TIMEOUT_S)  # read by Tune's reset, in this process
+    use_test_hooks(ctx.test_hooks)  # read where the trial's loop or its Train run starts
     TrialRun(config, ctx).run()

@@ -33,6 +33,7 @@ import yaml
 from ray.tune import Stopper
 
 from runtime.layout import search_paths, trial_checkpoints, trial_folder, tune_trial_folders
+from runtime.train.hold import HOLD_ENV, held_file, release_file
 from tests.support import ROOT, job, wait_for
 from tests.support.behaviours import Behaviours
 from tests.support.cluster import committed_steps, largest_node_cpus, train_worker_pids
@@ -179,28 +180,35 @@ def test_asha_stops_worse_trials_at_a_rung_judged_on_held_out_loss_evaluated_the
 
 
 def test_trial_whose_worker_dies_is_restarted_by_tune_from_its_newest_checkpoint(
-        cluster: dict[str, Any], storage: str) -> None:
-    # 28x28 digits: ~45 ms a step, so the kill after the first commit lands mid-run.
+        cluster: dict[str, Any], storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker SIGKILLed while the trial's ranks are held at step ``held`` (runtime.train.hold, handed to
+    the trial by the search), after the commit of 20: Tune restarts the trial once, from that commit."""
     search_dir = _search_dir(storage, "worker-kill")
-    killed: list[int] = []  # newest committed step when the worker was killed
+    held, committed_before = 30, 20
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(HOLD_ENV, f"{held}:{hold}")  # the search hands it to its trial (SearchContext)
+    killed: list[int] = []  # the trial's committed steps when the worker was killed
 
     def killer() -> None:
         def committed() -> list[int]:  # the trial's run name holds its id, unknown until it starts
             return sorted(step for d in glob.glob(trial_checkpoints(str(search_dir), "worker-kill", "*"))
                           for step in committed_steps(Path(d)))
 
-        wait_for(lambda: bool(committed()) and bool(train_worker_pids()), "a committed checkpoint", timeout=300)
-        killed.append(committed()[-1])
-        os.kill(train_worker_pids()[-1], signal.SIGKILL)
+        try:
+            wait_for(lambda: all(held_file(hold, held, r).exists() for r in range(2))
+                     and committed_before in committed(), f"both ranks held at step {held} after its commit")
+            killed.append(committed()[-1])
+            os.kill(train_worker_pids()[-1], signal.SIGKILL)
+        finally:
+            release_file(hold, held).touch()  # the restarted trial passes the hold (and nothing waits forever)
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     # Two workers per trial: the trial runs a Ray Train run (one-worker trials train in their own process).
-    out = _search(storage, "tune.num_samples=1", "tune.max_concurrent_trials=1", "train.max_steps=120",
-                  "data.image_size=28", "checkpoint.interval_steps=20", "distributed.num_workers=2",
-                  name="worker-kill")
+    out = _search(storage, "tune.num_samples=1", "tune.max_concurrent_trials=1", "train.max_steps=60",
+                  "checkpoint.interval_steps=20", "distributed.num_workers=2", name="worker-kill")
     t.join(timeout=5)
-    assert killed, "the worker was never killed"
+    assert killed == [committed_before], killed
     (trial,) = out.trials
     assert trial.status == "TERMINATED" and trial.runner == "train"
     rows = _tune_histories(out.search_dir, out.metric)[trial.trial_id]
@@ -209,8 +217,8 @@ def test_trial_whose_worker_dies_is_restarted_by_tune_from_its_newest_checkpoint
     restarts = [i for i in range(1, len(rows)) if since[i] <= since[i - 1]]
     assert len(restarts) == 1, f"expected one Tune restart: {list(zip(steps, since))}"
     first = steps[restarts[0]]  # first report after the restart
-    assert first > killed[0], f"resumed before the newest commit ({killed[0]}): {steps}"
-    assert steps[-1] == 120
+    assert committed_before < first <= held + 5, f"not resumed from the commit of {committed_before}: {steps}"
+    assert steps[-1] == 60
 
 
 def test_pbt_exploit_restarts_a_trial_from_another_trials_checkpoint(cluster: dict[str, Any], storage: str) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from runtime.launch.setup import _run_worker_env, _worker_env
+from runtime.launch.setup import _run_worker_env, _worker_env, current_test_hooks, use_test_hooks
 from runtime.train.hold import HOLD_ENV
+from runtime.train.sample_log import SAMPLES_ENV
 
 SECRETS = {
     "AWS_ACCESS_KEY_ID": "AKIASENTINEL",
@@ -40,3 +43,16 @@ def test_a_tests_step_barrier_goes_with_each_run_not_with_the_job(monkeypatch: p
     assert _run_worker_env()["env_vars"][HOLD_ENV] == "60@1:/tmp/hold"
     monkeypatch.delenv(HOLD_ENV)
     assert HOLD_ENV not in _run_worker_env()["env_vars"]
+
+
+def test_a_trial_process_takes_its_searchs_test_hooks_and_no_earlier_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial process has the job's environment, not the driver's: the search hands its hooks over, and a
+    process Tune reuses for the next search's trial keeps none of the last search's."""
+    monkeypatch.setenv(HOLD_ENV, "30:/tmp/earlier")
+    monkeypatch.setenv(SAMPLES_ENV, "/tmp/earlier-samples")  # restored (unset) by monkeypatch whatever happens
+    use_test_hooks({SAMPLES_ENV: "/tmp/samples", "PATH": "/nowhere"})
+    assert os.environ[SAMPLES_ENV] == "/tmp/samples" and HOLD_ENV not in os.environ
+    assert os.environ["PATH"] != "/nowhere"  # only the hooks' own names
+    assert _run_worker_env()["env_vars"][SAMPLES_ENV] == "/tmp/samples"
+    use_test_hooks({})
+    assert not current_test_hooks()
