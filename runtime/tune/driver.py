@@ -23,7 +23,7 @@ from runtime.errors import ConfigError
 from runtime.layout import TRIAL_TRAINABLE, search_paths, storage_filesystem, trial_checkpoints, trial_folder
 from runtime.tune.config import SCHEDULERS, TuneSpec, parse_tune
 from runtime.tune.schedulers import param_space, scheduler, search_alg
-from runtime.tune.sealed_state import sealed_filesystem, verify_sealed
+from runtime.tune.sealed_state import inner_path, sealed_filesystem, verify_sealed
 from runtime.tune.search_report import SearchOutcome, collect_trials, finish_parent, pick_best, write_report
 from runtime.tune.trial import WALL_FILE, SearchContext, reuses_processes, run_trial, trial_base, trial_placement
 
@@ -127,11 +127,13 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     storage, search_dir = search_paths(cfg, name)
     # Tune reads and writes its search state through this filesystem: state files are sealed with
     # the driver's key and checked on every read (runtime.tune.sealed_state), as the storage is worker-writable.
+    # Tune is given paths inside it: an object store's URI, given with a filesystem, is refused.
     fs = sealed_filesystem(storage, search_dir, storage_filesystem(cfg))
+    tune_storage, tune_dir = inner_path(storage), inner_path(search_dir)
     connect(address)
-    if resume and not rt.Tuner.can_restore(search_dir, storage_filesystem=fs):
+    if resume and not rt.Tuner.can_restore(tune_dir, storage_filesystem=fs):
         raise ConfigError(f"nothing to resume: no search state in {search_dir} (run without --resume first)")
-    if not resume and rt.Tuner.can_restore(search_dir, storage_filesystem=fs):
+    if not resume and rt.Tuner.can_restore(tune_dir, storage_filesystem=fs):
         raise ConfigError(f"search folder {search_dir} already holds a search: pass --resume (RESUME=1) "
                           "or a new --run-name")
     # The parent run goes through the train driver's bounded path: MLflow's HTTP settings lowered, and
@@ -159,7 +161,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
     t0 = time.time()
     if resume:
         verify_sealed(fs)  # every state file, before Tune unpickles any (a planted one is named and refused)
-        tuner = rt.Tuner.restore(search_dir, trainable=trainable, resume_unfinished=True, resume_errored=True,
+        tuner = rt.Tuner.restore(tune_dir, trainable=trainable, resume_unfinished=True, resume_errored=True,
                                  storage_filesystem=fs)
     else:
         # Tune keeps each trial's best and latest checkpoint (it always keeps the latest); PBT keeps
@@ -174,7 +176,7 @@ def tune(cfg: JobConfig, run_name: str | None = None, *, job: str | None = None,
                                       max_concurrent_trials=tc.max_concurrent_trials if tc.method == "optuna" else None,
                                       reuse_actors=reuses_processes(spec)),
             run_config=rt.RunConfig(
-                name=name, storage_path=storage, storage_filesystem=fs, stop=stopper,
+                name=name, storage_path=tune_storage, storage_filesystem=fs, stop=stopper,
                 checkpoint_config=rt.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=tc.metric,
                                                       checkpoint_score_order=tc.mode),
                 failure_config=rt.FailureConfig(max_failures=tc.max_failures),

@@ -67,8 +67,9 @@ def driver_key(create: bool = True) -> bytes:
     return key
 
 
-def _plain(path: str) -> str:
-    """A path as the storage's filesystem sees it (an object store's URI without its scheme)."""
+def inner_path(path: str) -> str:
+    """A path as the storage's filesystem sees it (an object store's URI without its scheme): what Tune
+    is given beside that filesystem, and what it hands a handler."""
     if "://" not in path:  # already a path inside the filesystem (what Tune hands a handler)
         return path.rstrip("/")
     where = parse_storage(path)
@@ -81,7 +82,7 @@ def state_name(search_path: str, path: str) -> str | None:
     State files: every ``*.pkl`` (tuner.pkl, a searcher's state, a trial's error.pkl) and every
     ``*.json`` directly in the search folder (experiment and variant state): what Tune restores
     from (it fetches exactly the top-level .json and .pkl files). The report files are not state."""
-    root, p = _plain(search_path), _plain(path)
+    root, p = inner_path(search_path), inner_path(path)
     if not p.startswith(root + "/"):
         return None
     rel = p[len(root) + 1:]

@@ -19,6 +19,7 @@ import yaml
 
 from runtime.layout import local_folder, trial_checkpoints, trial_folder, trial_run_name
 from runtime.tune.config import TuneSpec, apply_params
+from runtime.tune.sealed_state import inner_path
 from runtime.tune.trial import TIMING_FILE, WALL_FILE
 
 
@@ -123,7 +124,7 @@ def _trial_records(search_dir: str, storage_filesystem: Any) -> dict[str, Any]:
     hyperparameters of trials that were pending or had just started when the search stopped."""
     from ray.tune import ExperimentAnalysis
 
-    analysis = ExperimentAnalysis(search_dir, storage_filesystem=storage_filesystem)
+    analysis = ExperimentAnalysis(inner_path(search_dir), storage_filesystem=storage_filesystem)
     return {t.path: t for t in analysis.trials if t.path}
 
 

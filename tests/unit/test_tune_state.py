@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime.tune.sealed_state import MAC_SUFFIX, SearchStateError, driver_key, sealed_filesystem, verify_sealed
+from runtime.tune.sealed_state import (
+    MAC_SUFFIX,
+    SearchStateError,
+    driver_key,
+    inner_path,
+    sealed_filesystem,
+    verify_sealed,
+)
 from tests.support import ROOT
 
 
@@ -101,3 +108,14 @@ def test_the_driver_key_is_made_private_and_refused_when_others_can_read_it(key_
     key_file.chmod(0o644)
     with pytest.raises(SearchStateError, match="readable by others"):
         driver_key()
+
+
+@pytest.mark.parametrize(("given", "inside"), [
+    ("gs://bucket/searches/s1", "bucket/searches/s1"), ("s3://bucket", "bucket"),
+    ("az://container/p/", "container/p"), ("/srv/runs/s1/", "/srv/runs/s1"),
+    ("bucket/searches/s1", "bucket/searches/s1"),
+])
+def test_tune_is_given_paths_inside_its_filesystem_never_an_object_stores_uri(given: str, inside: str) -> None:
+    """pyarrow's object-store filesystems refuse a URI ("Expected a GCS object path of the form
+    'bucket/key...'"): a search on gs:// failed at its first state read before Tune was given these."""
+    assert inner_path(given) == inside
