@@ -20,7 +20,9 @@ the way wall time does, so the session prints them at its end:
   files the start-ups come from. A session fixture's processes count for the first test that used it.
 - Driver and CLI processes: the subprocesses the pytest process itself starts, from Python's audit
   hook on ``subprocess.Popen`` (exact, whatever environment the test gives them); those a CLI starts
-  in turn are counted by what they start on Ray.
+  in turn are counted by what they start on Ray. Ansible playbook runs are one kind of them: the
+  ``ansible-playbook`` commands the tests start (site.yml on the lab, a role's tasks on the
+  controller); the runs the lab's remediation service starts on the head are its own, not counted.
 - Under pytest-xdist (``make test-quick``'s unit tests) each worker process counts for itself and
   hands its evidence to the controller (``evidence``/``add``), which prints the sum.
 """
@@ -79,7 +81,9 @@ class Census:
         if event != "subprocess.Popen":
             return
         argv = [str(a) for a in (args[1] if isinstance(args[1], (list, tuple)) else [args[1]])]
-        if not argv or not _python(argv[0]):
+        if argv and os.path.basename(argv[0]) == "ansible-playbook":
+            self.subprocesses["ansible-playbook (playbook runs)"] += 1
+        elif not argv or not _python(argv[0]):
             self.subprocesses["other programs"] += 1
         elif argv[1:3] == ["-m", "runtime"]:
             self.subprocesses["python -m runtime (the CLI)"] += 1

@@ -73,3 +73,16 @@ def test_an_xdist_session_prints_what_its_workers_started(tmp_path: Path) -> Non
     assert idle.get("other Python (drivers, helpers)", 0) >= 2  # the two workers themselves
     assert {k: n - idle.get(k, 0) for k, n in busy.items()} == {
         "other Python (drivers, helpers)": 2, "other programs": 2}
+
+
+def test_playbook_runs_are_counted_apart_from_other_programs() -> None:
+    """The issue's census names Ansible playbook runs: an ``ansible-playbook`` the tests start (by path, as
+    tests/hosts and tests/support/ansible.py do) is one, whatever its arguments; a program that only
+    mentions it is not. (The events as subprocess.Popen audits them: executable, args, cwd, env.)"""
+    census = Census()
+    census._audit("subprocess.Popen", ("/x/.venv-ops/bin/ansible-playbook",
+                                       ["/x/.venv-ops/bin/ansible-playbook", "-i", "inventory.json", "site.yml"],
+                                       None, None))
+    census._audit("subprocess.Popen", ("echo", ["echo", "ansible-playbook"], None, None))
+    assert dict(census.subprocesses) == {"ansible-playbook (playbook runs)": 1, "other programs": 1}
+    assert "  ansible-playbook (playbook runs)         1" in census.lines()
