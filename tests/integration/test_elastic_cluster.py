@@ -23,6 +23,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,11 +40,12 @@ from runtime.launch.setup import connect
 from runtime.launch.stream import StreamingFit
 from runtime.run import Resized
 from runtime.train.capacity import refresh_capacity
+from runtime.train.hold import HOLD_ENV, held_file, release_file
 from runtime.train.sample_log import SAMPLES_ENV
 from tests.support import job, wait_for
 from tests.support.behaviours import Behaviours
 from tests.support.calibration import scaled
-from tests.support.cluster import oldest_allowed_resume
+from tests.support.cluster import committed_steps, oldest_allowed_resume
 from tests.support.samples import coverage, kept_steps, off_the_deal, read_records, sizes
 from tests.support.trainer import train_in_process
 
@@ -157,6 +159,7 @@ def _exactly(slots: Path, count: int) -> None:
 # cut into 16-token windows, holds out ~10^5 of them: the end-of-run validation took minutes);
 # a commit every 3 of 12 steps.
 TP_STEPS, TP_INTERVAL = 12, 3
+TP_HOLD = 7  # the member is lost while every rank is held at step 7, steps 3 and 6 committed: 7 is redone
 # {min: 2, max: 4} / tp_size 2: 2 data-parallel ranks x 2 sequences at max, 1 x 2 x 2 accumulation at 2 workers.
 TP_GLOBAL_BATCH = 4
 TP = ["model.transformer.layers=2", "model.transformer.dim=32", "model.transformer.heads=4",
@@ -170,27 +173,42 @@ TP = ["model.transformer.layers=2", "model.transformer.dim=32", "model.transform
 
 
 def test_a_tensor_parallel_group_that_loses_a_member_restarts_from_its_last_commit_on_the_whole_groups_left(
-    slots: Path, storage: str
+    slots: Path, storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Three free slots: Ray's own policy would start 3 workers.
     _exactly(slots, NODES)
     cfg = job("gpt_small", storage, *TP)
     assert cfg.global_batch_size() == TP_GLOBAL_BATCH
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(HOLD_ENV, f"{TP_HOLD}:{hold}")  # to this run's workers (launch.setup._run_worker_env)
+    lost: list[int] = []  # the steps committed when the member was lost
+
+    def lose_a_member() -> None:
+        """SIGKILL of a node holding a worker, at the hold, once the save before it committed. Not added
+        back: the file's next runs use the two left."""
+        checkpoints = Path(storage) / "tp-elastic" / "checkpoints"
+        try:
+            wait_for(lambda: all(held_file(hold, TP_HOLD, r).exists() for r in range(2))
+                     and TP_HOLD - 1 in committed_steps(checkpoints), f"both ranks held at step {TP_HOLD}")
+            lost.append(committed_steps(checkpoints)[-1])
+            rc.remove_node(_node_holding_a_worker(slots), slots)
+        finally:
+            release_file(hold, TP_HOLD).touch()  # the survivor fails on its lost peer; the restart passes
+
     fit = StreamingFit(cfg, "tp-elastic", lockstep=True)
     events: list[Resized] = []
     fit.on_resize = lambda event, _step, _count: events.append(event)
     history: list[dict[str, Any]] = []
     free_at_start: float | None = None
-    killed_step = 0
+    killer = threading.Thread(target=lose_a_member, daemon=True)
+    killer.start()
     for item in fit.reports():
         history.append(item)
         if free_at_start is None and "step" in item:
             free_at_start = ray.available_resources().get(SLOT, 0)
-        if not killed_step and item.get("step", 0) >= 5:
-            # SIGKILL: one member of the TP group lost. Not added back: the file's next runs use the two left.
-            rc.remove_node(_node_holding_a_worker(slots), slots)
-            killed_step = item["step"]
+    killer.join(timeout=5)
     assert fit.error is None, fit.error
+    assert lost == [TP_HOLD - 1], lost
 
     # One whole group of 2 on three slots: the third slot stayed free (Ray alone would have taken it).
     sizes = [h["world_size"] for h in history if "world_size" in h]
@@ -198,11 +216,9 @@ def test_a_tensor_parallel_group_that_loses_a_member_restarts_from_its_last_comm
     assert free_at_start is not None and free_at_start >= 1, free_at_start
     # Every start, the restart included, was decided at 2 workers: any other size is a Resized event.
     assert events == [], events
-    # The restart resumed the last commit before the kill (docs/checkpoints.md's guarantee), same world size.
+    # The restart resumed exactly the last commit before the kill, at the same world size.
     resumes = [(h["resumed_from_step"], h.get("resized_from")) for h in history if "resumed_from_step" in h]
-    assert len(resumes) == 1 and resumes[0][1] is None, resumes
-    oldest = oldest_allowed_resume(killed_step, 0, TP_INTERVAL)
-    assert oldest <= resumes[0][0] <= killed_step + 1, (killed_step, resumes)
+    assert resumes == [(TP_HOLD - 1, None)], resumes
     assert all(h["samples_seen"] == h["step"] * TP_GLOBAL_BATCH for h in history if "samples_seen" in h)
     assert history[-1]["final"] and history[-1]["step"] == TP_STEPS, history[-1]
 
