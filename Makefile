@@ -119,10 +119,11 @@ TEST_TARGETS += lint
 # (test hosts, Terraform, linters) with make -j2, each suite's output printed whole when it ends.
 # 1: one after another, output streamed. Either way every suite runs (-k) and a failure fails the target.
 TEST_JOBS ?= 2
-# The Python suites are the longest and set make test's wall time; the others (and the venvs
-# they install) run beside them at this niceness and take the CPU the Python suites leave idle
-# (alone 71% of 2 cores busy). Run on their own (make test-hosts, make tf-check), nothing is niced.
-SIDE_NICE ?= 10
+# The niceness of the suites beside the Python ones (and the venvs they install). 0: since the test
+# hosts grew (27.6 min of a 38.4-min make test, 2026-11-30), that side's chain of suites, not the
+# Python suites (33.5), sets the wall time; at 10 it lost the CPU to anything at 0 beside it (two
+# busy loops: the Ansible tests 26.7 min against 4.8) on the longest path (docs/performance.md).
+SIDE_NICE ?= 0
 SYNC = $(if $(filter-out 1,$(TEST_JOBS)),--output-sync=target)
 # PYTEST_ARGS="--durations=0 -x": pytest's arguments, split on spaces, one quoted word each (as ARGS).
 PYTEST_WORDS = $(foreach a,$(PYTEST_ARGS),$(call q,$(a)))
