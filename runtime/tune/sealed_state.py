@@ -119,7 +119,7 @@ def verify_search_state(fs: Any, search_path: str, key: bytes) -> int:
     """Check every state file in a search folder before Tune reads any; returns how many were checked."""
     import pyarrow.fs as pafs
 
-    infos = fs.get_file_info(pafs.FileSelector(search_path, recursive=True, allow_not_found=True))
+    infos = fs.get_file_info(pafs.FileSelector(inner_path(search_path), recursive=True, allow_not_found=True))
     count = 0
     for info in infos:
         name = state_name(search_path, info.path)

@@ -119,3 +119,25 @@ def test_tune_is_given_paths_inside_its_filesystem_never_an_object_stores_uri(gi
     """pyarrow's object-store filesystems refuse a URI ("Expected a GCS object path of the form
     'bucket/key...'"): a search on gs:// failed at its first state read before Tune was given these."""
     assert inner_path(given) == inside
+
+
+def test_a_search_on_gs_is_sealed_and_verified_on_the_store(tmp_path: Path) -> None:
+    """A search on an object store (the GCS emulator): Tune writes its state through the filesystem the
+    driver hands it, at paths inside that filesystem; the check before a resume lists the search folder
+    the driver knows by its URI. That listing was given the URI and refused it (pyarrow: "Expected a GCS
+    object path of the form 'bucket/key...'"), so no search on a store could resume."""
+    from runtime.config.storage import parse_storage
+    from tests.support.object_stores import free_port, start_gcs_emulator, stop
+
+    port = free_port()
+    proc = start_gcs_emulator(port, "rt-state")
+    try:
+        storage = "gs://rt-state/searches"
+        search = f"{storage}/s1"
+        fs = sealed_filesystem(storage, search, parse_storage(storage).filesystem(f"http://127.0.0.1:{port}"))
+        _write(fs, f"{inner_path(search)}/tuner.pkl", b"state")
+        _write(fs, f"{inner_path(search)}/run_trial_1/error.pkl", b"err")
+        assert _read(fs, f"{inner_path(search)}/tuner.pkl") == b"state"
+        assert verify_sealed(fs) == 2
+    finally:
+        stop(proc)
