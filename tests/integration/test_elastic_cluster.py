@@ -23,7 +23,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,12 +39,13 @@ from runtime.launch.setup import connect
 from runtime.launch.stream import StreamingFit
 from runtime.run import Resized
 from runtime.train.capacity import refresh_capacity
-from runtime.train.hold import HOLD_ENV, held_file, release_file
+from runtime.train.hold import HOLD_ENV
 from runtime.train.sample_log import SAMPLES_ENV
 from tests.support import job, wait_for
 from tests.support.behaviours import Behaviours
 from tests.support.calibration import scaled
 from tests.support.cluster import committed_steps, oldest_allowed_resume
+from tests.support.held_run import fault_when_held
 from tests.support.samples import coverage, kept_steps, off_the_deal, read_records, sizes
 from tests.support.trainer import train_in_process
 
@@ -181,34 +181,22 @@ def test_a_tensor_parallel_group_that_loses_a_member_restarts_from_its_last_comm
     assert cfg.global_batch_size() == TP_GLOBAL_BATCH
     hold = tmp_path / "hold"
     monkeypatch.setenv(HOLD_ENV, f"{TP_HOLD}:{hold}")  # to this run's workers (launch.setup._run_worker_env)
-    lost: list[int] = []  # the steps committed when the member was lost
-
-    def lose_a_member() -> None:
-        """SIGKILL of a node holding a worker, at the hold, once the save before it committed. Not added
-        back: the file's next runs use the two left."""
-        checkpoints = Path(storage) / "tp-elastic" / "checkpoints"
-        try:
-            wait_for(lambda: all(held_file(hold, TP_HOLD, r).exists() for r in range(2))
-                     and TP_HOLD - 1 in committed_steps(checkpoints), f"both ranks held at step {TP_HOLD}")
-            lost.append(committed_steps(checkpoints)[-1])
-            rc.remove_node(_node_holding_a_worker(slots), slots)
-        finally:
-            release_file(hold, TP_HOLD).touch()  # the survivor fails on its lost peer; the restart passes
-
     fit = StreamingFit(cfg, "tp-elastic", lockstep=True)
     events: list[Resized] = []
     fit.on_resize = lambda event, _step, _count: events.append(event)
     history: list[dict[str, Any]] = []
     free_at_start: float | None = None
-    killer = threading.Thread(target=lose_a_member, daemon=True)
-    killer.start()
+    # SIGKILL of a node holding a worker. Not added back: the file's next runs use the two left.
+    killer, lost = fault_when_held(hold, TP_HOLD, 2, TP_HOLD - 1,
+                                   lambda: committed_steps(Path(storage) / "tp-elastic" / "checkpoints"),
+                                   lambda: rc.remove_node(_node_holding_a_worker(slots), slots))
     for item in fit.reports():
         history.append(item)
         if free_at_start is None and "step" in item:
             free_at_start = ray.available_resources().get(SLOT, 0)
     killer.join(timeout=5)
     assert fit.error is None, fit.error
-    assert lost == [TP_HOLD - 1], lost
+    assert [steps[-1] for steps in lost] == [TP_HOLD - 1], lost
 
     # One whole group of 2 on three slots: the third slot stayed free (Ray alone would have taken it).
     sizes = [h["world_size"] for h in history if "world_size" in h]

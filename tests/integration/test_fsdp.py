@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,11 @@ import torch
 
 from runtime.checkpoint import CheckpointReader, open_storage
 from runtime.layout import search_paths, trial_checkpoints, trial_storage
-from runtime.train.hold import HOLD_ENV, held_file, release_file
-from tests.support import job, wait_for
+from runtime.train.hold import HOLD_ENV
+from tests.support import job
 from tests.support.behaviours import Behaviours
 from tests.support.cluster import train_worker_pids
+from tests.support.held_run import fault_when_held
 from tests.support.object_stores import free_port, start_gcs_emulator, stop
 from tests.support.trainer import train_ranks
 
@@ -91,21 +91,10 @@ def test_an_fsdp_trial_on_gs_whose_worker_dies_is_restarted_by_tune_and_ends_bit
               "tune.space={optimizer.lr: {choice: [0.001]}}")  # the job's own rate: the reference's
     trials = trial_storage(search_paths(cfg, "fsdp-kill")[1])
     before = FSDP_HOLD - FSDP_INTERVAL
-    killed: list[list[int]] = []  # the steps committed when the worker was killed
-
-    def killer() -> None:
-        try:
-            wait_for(lambda: all(held_file(hold, FSDP_HOLD, r).exists() for r in range(2))
-                     and before in _committed_on_store(trials, gcs), f"both ranks held at step {FSDP_HOLD}")
-            killed.append(_committed_on_store(trials, gcs))
-            os.kill(train_worker_pids()[-1], signal.SIGKILL)
-        finally:
-            release_file(hold, FSDP_HOLD).touch()  # the restarted trial passes the hold (and nothing waits forever)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
     from runtime.tune import tune
 
+    t, killed = fault_when_held(hold, FSDP_HOLD, 2, before, lambda: _committed_on_store(trials, gcs),
+                                lambda: os.kill(train_worker_pids()[-1], signal.SIGKILL))
     out = tune(cfg, "fsdp-kill", show_progress=False)
     t.join(timeout=5)
     (trial,) = out.trials

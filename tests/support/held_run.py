@@ -1,5 +1,6 @@
 """A ``python -m runtime train`` driver started as a terminal starts it, its ranks held at a known step
-(the trainer's test barrier, runtime.train.hold) until the test has injected its fault."""
+(the trainer's test barrier, runtime.train.hold) until the test has injected its fault; and the fault
+injected at a held step beside a run the test drives itself (``fault_when_held``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from runtime.train.hold import HOLD_ENV, held_file
+from runtime.train.hold import HOLD_ENV, held_file, release_file
 from tests.support import ROOT, wait_for
 from tests.support.calibration import scaled
 
@@ -44,3 +47,26 @@ def finish(proc: subprocess.Popen[str], release: Path) -> str:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def fault_when_held(hold: Path, step: int, ranks: int, before: int, committed: Callable[[], list[int]],
+                    fault: Callable[[], None]) -> tuple[threading.Thread, list[list[int]]]:
+    """A thread that, once every one of ``ranks`` waits at ``step`` and the save of ``before`` is among
+    ``committed()`` (saves are asynchronous), injects ``fault`` and lets the hold go: the survivors fail on
+    the lost peer, the restart passes the hold. The hold goes whatever happens (a run that failed early,
+    the hang guard's TimeoutError), so the run never waits on the test. The list gets the steps committed
+    at the fault, once it is injected."""
+    at_fault: list[list[int]] = []
+
+    def inject() -> None:
+        try:
+            wait_for(lambda: all(held_file(hold, step, r).exists() for r in range(ranks)) and before in committed(),
+                     f"every rank held at step {step}, step {before} committed")
+            at_fault.append(committed())
+            fault()
+        finally:
+            release_file(hold, step).touch()
+
+    thread = threading.Thread(target=inject, daemon=True)
+    thread.start()
+    return thread, at_fault
