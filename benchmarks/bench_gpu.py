@@ -34,6 +34,12 @@ windows (warm-up and compilation left out), each with the peak GPU memory of its
   a checkpoint (``BENCH_GPU_RECOVERY_KILLS``, 3) -> the next trained step, split into the restart
   timeline's phases (detection, teardown, group start, restore, first step from the warm compile
   cache). Goal: <= 15 s.
+- ``checkpoint``: the ResNet-50 job's state on the GPU (``bench_checkpoint.device_part``, no Ray):
+  ``CheckpointManager.save``'s stall, the snapshot into reused pinned buffers, against a blocking save
+  (goal: <= 0.05) and against one tensor of the same size copied into pinned memory (the bus's ceiling:
+  what the per-tensor copies cost over it); training steps while the write runs against the same steps
+  without it; the sharded save's stall (FSDP2 on a one-rank group, torch's pinned stager) against a
+  blocking sharded save (goal: <= 0.05).
 
 Both sides are timed the same way: the device is synced before the clock is read at the edges
 of every window (the runtime's boundary does the same). A ratio above ``SUSPECT_RATIO`` is
@@ -72,7 +78,7 @@ STEPS = int(os.environ.get("BENCH_GPU_STEPS", "60"))  # measured steps a variant
 WARMUP = int(os.environ.get("BENCH_GPU_WARMUP", "15"))
 ROUNDS = int(os.environ.get("BENCH_GPU_ROUNDS", "2"))
 JPEGS = int(os.environ.get("BENCH_GPU_JPEGS", "2048"))
-PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch", "microbatch_fsdp", "recovery", "tp")
+PARTS = ("synthetic", "fsdp", "jpeg", "gpt", "microbatch", "microbatch_fsdp", "recovery", "tp", "checkpoint")
 RECOVERY_KILLS = int(os.environ.get("BENCH_GPU_RECOVERY_KILLS", "3"))
 RECOVERY_INTERVAL = 20  # steps between checkpoints in the recovery part (~1 s of compiled ResNet-50 on an H200)
 CLASSES = 1000
@@ -629,6 +635,23 @@ def part_recovery(device: torch.device, storage: str, use_gpu: bool) -> dict[str
             **result, "goal": "SIGKILL -> next trained step <= 15 s with warm caches"}
 
 
+def part_checkpoint(device: torch.device, results_dir: Path) -> dict[str, Any]:
+    """The checkpoint stall of a job whose state lives on the GPU (benchmarks.bench_checkpoint.device_part):
+    the model's ResNet-50 state, snapshots into reused pinned buffers, no Ray run."""
+    from benchmarks.bench_checkpoint import device_part
+
+    sets = (f"model.name={MODEL}", f"data.image_size={IMAGE}")
+    with one_rank_group(device):  # the sharded save's FSDP2 mesh
+        result = device_part(device, BATCH, results_dir, 2 * ROUNDS + 1, sets=sets)  # 5 rounds by default
+    _release(device)
+    return {"description": f"{MODEL} {IMAGE}x{IMAGE} job state ({result['state_mb']} MB: weights, momentum, "
+                           f"RNG), batch {BATCH}: CheckpointManager.save's stall (snapshot into reused pinned "
+                           "buffers) against a blocking save and against one tensor of the same size copied to "
+                           "pinned memory; training steps while the write runs against the same steps without "
+                           "it; the sharded save's stall under FSDP2 on a one-rank group",
+            **result, "goal": "stall/blocking save <= 0.05, plain and sharded"}
+
+
 def suspect_ratios(result: dict[str, Any]) -> list[str]:
     """Ratios over a baseline (runtime, FSDP, guarded step) above SUSPECT_RATIO: measurement errors to explain."""
     out = []
@@ -659,6 +682,15 @@ def markdown(result: dict[str, Any]) -> str:
             groups = ", ".join(f"{k} {medians[k]} s" for k in PHASE_GROUPS if k in medians)
             lines.append(f"| recovery ({body.get('recoveries_seen')} of {body.get('kills')} kills) | SIGKILL -> "
                          f"next trained step | {body.get('recovery_seconds_median')} s median | | {groups} |")
+            continue
+        if part == "checkpoint" and "stall_seconds_median" in body:
+            sharded = body.get("sharded", {})
+            lines.append(f"| checkpoint ({body.get('repeats')} rounds, {body.get('state_mb')} MB) | stall: plain, "
+                         f"sharded | {body['stall_seconds_median']} s, {sharded.get('stall_seconds_median')} s | | "
+                         f"stall_over_sync {body.get('stall_over_sync_ratio')}, stall_over_copy_ceiling "
+                         f"{body.get('stall_over_copy_ceiling_ratio')}, steps_during_write_over_plain "
+                         f"{body.get('steps_during_write_over_plain_ratio')}, sharded stall_over_blocking "
+                         f"{sharded.get('stall_over_blocking_ratio')} |")
             continue
         if "skipped" in body:
             lines.append(f"| {part} | skipped: {body['skipped']} | | | |")
@@ -702,7 +734,9 @@ def run(results_dir: Path) -> dict[str, Any]:
     result.update({"device": name, "torch": torch.__version__, "cuda": torch.version.cuda})
     for part in parts:
         t0 = time.perf_counter()
-        if part in ("jpeg", "fsdp"):
+        if part == "checkpoint":
+            result[part] = part_checkpoint(device, results_dir)
+        elif part in ("jpeg", "fsdp"):
             result[part] = {"jpeg": part_jpeg, "fsdp": part_fsdp}[part](device, storage, use_gpu, results_dir)
         elif part == "tp":  # no runtime run: nothing stored
             result[part] = part_tp(device, use_gpu)

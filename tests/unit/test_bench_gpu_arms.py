@@ -122,3 +122,27 @@ def test_a_part_that_needs_more_gpus_says_it_skipped_and_a_guard_faster_than_no_
     assert "| microbatch_fsdp | skipped: needs 2 GPUs, found 1" in table
     assert bench_gpu.suspect_ratios({"microbatch_fsdp": {"ratio": {"guarded_over_unguarded": 1.05}}})
     assert not bench_gpu.suspect_ratios({"microbatch_fsdp": {"ratio": {"guarded_over_unguarded": 0.98}}})
+
+
+def test_checkpoint_part_saves_weights_and_momentum_plain_and_sharded_and_cleans_up(
+        small: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from runtime.config import ModelConfig, load_job
+    from runtime.train.model_zoo import build_model
+
+    monkeypatch.setattr(bench_gpu, "ROUNDS", 1)
+    result = bench_gpu.part_checkpoint(CPU, tmp_path)
+    classes = load_job("resnet50", [], environ={}).data.num_classes
+    params = sum(p.numel() * p.element_size() for p in build_model(ModelConfig(name="resnet18"), classes, 3, 32)
+                 .parameters())
+    # Weights and SGD momentum, plain and sharded (one rank holds every shard); buffers and RNG are small.
+    for state_mb in (result["state_mb"], result["sharded"]["state_mb"]):
+        assert 2 * params / 1e6 <= state_mb <= 2.1 * params / 1e6
+    assert result["repeats"] == 3 and result["sharded"]["rounds"] == 3
+    assert len(result["samples"]["steps_during_write_s"]) == 3 and result["steps_during_write"] >= 1
+    for ratio in ("stall_over_sync_ratio", "stall_over_copy_ceiling_ratio", "steps_during_write_over_plain_ratio"):
+        assert result[ratio] > 0
+    assert result["sharded"]["stall_over_blocking_ratio"] > 0
+    table = bench_gpu.markdown({"device": "cpu", "torch": "", "cuda": None, "checkpoint": result})
+    assert "| checkpoint (3 rounds, " in table and "sharded stall_over_blocking" in table
+    assert not dist.is_initialized()
+    assert not list(tmp_path.iterdir())  # its checkpoints and staging folders are gone
