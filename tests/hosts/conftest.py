@@ -28,15 +28,16 @@ import lab as labmod  # noqa: E402
 
 ANSIBLE_DIR = labmod.ROOT / "ansible"
 OPS_BIN = Path(sys.executable).parent
-TIMINGS: dict[str, float] = {}
+TIMINGS: dict[str, float] = {}  # seconds, and counts (steps redone, group starts) as ints
 NOTES: dict[str, str] = {}  # what a figure alone does not say (why a step took the path it took)
 
 
 def pytest_terminal_summary(terminalreporter):
     if TIMINGS:
         terminalreporter.section("nspawn lab timings")
-        for key, seconds in TIMINGS.items():
-            terminalreporter.write_line(f"{key:<40} {seconds:7.1f} s")
+        for key, value in TIMINGS.items():
+            terminalreporter.write_line(f"{key:<40} {value:7d}" if isinstance(value, int) else
+                                        f"{key:<40} {value:7.1f} s")
         for key, note in NOTES.items():
             terminalreporter.write_line(f"{key}: {note}")
         # For `make bench BENCH=selfheal` (benchmarks/bench_selfheal.py), which reads them back.
