@@ -136,6 +136,14 @@ def _held_nodes() -> list[dict[str, Any]]:
     return held
 
 
+def _train_workers_on(node_id: str) -> list[Any]:
+    """The live Ray Train workers Ray's state API places on ``node_id``."""
+    from ray.util.state import list_actors
+
+    return list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"),
+                                ("node_id", "=", node_id)])
+
+
 def _node_holding_a_worker(slots: Path) -> int:
     """The index (runtime.cluster) of an extra node whose slot a worker holds."""
     return _index(slots, _held_nodes()[0])
@@ -338,14 +346,18 @@ def test_an_elastic_run_shrinks_on_a_lost_node_grows_on_its_return_and_goes_on_a
             # Back once the smaller group has committed a step of its own: the regrown group then
             # resumes its checkpoint, resharded from 1 worker to 2 (an earlier return resumed the
             # max-size one, and the smaller group's steps were dropped: no resize left in the kept steps).
+            before = {n["NodeID"] for n in _slot_nodes()}
             rc.add_node(slots, num_cpus=2, resources={SLOT: 1})  # the run waits meanwhile (lockstep)
-            # The returning node's slot is free before the run goes on: how long a raylet takes to join
-            # a loaded machine is then outside the race below (the run must not end before it grows).
-            wait_for(lambda: ray.available_resources().get(SLOT, 0) >= 1, f"the returning node's free {SLOT}")
+            # add_node returns once the head lists the node; Ray Train's resize check may take its slot
+            # at once, so the node is named by its ID, never by its slot being seen free first (on a
+            # loaded host the group took it before that poll, and the test held the run past gloo's
+            # 60-s timeout waiting for a free slot that came back only when the group died).
+            wait_for(lambda: len(_slot_nodes()) > len(before), "the returning node listed")
+            returned = next(n["NodeID"] for n in _slot_nodes() if n["NodeID"] not in before)
             rejoined_at = at
-            # The run stays at this report until a larger group holds the returning slot: it grows at a
+            # The run stays at this report until a Train worker runs on the returning node: it grows at a
             # step known here, whatever the host's load, with the run's steps left for the drain.
-            wait_for(lambda: ray.available_resources().get(SLOT, 0) < 1, f"a group on the returning node's {SLOT}")
+            wait_for(lambda: bool(_train_workers_on(returned)), "a Train worker on the returning node", interval=0.5)
         elif rejoined_at and not grown_at and world == FAMILY_MAX:
             grown_at = at
         elif grown_at and not drained_at and world == FAMILY_MAX and step >= history[grown_at - 1]["step"] + 5:

@@ -67,15 +67,16 @@ def tmpfs(mount: Path, size_mib: int) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def wait_for(pred: Callable[[], bool], what: str, timeout: float = 240) -> None:
-    """Poll ``pred`` every 50 ms; TimeoutError naming ``what`` after ``timeout`` seconds of a quiet host,
-    stretched by how slow this one is (tests.support.calibration): a hang guard, never the behaviour."""
+def wait_for(pred: Callable[[], bool], what: str, timeout: float = 240, interval: float = 0.05) -> None:
+    """Poll ``pred`` every ``interval`` seconds (longer for a costly one, a state API query); TimeoutError
+    naming ``what`` after ``timeout`` seconds of a quiet host, stretched by how slow this one is
+    (tests.support.calibration): a hang guard, never the behaviour."""
     start = time.monotonic()
     while not pred():
         elapsed = time.monotonic() - start
         if elapsed > timeout and elapsed > scaled(timeout):
             raise TimeoutError(f"gave up waiting for {what} after {elapsed:.0f} s ({timeout:g} s on a quiet host)")
-        time.sleep(0.05)
+        time.sleep(interval)
 
 
 # Ray Train's preemption watcher (checkpoint.on_node_drain) costs a 2-worker run 3.8 CPU-seconds
