@@ -352,7 +352,7 @@ def test_an_elastic_run_shrinks_on_a_lost_node_grows_on_its_return_and_goes_on_a
             # at once, so the node is named by its ID, never by its slot being seen free first (on a
             # loaded host the group took it before that poll, and the test held the run past gloo's
             # 60-s timeout waiting for a free slot that came back only when the group died).
-            wait_for(lambda: len(_slot_nodes()) > len(before), "the returning node listed")
+            wait_for(lambda: any(n["NodeID"] not in before for n in _slot_nodes()), "the returning node listed")
             returned = next(n["NodeID"] for n in _slot_nodes() if n["NodeID"] not in before)
             rejoined_at = at
             # The run stays at this report until a Train worker runs on the returning node: it grows at a
