@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_gpu import _sync
 from runtime.train.resume import Trainables, build_payload
 
 REPEATS = 9
@@ -226,11 +227,6 @@ def sharded(results_dir: Path) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"world_size": SHARDED_WORLD, **sharded_summary(got)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed_steps(job: Job, n: int) -> float:
