@@ -59,10 +59,12 @@ def test_a_node_that_joins_is_given_spares_before_work_is_placed_on_it(cluster: 
     node = rc.add_node(cdir, num_cpus=2, resources={slot: 1})
     try:
         [joined] = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(slot)]
-        # One worker fits (one slot): one spare, started with no work on the node yet.
+        # One worker fits (one slot): one spare, started with no work on the node yet. It is waited for
+        # idle in the raylet's pool: a spare still starting when the actor is asked for is not given it
+        # (Ray starts another process for the actor; seen under load, both registering at once).
         raylet = psutil.Process(int(node["pid"]))
-        wait_for(lambda: bool(workers_on(raylet)), "a spare on the joining node", 60)
-        spares = workers_on(raylet)
+        wait_for(lambda: bool(workers_on(raylet, env["env_vars"], idle=True)), "an idle spare on the joining node", 60)
+        spares = workers_on(raylet, env["env_vars"], idle=True)
         worker = Worker.options(runtime_env=env, scheduling_strategy=NodeAffinitySchedulingStrategy(
             joined, soft=False)).remote()
         pid = ray.get(worker.pid.remote(), timeout=60)
