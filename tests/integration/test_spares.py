@@ -17,7 +17,7 @@ import pytest
 
 from runtime import cluster as rc
 from tests.support import wait_for
-from tests.support.cluster import workers_on
+from tests.support.cluster import idle_workers_on
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +63,8 @@ def test_a_node_that_joins_is_given_spares_before_work_is_placed_on_it(cluster: 
         # idle in the raylet's pool: a spare still starting when the actor is asked for is not given it
         # (Ray starts another process for the actor; seen under load, both registering at once).
         raylet = psutil.Process(int(node["pid"]))
-        wait_for(lambda: bool(workers_on(raylet, env["env_vars"], idle=True)), "an idle spare on the joining node", 60)
-        spares = workers_on(raylet, env["env_vars"], idle=True)
+        wait_for(lambda: bool(idle_workers_on(raylet, env["env_vars"])), "an idle spare on the joining node", 60)
+        spares = idle_workers_on(raylet, env["env_vars"])
         worker = Worker.options(runtime_env=env, scheduling_strategy=NodeAffinitySchedulingStrategy(
             joined, soft=False)).remote()
         pid = ray.get(worker.pid.remote(), timeout=60)

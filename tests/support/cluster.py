@@ -124,18 +124,17 @@ def train_worker_pids(job_id: str | None = None) -> list[int]:
     return sorted(a.pid for a in list_actors(filters=filters))
 
 
-def workers_on(raylet: psutil.Process, env: Mapping[str, str] | None = None, *, idle: bool = False) -> set[int]:
-    """Ray worker processes under a node's raylet (not its agents, not the raylet, whose command line
-    names the worker's script too): idle ones (``ray::IDLE``) and, unless ``idle``, ones still starting.
-    With ``env``, only those whose environment holds it: a runtime_env's ``env_vars`` say whose they are
-    (a spare of one run, not an idle worker another test's job left behind)."""
+def idle_workers_on(raylet: psutil.Process, env: Mapping[str, str]) -> set[int]:
+    """Idle Ray worker processes (``ray::IDLE``: registered in the raylet's pool, so the next matching
+    actor is given one) under a node's raylet whose environment holds ``env``: a runtime_env's
+    ``env_vars`` say whose they are (a spare of one run, not an idle worker another test's job left
+    behind). A process still starting is not counted: an actor asked for before it registers gets a
+    new process instead."""
     found = set()
     for p in raylet.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             cmd = p.cmdline()
-            starting = not idle and any(a.endswith("default_worker.py") for a in cmd[1:2])
-            if cmd and (cmd[0].startswith("ray::IDLE") or starting) and (
-                    env is None or env.items() <= p.environ().items()):
+            if cmd and cmd[0].startswith("ray::IDLE") and env.items() <= p.environ().items():
                 found.add(p.pid)
     return found
 

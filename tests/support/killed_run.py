@@ -36,7 +36,7 @@ from runtime.observe import traces
 from runtime.train.hold import HOLD_ENV, RELEASE_FILE, held_file, release_file
 from tests.support import ROOT, wait_for
 from tests.support.calibration import scaled
-from tests.support.cluster import Kill, committed_steps, train_worker_pids, workers_on
+from tests.support.cluster import Kill, committed_steps, idle_workers_on, train_worker_pids
 from tests.support.recovery import BASE
 
 RUN = "kills"
@@ -133,7 +133,7 @@ def _make(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
         raylets = {r for pid in first_group if (r := psutil.Process(pid).parent()) is not None}
 
         def spares() -> set[int]:
-            return set().union(*(workers_on(r, held, idle=True) for r in raylets))
+            return set().union(*(idle_workers_on(r, held) for r in raylets))
 
         wait_for(lambda: len(spares()) >= WORKERS, "the first group's spares idle under its raylets")
         spare_starts = [psutil.Process(pid).create_time() for pid in spares()]
