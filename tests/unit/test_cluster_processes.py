@@ -93,9 +93,24 @@ def _gone(pid: int) -> bool:
     return not running(pid)
 
 
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
 def _children(pid: int, count: int = 1) -> list[int]:
-    """The ``count`` processes the shell ``pid`` starts, once they all run."""
-    wait_for(lambda: len(descendants(pid)) >= count, f"the children of {pid}", timeout=30)
+    """The ``count`` processes the shell ``pid`` starts, once each has exec'd its program: a forked
+    child runs the shell, under the shell's name, until it does (seen under load: a fake gcs_server
+    still named ``sh``)."""
+    shell = _exe(pid)
+
+    def started() -> bool:
+        kids = descendants(pid)
+        return len(kids) >= count and all(_exe(k) not in (None, shell) for k in kids)
+
+    wait_for(started, f"the children of {pid} to exec", timeout=30)
     return descendants(pid)
 
 
