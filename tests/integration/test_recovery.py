@@ -105,10 +105,10 @@ def test_worker_kills_resume_from_the_last_commit_before_the_kill_and_end_bit_id
         oldest = oldest_allowed_resume(last, committed, INTERVAL)
         seen.check(f"{name}: redid no more than the guarantee", resumed >= oldest,
                    f"redid {last - resumed} steps: resumed from {resumed}, older than {oldest}")
-        # A dead peer fails the group at once (a SIGKILLed peer's socket closes; gloo's timeout is the job's
-        # 10 s, Ray polls every 0.25 s), not after a hang: the kill to the next step is a restart, which does
-        # what the start-up did after a teardown. A collective left to gloo's 30-min default would be
-        # dozens of start-ups even in the slowest hour.
+        # A dead peer fails the group at once (a SIGKILLed peer's socket closes; Ray polls every 0.25 s; the
+        # job's 60-s gloo timeout is not what ends it), not after a hang: the kill to the next step is a
+        # restart, which does what the start-up did after a teardown. A collective left to gloo's 30-min
+        # default would be dozens of start-ups even in the slowest hour.
         seen.check(f"{name}: the next step came within {RESTART_IN_STARTUPS} start-ups, not after a hang",
                    first_after - killed_at < RESTART_IN_STARTUPS * startup,
                    f"{first_after - killed_at:.0f} s from the kill to the next step; the start-up took {startup:.0f} s")

@@ -19,7 +19,7 @@ MAX_STEPS = 200  # steps take ~20 ms here
 # Small, fast and deterministic: 2 workers x 32 per worker = 64 samples per step. ``log_every_steps=1``
 # makes the report history show every step: steps redone and lost are counted from it.
 BASE = ("model.name=mlp", "tracking.mlflow=false", "tracking.prometheus=false", "train.log_every_steps=1",
-        "train.deterministic=true", "distributed.timeout_s=10", "schedule.warmup_steps=0",
+        "train.deterministic=true", "distributed.timeout_s=60", "schedule.warmup_steps=0",
         # Ray Train notices dead workers (and registers checkpoints) at its poll period.
         "distributed.poll_interval_s=0.25", f"train.max_steps={MAX_STEPS}")
 
