@@ -5,9 +5,11 @@ The runtime only needs an address: ``RAY_ADDRESS`` wins, else the state that
 
 - ``state_file``: the state file, port settings and ``ClusterError``, which every module reads.
 - ``connect``: what a client needs (Ray address, ``authenticate``, MLflow URI, Prometheus discovery).
-- ``local``: the local embedded cluster (``python -m runtime cluster up|down|status``, extra raylets).
+- ``local``: the local embedded cluster (``python -m runtime cluster up|down|status``).
+- ``nodes``: extra raylets on this machine beside the local head (a multi-node cluster for tests).
 - ``services``: MLflow, node exporter and Prometheus beside the local Ray head.
-- ``processes``: spawning and stopping exactly the processes the local cluster started.
+- ``processes``: spawning, waiting for and stopping exactly the processes the local cluster started.
+- ``gcs_watchdog``: with GCS fault tolerance, restarts a dead GCS (and ``restart_gcs`` crashes one).
 - ``allreduce_check``: the health gate's timed all-reduce between two nodes (``python -m
   runtime.cluster.allreduce_check``); self-contained, as the playbook copies it to the head.
 """
@@ -20,7 +22,8 @@ from runtime.cluster.connect import (
     tracking_uri,
     use_cluster_auth,
 )
-from runtime.cluster.local import add_node, down, ray_temp_dir, remove_node, status, up
+from runtime.cluster.local import down, ray_temp_dir, status, up
+from runtime.cluster.nodes import add_node, remove_node
 from runtime.cluster.state_file import DEFAULT_PORTS, ROOT, ClusterError, load_state
 
 __all__ = [

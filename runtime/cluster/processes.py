@@ -1,7 +1,8 @@
 """Processes the local cluster starts and stops: spawn in a group of its own, wait, kill exactly that.
 
 Every service runs in its own process group (``start_new_session``), so stopping a service
-is killing its group, and nothing else on the machine.
+is killing its group, and nothing else on the machine. A start-up is waited for while it makes
+progress (``wait_started``), read from /proc as the rest of this module does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,40 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphaned GCS is reaped by init, or lingers as one)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def group_members(pgid: int, name: str | None = None) -> list[int]:
+    """Live processes of process group ``pgid`` (with the command name ``name`` when given)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        pid = int(proc.name)
+        try:
+            if os.getpgid(pid) != pgid or not running(pid):
+                continue
+        except (OSError, ProcessLookupError):
+            continue
+        if name is None or comm(pid) == name:
+            out.append(pid)
+    return out
+
+
+def comm(pid: int) -> str:
+    """The process's command name (``/proc/<pid>/comm``); empty once it is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def port_open(host: str, port: int) -> bool:
@@ -129,3 +165,62 @@ def kill_group_leftovers(pgid: int) -> None:
                 os.kill(int(proc.name), signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             continue
+
+
+# How the local cluster's start-ups are waited for: by progress, not by a clock. A process group that
+# has used no CPU and written nothing to its log for STALL_S is hung, however loaded the host (a starved
+# process still gets CPU every few seconds); one that keeps progressing is waited for, up to
+# START_CEILING_S, past which it is spinning rather than starting. A start-up whose process has died
+# fails at once.
+STALL_S = 120.0
+START_CEILING_S = 1800.0
+
+
+def _group_cpu_ticks(pgid: int) -> int | None:
+    """CPU clock ticks used so far by the live processes of process group ``pgid``; None when none is left."""
+    total, found = 0, False
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # After the parenthesised command: state, ppid, pgrp, ... utime and stime at 11 and 12.
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 12 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            total += int(fields[11]) + int(fields[12])
+            found = True
+    return total if found else None
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1].strip() if lines else "(nothing logged)"
+
+
+def wait_started(check: Callable[[], bool], what: str, pid: int, log: Path, *, leader_exits: bool = False,
+                 stall_s: float = STALL_S, ceiling_s: float = START_CEILING_S) -> None:
+    """Return once ``check()`` holds, waiting as long as the start-up of ``pid``'s process group progresses.
+
+    ClusterError naming ``what`` and the log's last line: at once when ``pid`` has died (or, with
+    ``leader_exits``, as ``ray start`` without ``--block`` does, when its whole group has), after
+    ``stall_s`` with no CPU used and nothing logged, or after ``ceiling_s`` in all."""
+    start = last_change = time.monotonic()
+    last: tuple[int | None, int] | None = None
+    while not check():
+        ticks = _group_cpu_ticks(pid)
+        if ticks is None if leader_exits else not running(pid):
+            raise ClusterError(f"{what} exited during start-up: {_last_line(log)} (see {log})")
+        now = time.monotonic()
+        progress = (ticks, log.stat().st_size if log.exists() else 0)
+        if progress != last:
+            last, last_change = progress, now
+        elif now - last_change > stall_s:
+            raise ClusterError(f"{what} made no progress for {stall_s:.0f} s (no CPU used, nothing logged): "
+                               f"{_last_line(log)} (see {log})")
+        if now - start > ceiling_s:
+            raise ClusterError(f"{what} did not come up within {ceiling_s:.0f} s: {_last_line(log)} (see {log})")
+        time.sleep(0.5)

@@ -99,7 +99,7 @@ def test_make_cluster_up_then_down_leaves_no_process_behind(tmp_path: Path) -> N
 
         # Both raylets write into one session folder: with a log monitor on each node, every line
         # reached the driver once per node.
-        from runtime.cluster.local import auth_env
+        from runtime.cluster.nodes import auth_env
 
         printed = verbose_driver_output({**env, **auth_env(cdir), "RAY_ADDRESS": state["ray"]["address"]})
         assert "nodes 2" in printed, printed[-3000:]

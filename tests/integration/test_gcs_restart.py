@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from runtime.cluster import ray_temp_dir
-from runtime.cluster.gcs_watchdog import running
+from runtime.cluster.processes import running
 from runtime.cluster.services import redis_bin
 from runtime.observe.history import read_history
 from runtime.observe.mlflow_upload import SyncState
@@ -61,7 +61,7 @@ KILL_STEP = 21
 KILLER = """
 import sys, time
 from pathlib import Path
-from runtime.cluster.local import gcs_pid, restart_gcs
+from runtime.cluster.gcs_watchdog import gcs_pid, restart_gcs
 from runtime.train.hold import RELEASE_FILE, held_file
 hold, step = Path(sys.argv[1]), int(sys.argv[2])
 while not held_file(hold, step, 0).exists():
@@ -252,7 +252,7 @@ def test_no_process_of_a_gcs_ft_cluster_carries_a_redis_credential_on_its_comman
         port = int(state["redis"]["address"].rsplit(":", 1)[1])
         assert int(redis_says(port, "DBSIZE", tls_dir=tls)[0].lstrip(":")) > 0  # the GCS's tables are there
         assert redis_credentials_in_argv(key) == []
-        restarted = subprocess.run([sys.executable, "-c", "from runtime.cluster.local import restart_gcs; "
+        restarted = subprocess.run([sys.executable, "-c", "from runtime.cluster.gcs_watchdog import restart_gcs; "
                                     "print(restart_gcs())"], cwd=ROOT, env=ft_cluster, capture_output=True,
                                    text=True, timeout=300)
         assert restarted.returncode == 0, restarted.stderr[-3000:]

@@ -17,26 +17,21 @@ from pathlib import Path
 import pytest
 
 from runtime.cluster import ClusterError, down, load_state, ray_temp_dir, remove_node, status
-from runtime.cluster.gcs_watchdog import GCS_FILE, group_members, running, write_gcs_pid
-from runtime.cluster.local import (
-    _add_node,
-    _last_line,
-    _listed,
-    _started,
-    auth_env,
-    gcs_pid,
-    restart_gcs,
-    wait_started,
-)
+from runtime.cluster.gcs_watchdog import GCS_FILE, gcs_pid, restart_gcs, write_gcs_pid
+from runtime.cluster.nodes import _add_node, _listed, _started, auth_env
 from runtime.cluster.processes import (
+    _last_line,
     alive,
     descendants,
+    group_members,
     http_ok,
     kill,
     kill_group_leftovers,
     port_open,
+    running,
     spawn,
     venv_bin,
+    wait_started,
     wait_until,
 )
 from runtime.cluster.state_file import STATE_FILE, save_state

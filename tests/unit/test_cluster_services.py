@@ -18,8 +18,7 @@ import pytest
 import yaml
 
 from runtime.cluster import down, status, up
-from runtime.cluster.gcs_watchdog import running
-from runtime.cluster.processes import spawn
+from runtime.cluster.processes import running, spawn
 from runtime.cluster.services import prometheus_config, redis_tls_env
 from runtime.cluster.state_file import save_state
 from tests.support import ROOT, free_port, wait_for

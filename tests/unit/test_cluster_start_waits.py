@@ -1,4 +1,4 @@
-"""How the local cluster waits for what it starts (runtime.cluster.local.wait_started): on progress, not on a clock.
+"""How the local cluster waits for what it starts (runtime.cluster.processes.wait_started): on progress, not on a clock.
 
 Real processes, no Ray: a start-up that has died fails at once with its log's last line, one that keeps
 working is waited for past any stall guard, and one that does nothing is named as hung.
@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cluster.gcs_watchdog import running
-from runtime.cluster.local import wait_started
-from runtime.cluster.processes import spawn
+from runtime.cluster.processes import running, spawn, wait_started
 from runtime.cluster.state_file import ClusterError
 from tests.support import wait_for
 from tests.support.calibration import scaled

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cluster.gcs_watchdog import GCS_FILE, read_gcs_pid, running
+from runtime.cluster.gcs_watchdog import GCS_FILE, read_gcs_pid
 from runtime.cluster.local import gcs_ft_requested
-from runtime.cluster.processes import kill
+from runtime.cluster.processes import kill, running
 from runtime.cluster.services import redis_bin, redis_up
 from tests.support import ROOT, free_port, wait_for
 from tests.support.redis import redis_says
