@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from runtime.observe import logs, traces
+from runtime.observe import logs, logs_sources, traces
 from runtime.observe.history import read_history
 from tests.support.cluster import oldest_allowed_resume
 from tests.support.killed_run import HOLD_AT, INTERVAL, RUN, killed_run
@@ -54,9 +54,9 @@ def killed_worker(traced: dict[str, Any]) -> tuple[int, str]:
     files = [p for s in sessions for p in s.glob(f"worker-*-{traced['killed']}.*")]
     assert files, f"no Ray worker file of pid {traced['killed']}"
     worker_id = files[0].name.split("-")[1]
-    raw = list(logs._ray_files([traced["ray_logs"]], None, []))
+    raw = list(logs_sources._ray_files([traced["ray_logs"]], None, []))
     ranks = {item["world_rank"] for f in raw if f.program.endswith(worker_id) for _, line in f.lines
-             if (item := logs._as_json(line)) and isinstance(item.get("world_rank"), int)}
+             if (item := logs_sources._as_json(line)) and isinstance(item.get("world_rank"), int)}
     assert len(ranks) == 1, ranks
     return ranks.pop(), worker_id
 
