@@ -4,8 +4,9 @@
 background thread, commits with a manifest of sha256 hashes written last, and on
 restore skips any folder that does not verify. Files load with ``weights_only=True``.
 ``CheckpointReader`` lists, verifies and loads without writing: read-only callers use it.
-Under FSDP every rank writes its own shards (``save_sharded``, the ``sharded`` module);
-both writers share the format and commit protocol of the ``format`` module.
+Under FSDP every rank writes its own shards (``save_sharded``, the ``sharded`` module) and
+loads them resharded (``sharded_load``, which trusts no file it reads); both writers share the
+format and commit protocol of the ``format`` module.
 Backends: ``storage`` (the API and local folders), ``objects`` (the object-store commit protocol,
 and any store with a pyarrow filesystem), ``s3`` (boto3); ``backends.open_storage`` picks one
 for a location (``runtime.config.storage``).

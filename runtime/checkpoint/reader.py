@@ -176,7 +176,7 @@ class CheckpointReader:
         with tempfile.TemporaryDirectory(prefix="ckpt-load-") as tmp:
             manifest, paths = self.verified_files(ref, fetch_dir=tmp)
             if manifest["kind"] == "dcp":
-                from runtime.checkpoint.sharded import read_full  # DCP costs ~0.9 s of import: only when used
+                from runtime.checkpoint.sharded_load import read_full  # DCP costs ~0.9 s of import: only when used
 
                 try:
                     return read_full(os.path.dirname(paths[META]))
@@ -224,7 +224,7 @@ class CheckpointReader:
             manifest, paths = self.verified_files(ref, fetch_dir=tmp)
             if manifest["kind"] != "dcp":
                 raise CheckpointError(f"{ref.uri}: not a sharded checkpoint; use load")
-            from runtime.checkpoint.sharded import load_into
+            from runtime.checkpoint.sharded_load import load_into
 
             try:
                 load_into(os.path.dirname(paths[META]), state)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from runtime.checkpoint.sharded import SafeFileSystemReader
+from runtime.checkpoint.sharded_load import SafeFileSystemReader
 from runtime.checkpoint.storage import CheckpointError
 
 

@@ -113,7 +113,7 @@ def test_dcp_metadata_pickle_bomb_is_refused_without_running_code(tmp_path: Path
     """dcp itself unpickles .metadata with plain pickle; our reader allows only dcp classes."""
     import pickle
 
-    from runtime.checkpoint.sharded import SafeFileSystemReader
+    from runtime.checkpoint.sharded_load import SafeFileSystemReader
 
     sentinel = tmp_path / "pwned"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Bomb(str(sentinel))))
@@ -256,16 +256,22 @@ def test_sharded_checkpoint_on_s3_commits_every_ranks_shards_and_rotates(tmp_pat
         stop_moto_server(proc)
 
 
-def test_the_sharded_writer_depends_on_format_and_storage_not_on_the_manager() -> None:
-    """One commit protocol, no import cycle: sharded.py gets storage + callbacks, never manager internals."""
+def test_the_sharded_writer_and_loader_depend_on_format_and_storage_not_on_the_manager() -> None:
+    """One commit protocol, no import cycle: sharded.py gets storage + callbacks, never manager
+    internals; sharded_load.py reads a folder with storage's name checks and nothing else of ours."""
     import ast
 
     import runtime.checkpoint.sharded as sharded
+    import runtime.checkpoint.sharded_load as sharded_load
 
-    tree = ast.parse(Path(sharded.__file__).read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    ours = {m for m in imported if m.startswith("runtime.")}
-    assert ours == {"runtime.checkpoint.format", "runtime.checkpoint.storage", "runtime.checkpoint.objects"}, ours
+    def ours(module: Any) -> set[str]:
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        return {m for m in imported if m.startswith("runtime.")}
+
+    assert ours(sharded) == {"runtime.checkpoint.format", "runtime.checkpoint.storage",
+                             "runtime.checkpoint.objects"}, ours(sharded)
+    assert ours(sharded_load) == {"runtime.checkpoint.storage"}, ours(sharded_load)
 
 
 def _replant_metadata(folder: Path, change: Callable[[Any], None]) -> None:
