@@ -98,7 +98,6 @@ def restart_gcs(cdir: Path | None = None, sig: int = signal.SIGKILL, timeout: fl
     return int(read_gcs_pid(cluster_dir) or 0)
 
 
-
 def watch(cluster_dir: Path, head_pgid: int) -> None:
     deadline = time.monotonic() + 120
     found: list[int] = []
