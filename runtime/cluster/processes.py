@@ -16,9 +16,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from runtime.cluster.state_file import ClusterError
 
@@ -39,28 +39,36 @@ def alive(pid: int) -> bool:
     return True
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphaned GCS is reaped by init, or lingers as one)."""
+def _pids() -> Iterator[int]:
+    """Every process /proc lists at this moment."""
+    return (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields after the parenthesised command name (which may hold spaces): state,
+    ppid, pgrp at 0-2, utime and stime at 11 and 12. None once the process is gone."""
     try:
-        stat = (Path("/proc") / str(pid) / "stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _live(fields: list[str] | None) -> TypeGuard[list[str]]:
+    """Not gone and not a zombie (an orphaned GCS is reaped by init, or lingers as one)."""
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    return _live(_stat(pid))
 
 
 def group_members(pgid: int, name: str | None = None) -> list[int]:
     """Live processes of process group ``pgid`` (with the command name ``name`` when given)."""
     out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        pid = int(proc.name)
-        try:
-            if os.getpgid(pid) != pgid or not running(pid):
-                continue
-        except (OSError, ProcessLookupError):
-            continue
-        if name is None or comm(pid) == name:
+    for pid in _pids():
+        fields = _stat(pid)
+        if _live(fields) and int(fields[2]) == pgid and (name is None or comm(pid) == name):
             out.append(pid)
     return out
 
@@ -112,15 +120,10 @@ def wait_until(check: Any, what: str, timeout: float, log: Path | None = None) -
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (from /proc), children first found first."""
     parents: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            # The parent pid is the 2nd field after the parenthesised command name.
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(proc.name))
+    for child in _pids():
+        fields = _stat(child)
+        if fields is not None:
+            parents.setdefault(int(fields[1]), []).append(child)
     out, todo = [], [pid]
     while todo:
         for child in parents.get(todo.pop(), []):
@@ -157,14 +160,11 @@ def kill(pid: int, timeout: float = 20, group: bool = True) -> None:
 
 def kill_group_leftovers(pgid: int) -> None:
     """Children that outlived their group leader (Ray workers, gunicorn workers) die with the group."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(proc.name)) == pgid:
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            continue
+    for pid in _pids():
+        fields = _stat(pid)
+        if fields is not None and int(fields[2]) == pgid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # How the local cluster's start-ups are waited for: by progress, not by a clock. A process group that
@@ -179,15 +179,9 @@ START_CEILING_S = 1800.0
 def _group_cpu_ticks(pgid: int) -> int | None:
     """CPU clock ticks used so far by the live processes of process group ``pgid``; None when none is left."""
     total, found = 0, False
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            # After the parenthesised command: state, ppid, pgrp, ... utime and stime at 11 and 12.
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 12 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+    for pid in _pids():
+        fields = _stat(pid)
+        if _live(fields) and len(fields) > 12 and int(fields[2]) == pgid:
             total += int(fields[11]) + int(fields[12])
             found = True
     return total if found else None
