@@ -24,6 +24,11 @@ def worker_ports(index: int) -> tuple[int, int]:
     return max(first, 10002), first + WORKER_BLOCK - 1  # 10001 is Ray's client server
 
 
+# Not Python's global generator: training seeds it (seed + rank), and two processes that had trained in
+# process then drew the same ports.
+_PICK = random.SystemRandom()
+
+
 def _ephemeral_low() -> int:
     """The first port the kernel hands to outgoing connections (Linux's default 32768)."""
     try:
@@ -44,7 +49,7 @@ def free_port() -> int:
     low = min(_ephemeral_low(), 65536)
     if low > FIRST + 1000:
         for _ in range(200):
-            port = random.randrange(FIRST, low)
+            port = _PICK.randrange(FIRST, low)
             with socket.socket() as s:
                 try:
                     s.bind(("0.0.0.0", port))  # noqa: S104 (a bind test, closed at once)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
@@ -26,3 +27,13 @@ def test_each_local_raylets_worker_ports_are_its_own_and_below_the_ports_handed_
     assert all(not a & b for i, a in enumerate(taken) for b in taken[i + 1:]), ranges
     assert all(10001 < low <= high < FIRST for low, high in ranges), ranges
     assert worker_ports(10) == worker_ports(1)  # a tenth extra raylet takes the first one's turn
+
+
+def test_a_free_port_is_not_drawn_from_the_generator_training_seeds() -> None:
+    # The trainer seeds Python's global generator (seed + rank): two processes that each trained in
+    # process then drew the same "random" port, and the second one's bind failed (EADDRINUSE, a
+    # gloo store under `pytest -n 2`). Neither the generator's state moves nor its seed decides.
+    random.seed(0)
+    state = random.getstate()
+    free_port()
+    assert random.getstate() == state
