@@ -27,9 +27,12 @@ from runtime.cluster.processes import (
     http_ok,
     kill,
     kill_group_leftovers,
+    live,
+    pids,
     port_open,
     running,
     spawn,
+    stat_fields,
     venv_bin,
     wait_started,
 )
@@ -145,15 +148,15 @@ def _stop_detached_head(cluster_dir: Path, ray_state: dict[str, Any]) -> None:
     while time.monotonic() < deadline and any(running(p) for p in doomed):
         time.sleep(0.1)
     marker = ray_temp_dir(cluster_dir).encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+    for pid in pids():
+        fields = stat_fields(pid)
+        if not live(fields) or pid == os.getpid():
             continue
-        pid = int(proc.name)
         try:
-            ours = pid in doomed or os.getpgid(pid) == head or marker in (proc / "cmdline").read_bytes()
-        except (OSError, ProcessLookupError):
+            ours = pid in doomed or int(fields[2]) == head or marker in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
             continue
-        if ours and pid != os.getpid() and running(pid):
+        if ours:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
     (cluster_dir / GCS_FILE).unlink(missing_ok=True)

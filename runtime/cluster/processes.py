@@ -39,12 +39,12 @@ def alive(pid: int) -> bool:
     return True
 
 
-def _pids() -> Iterator[int]:
+def pids() -> Iterator[int]:
     """Every process /proc lists at this moment."""
     return (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
 
 
-def _stat(pid: int) -> list[str] | None:
+def stat_fields(pid: int) -> list[str] | None:
     """``/proc/<pid>/stat``'s fields after the parenthesised command name (which may hold spaces): state,
     ppid, pgrp at 0-2, utime and stime at 11 and 12. None once the process is gone."""
     try:
@@ -53,22 +53,22 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def _live(fields: list[str] | None) -> TypeGuard[list[str]]:
+def live(fields: list[str] | None) -> TypeGuard[list[str]]:
     """Not gone and not a zombie (an orphaned GCS is reaped by init, or lingers as one)."""
     return fields is not None and fields[0] not in ("Z", "X")
 
 
 def running(pid: int) -> bool:
     """Alive and not a zombie."""
-    return _live(_stat(pid))
+    return live(stat_fields(pid))
 
 
 def group_members(pgid: int, name: str | None = None) -> list[int]:
     """Live processes of process group ``pgid`` (with the command name ``name`` when given)."""
     out = []
-    for pid in _pids():
-        fields = _stat(pid)
-        if _live(fields) and int(fields[2]) == pgid and (name is None or comm(pid) == name):
+    for pid in pids():
+        fields = stat_fields(pid)
+        if live(fields) and int(fields[2]) == pgid and (name is None or comm(pid) == name):
             out.append(pid)
     return out
 
@@ -120,8 +120,8 @@ def wait_until(check: Any, what: str, timeout: float, log: Path | None = None) -
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (from /proc), children first found first."""
     parents: dict[int, list[int]] = {}
-    for child in _pids():
-        fields = _stat(child)
+    for child in pids():
+        fields = stat_fields(child)
         if fields is not None:
             parents.setdefault(int(fields[1]), []).append(child)
     out, todo = [], [pid]
@@ -160,8 +160,8 @@ def kill(pid: int, timeout: float = 20, group: bool = True) -> None:
 
 def kill_group_leftovers(pgid: int) -> None:
     """Children that outlived their group leader (Ray workers, gunicorn workers) die with the group."""
-    for pid in _pids():
-        fields = _stat(pid)
+    for pid in pids():
+        fields = stat_fields(pid)
         if fields is not None and int(fields[2]) == pgid:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -179,9 +179,9 @@ START_CEILING_S = 1800.0
 def _group_cpu_ticks(pgid: int) -> int | None:
     """CPU clock ticks used so far by the live processes of process group ``pgid``; None when none is left."""
     total, found = 0, False
-    for pid in _pids():
-        fields = _stat(pid)
-        if _live(fields) and len(fields) > 12 and int(fields[2]) == pgid:
+    for pid in pids():
+        fields = stat_fields(pid)
+        if live(fields) and len(fields) > 12 and int(fields[2]) == pgid:
             total += int(fields[11]) + int(fields[12])
             found = True
     return total if found else None
