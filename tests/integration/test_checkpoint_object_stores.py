@@ -21,7 +21,8 @@ from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointRea
 from runtime.checkpoint.cli import main as checkpoints_cli
 from runtime.checkpoint.objects import FsObjectStorage
 from runtime.config.storage import parse_storage
-from tests.support.object_stores import AZURITE_ACCOUNT, AZURITE_KEY, free_port, start_azurite, start_gcs_emulator, stop
+from tests.support import free_port
+from tests.support.object_stores import AZURITE_ACCOUNT, AZURITE_KEY, start_azurite, start_gcs_emulator, stop
 from tests.support.ranks import spawn_ranks
 
 BUCKET = "rt-checkpoints"

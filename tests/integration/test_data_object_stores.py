@@ -23,7 +23,7 @@ from runtime.data.shards.stream import read_shard
 from runtime.data.shards.tools import pack
 from runtime.errors import ConfigError
 from tests.integration.test_checkpoint_object_stores import BUCKET, Store, azure, gcs  # noqa: F401 (fixtures)
-from tests.support.object_stores import free_port
+from tests.support import free_port
 from tests.unit.test_data_shard_members import PLANTED, _shard
 
 CLASSES = 12

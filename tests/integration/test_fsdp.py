@@ -28,11 +28,11 @@ import torch
 from runtime.checkpoint import CheckpointReader, open_storage
 from runtime.layout import search_paths, trial_checkpoints, trial_storage
 from runtime.train.hold import HOLD_ENV
-from tests.support import job
+from tests.support import free_port, job
 from tests.support.behaviours import Behaviours
 from tests.support.cluster import train_worker_pids
 from tests.support.held_run import fault_when_held
-from tests.support.object_stores import free_port, start_gcs_emulator, stop
+from tests.support.object_stores import start_gcs_emulator, stop
 from tests.support.trainer import train_ranks
 
 pytestmark = pytest.mark.slow

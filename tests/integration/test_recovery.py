@@ -29,12 +29,12 @@ from runtime.layout import CHECKPOINTS, LOCAL_RUNS
 from runtime.observe.history import read_history
 from runtime.run import TrainOutcome
 from runtime.train.hold import RELEASE_FILE
-from tests.support import ROOT, job, wait_for
+from tests.support import ROOT, free_port, job, wait_for
 from tests.support.behaviours import Behaviours
 from tests.support.cluster import committed_steps, oldest_allowed_resume, train_worker_pids
 from tests.support.held_run import finish, start, wait_held
 from tests.support.killed_run import INTERVAL, MAX_FAILURES, RUN, KilledRun, killed_run
-from tests.support.object_stores import AZURITE_ACCOUNT, AZURITE_ENV, AZURITE_KEY, free_port, start_azurite, stop
+from tests.support.object_stores import AZURITE_ACCOUNT, AZURITE_ENV, AZURITE_KEY, start_azurite, stop
 from tests.support.recovery import BASE, MAX_STEPS, assert_matches_reference, final_model
 from tests.support.trainer import folded, train_in_process
 

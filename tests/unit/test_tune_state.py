@@ -127,7 +127,8 @@ def test_a_search_on_gs_is_sealed_and_verified_on_the_store(tmp_path: Path) -> N
     the driver knows by its URI. That listing was given the URI and refused it (pyarrow: "Expected a GCS
     object path of the form 'bucket/key...'"), so no search on a store could resume."""
     from runtime.config.storage import parse_storage
-    from tests.support.object_stores import free_port, start_gcs_emulator, stop
+    from tests.support import free_port
+    from tests.support.object_stores import start_gcs_emulator, stop
 
     port = free_port()
     proc = start_gcs_emulator(port, "rt-state")
