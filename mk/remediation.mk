@@ -32,3 +32,7 @@ $(ALERTMANAGER_STAMP): | prometheus-tools
 
 # `make lint` checks ops/ (ruff, and mypy through pyproject.toml); its tests run in test-python
 # (tests/unit and tests/integration/test_remediation_loop.py).
+
+# tests/unit/test_remediation_service.py confirms alerts with a real Alertmanager: unpacked before
+# the suites start, not by whichever test reaches it first.
+test-python: alertmanager-tools

@@ -31,10 +31,10 @@ import yaml
 from runtime import cluster as rc
 from runtime.cluster.state_file import load_state
 from tests.observability.conftest import (
-    PROMETHEUS_BIN,
+    ALERTMANAGER_BIN,
     PrometheusServer,
     _wait,
-    ensure_prometheus_tools,
+    ensure_alertmanager_tools,
 )
 from tests.support import QuietHandler, free_port, serve, stop_process, wait_for
 from tests.support.imds import FakeImds
@@ -42,7 +42,6 @@ from tests.support.imds import FakeImds
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-ALERTMANAGER_BIN = PROMETHEUS_BIN.parent / "prometheus-alertmanager"
 # Joins one raylet, as the replacement playbook joins a rebuilt host; records which node it replaced.
 REPLACE_SCRIPT = textwrap.dedent("""
     import sys
@@ -107,8 +106,7 @@ def loop(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
 
     from runtime.launch.driver import connect
 
-    subprocess.run(["make", "-C", str(ROOT), "alertmanager-tools"], check=True, capture_output=True)
-    ensure_prometheus_tools()
+    ensure_alertmanager_tools()
     tmp = tmp_path_factory.mktemp("remediation")
     cdir = Path(cluster["dir"])
     before = {int(n["index"]) for n in load_state(cdir).get("nodes", [])}

@@ -33,6 +33,8 @@ TOOLS_BIN = (
 PROMETHEUS_BIN = TOOLS_BIN / "prometheus"
 PROMTOOL_BIN = TOOLS_BIN / "promtool"
 NODE_EXPORTER_BIN = TOOLS_BIN / "prometheus-node-exporter"
+ALERTMANAGER_BIN = TOOLS_BIN / "prometheus-alertmanager"
+AMTOOL_BIN = TOOLS_BIN / "amtool"
 START_TIMEOUT_S = 30
 
 # `import dashboards.queries` from the repository root.
@@ -51,6 +53,17 @@ def ensure_prometheus_tools() -> None:
         text=True,
     )
     assert done.returncode == 0, f"`make prometheus-tools` failed:\n{done.stdout}\n{done.stderr}"
+
+
+def ensure_alertmanager_tools() -> None:
+    """Unpack Debian's Alertmanager and amtool the first time: a test that skipped without them
+    would skip in every fresh clone whose suites ran it before another test unpacked them."""
+    ensure_prometheus_tools()
+    if ALERTMANAGER_BIN.exists() and AMTOOL_BIN.exists():
+        return
+    done = subprocess.run(["make", "-C", str(ROOT), "alertmanager-tools"], check=False, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, f"`make alertmanager-tools` failed:\n{done.stdout}\n{done.stderr}"
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:

@@ -15,7 +15,7 @@ import jinja2
 import pytest
 import requests
 
-from tests.observability.conftest import TOOLS_BIN, _wait, ensure_prometheus_tools
+from tests.observability.conftest import ALERTMANAGER_BIN, AMTOOL_BIN, _wait, ensure_alertmanager_tools
 from tests.support import QuietHandler, free_port, serve, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +36,8 @@ def render(tmp_path: Path, **overrides: Any) -> Path:
 
 
 def amtool(*args: str) -> subprocess.CompletedProcess[str]:
-    ensure_prometheus_tools()
-    return subprocess.run([str(TOOLS_BIN / "amtool"), *args], capture_output=True, text=True, check=False)
+    ensure_alertmanager_tools()
+    return subprocess.run([str(AMTOOL_BIN), *args], capture_output=True, text=True, check=False)
 
 
 @pytest.mark.parametrize("remediation", [False, True])
@@ -61,6 +61,7 @@ def test_a_node_alert_reaches_the_remediation_service_and_the_people(tmp_path: P
 def test_two_nodes_down_reach_the_remediation_service_as_two_notifications_within_seconds(tmp_path: Path) -> None:
     """The people's route groups by alert name (30 s, then 5 min between a group's updates); the
     service's must not: a second node's NodeDown would wait behind the first's group."""
+    ensure_alertmanager_tools()
     got: list[dict[str, Any]] = []
     arrived = threading.Condition()
 
@@ -80,7 +81,7 @@ def test_two_nodes_down_reach_the_remediation_service_as_two_notifications_withi
     port = free_port()
     log = tmp_path / "alertmanager.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([str(TOOLS_BIN / "prometheus-alertmanager"), f"--config.file={config}",
+        proc = subprocess.Popen([str(ALERTMANAGER_BIN), f"--config.file={config}",
                                  f"--storage.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
                                  "--cluster.listen-address="], stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.observability.conftest import ALERTMANAGER_BIN, ensure_alertmanager_tools
 from tests.support import free_port, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -423,18 +424,14 @@ def test_check_validates_the_policy_without_the_token_file(tmp_path: Path):
 
 #### Confirmation by Alertmanager's API ##########################################
 
-AM_BIN = ROOT / ".tools" / "prometheus" / "usr" / "bin" / "prometheus-alertmanager"
-
-
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[str]:
     """A real Alertmanager on loopback that routes nowhere: what the service asks about alerts."""
-    if not AM_BIN.exists():
-        pytest.skip("prometheus-alertmanager: run `make alertmanager-tools`")
+    ensure_alertmanager_tools()
     port = free_port()
     (tmp_path / "am.yml").write_text(yaml.safe_dump({"route": {"receiver": "none"}, "receivers": [{"name": "none"}]}))
     with (tmp_path / "am.log").open("wb") as out:
-        proc = subprocess.Popen([str(AM_BIN), f"--config.file={tmp_path / 'am.yml'}",
+        proc = subprocess.Popen([str(ALERTMANAGER_BIN), f"--config.file={tmp_path / 'am.yml'}",
                                  f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{port}",
                                  "--cluster.listen-address="],
                                 stdout=out, stderr=subprocess.STDOUT)
