@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.support.census import Census
+from tests.support.tool_skips import pytest_runtest_makereport  # noqa: F401 (a hook: found by its name)
 
 # One OpenMP thread per process unless the caller chose: the suites run several torch processes on
 # few cores (gloo ranks, Ray workers, the driver, in-process trainers), and spinning OpenMP threads
