@@ -82,9 +82,9 @@ def test_logs_show_the_killed_ranks_last_lines_before_the_restart(traced: dict[s
     assert any(worker_id in m.group(6) for m in before), "no line of the killed worker process"
     last = run_logs(traced, capsys, "--rank", str(rank), "--attempt", "1", "--tail", "3")
     assert [m.group(0) for m in last] == [m.group(0) for m in before[-3:]]
-    with capsys.disabled():  # what docs/operations.md pastes
-        print(f"\n$ make logs RUN={RUN} RANK={rank} ATTEMPT=1 TAIL=15")
-        print("\n".join(m.group(0)[:240] for m in before[-15:]))
+    # Shown on a failure, or with `pytest -rP` (docs/operations.md reads the same run), not in every console.
+    print(f"$ make logs RUN={RUN} RANK={rank} ATTEMPT=1 TAIL=15")
+    print("\n".join(m.group(0)[:240] for m in before[-15:]))
 
 
 def test_a_runs_spans_reach_mlflow_with_its_name_attempt_and_rays_actors(traced: dict[str, Any]) -> None:
