@@ -24,6 +24,9 @@ from runtime.errors import ConfigError
 from tests.support import free_port
 from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
 
+# More loader workers than this machine's 2 cores is the point here, which DataLoader warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
 BUCKET = "datasets"
 
 

@@ -129,12 +129,12 @@ def test_imagefolder_bundle_has_imagenet_mean_std_sorted_classes_and_uint8_batch
 
 
 def test_collated_crops_are_nchw_by_shape_and_channels_last_in_memory() -> None:
-    crops = [np.asarray(photo(8, 8, seed=i)) for i in range(3)]
+    crops = [np.asarray(photo(8, 8, seed=i)) for i in range(3)]  # read-only, as Pillow's decodes are
     batch = collate_crops([(crops[0], 0), Skip("bad.jpg", "truncated"), (crops[1], 1), (crops[2], 2)], 8)
     x = batch.x
     assert x.shape == (3, 3, 8, 8) and x.dtype == torch.uint8 and len(batch.skipped) == 1
     assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    assert all(torch.equal(x[i], torch.from_numpy(c).permute(2, 0, 1)) for i, c in enumerate(crops))
+    assert all(torch.equal(x[i], torch.from_numpy(np.array(c)).permute(2, 0, 1)) for i, c in enumerate(crops))
     moved = x.to(torch.device("cpu"), non_blocking=True)
     assert moved.stride() == x.stride()  # .to() preserves the layout (pin_memory is checked in tests/gpu)
 
@@ -284,7 +284,7 @@ def test_a_gpu_decode_batch_crosses_from_the_worker_as_one_buffer_with_offsets()
 
 def test_batched_crop_resize_flip_matches_pillow_per_image_for_any_sizes_and_groupings() -> None:
     size = 24
-    images = [np.asarray(photo(w, h, seed=w)) for w, h in ((64, 48), (50, 90), (33, 20), (120, 100), (24, 24))]
+    images = [np.array(photo(w, h, seed=w)) for w, h in ((64, 48), (50, 90), (33, 20), (120, 100), (24, 24))]
     boxes = [(5, 7, 40, 30), (0, 0, 50, 90), (20, 10, 13, 10), (60, 40, 60, 60), (0, 0, 24, 24)]  # edges, upscaling
     flips = [False, True, False, True, False]
 
@@ -292,7 +292,7 @@ def test_batched_crop_resize_flip_matches_pillow_per_image_for_any_sizes_and_gro
         x, y, w, h = box
         out = Image.fromarray(img).resize((size, size), Image.Resampling.BILINEAR, box=(x, y, x + w, y + h))
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else out
-        return torch.from_numpy(np.asarray(out)).permute(2, 0, 1)
+        return torch.from_numpy(np.array(out)).permute(2, 0, 1)
 
     want = torch.stack([pillow(*a) for a in zip(images, boxes, flips, strict=True)])
     chw = [torch.from_numpy(img).permute(2, 0, 1) for img in images]

@@ -18,6 +18,9 @@ from runtime.data.cli import main as data_cli
 from runtime.data.shards.tools import pack
 from runtime.errors import ConfigError
 
+# More loader workers than this machine's 2 cores is the point here, which DataLoader warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
 
 def one_image_per_class_tree(root: Path, n_train: int, n_val: int = 0, px: int = 12) -> Path:
     """Class i holds one image, so a batch's labels name its samples exactly."""

@@ -20,6 +20,9 @@ from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointRea
 from tests.support import free_port
 from tests.support.ranks import spawn_ranks
 
+# One process saving and loading sharded checkpoints without a process group on purpose: dcp warns.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 WORLD = 2
 
 
