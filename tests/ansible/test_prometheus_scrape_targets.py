@@ -147,7 +147,8 @@ def test_every_job_writable_scrape_job_pins_the_scrape_and_honors_no_labels(tmp_
         # A planted target's redirect (to a node's exporter) is never followed.
         assert scrape["follow_redirects"] is False
         # Nor the target list's own redirect (to a list a job serves elsewhere).
-        assert all(sd["follow_redirects"] is False for sd in scrape.get("http_sd_configs", [])), scrape
+        assert scrape["http_sd_configs"] and all(sd["follow_redirects"] is False
+                                                 for sd in scrape["http_sd_configs"]), scrape
         # Nor can a job flood Prometheus with targets, series, labels or a body, nor name a rule's output.
         assert (scrape["target_limit"], scrape["sample_limit"]) == (1024, 5000), scrape
         assert (scrape["label_limit"], scrape["label_name_length_limit"], scrape["label_value_length_limit"],

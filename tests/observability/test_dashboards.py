@@ -192,7 +192,7 @@ def test_panel_queries_substitutes_every_variable_and_marks_gpu_panels():
         for q in queries:
             assert "$" not in q.expr, q
             assert q.dashboard_uid == uid
-    assert all(q.gpu_only for q in by_uid["rt-gpu"])
+    assert by_uid["rt-gpu"] and all(q.gpu_only for q in by_uid["rt-gpu"])
     assert not any(q.gpu_only for q in by_uid["rt-system"] + by_uid["rt-training"] + by_uid["rt-checkpoints"])
     loss = next(q for q in by_uid["rt-training"] if q.panel_title == "Loss")
     assert loss.expr == 'avg by (job_id) (rt_train_loss{job_id=~"run-1"})'
