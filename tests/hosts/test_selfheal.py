@@ -77,7 +77,7 @@ TRAIN_PYTHON = labmod.ROOT / ".venv" / "bin" / "python"
 
 pytestmark = [
     pytest.mark.skipif(not labmod.TRAIN_SITE_PACKAGES.is_dir(),
-                       reason="the training run needs the project's .venv (make setup)"),
+                       reason="the training run needs the project's .venv: run `make setup`"),
     # A scenario is an alert's `for:` plus a replacement playbook (pyproject's 900 s default is for
     # a single test's lighter work; the lab's set-up is not timed: conftest.py).
     pytest.mark.timeout(1800),
