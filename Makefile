@@ -129,9 +129,9 @@ SYNC = $(if $(filter-out 1,$(TEST_JOBS)),--output-sync=target)
 PYTEST_WORDS = $(foreach a,$(PYTEST_ARGS),$(call q,$(a)))
 
 .PHONY: test
+# MAKE_TEST_TOOLS_INSTALLED: a test that skips asking for a make target fails here (tests/support/tool_skips.py).
 test: ## Run every test suite (runtime, observability, Terraform, Ansible hosts), two at a time; TEST_JOBS=1 runs one at a time.
-	@# A test that skips asking for a make target fails here (tests/support/tool_skips.py).
-	@RT_TOOLS_INSTALLED=1 $(MAKE) --no-print-directory -k -j$(call q,$(TEST_JOBS)) $(SYNC) test-suites
+	@MAKE_TEST_TOOLS_INSTALLED=1 $(MAKE) --no-print-directory -k -j$(call q,$(TEST_JOBS)) $(SYNC) test-suites
 
 .PHONY: test-cpu
 # The sampler is stdlib only: it runs on the system's Python before `make test` builds the venv.
