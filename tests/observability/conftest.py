@@ -42,28 +42,24 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def ensure_prometheus_tools() -> None:
-    """Unpack the pinned Debian binaries the first time (idempotent, ~10 s)."""
-    if PROMETHEUS_BIN.exists() and PROMTOOL_BIN.exists() and NODE_EXPORTER_BIN.exists():
+def _make_tools(target: str, *binaries: Path) -> None:
+    """`make target` unless every one of ``binaries`` is there already (idempotent)."""
+    if all(b.exists() for b in binaries):
         return
-    done = subprocess.run(
-        ["make", "-C", str(ROOT), "prometheus-tools"],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, f"`make prometheus-tools` failed:\n{done.stdout}\n{done.stderr}"
+    done = subprocess.run(["make", "-C", str(ROOT), target], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, f"`make {target}` failed:\n{done.stdout}\n{done.stderr}"
+
+
+def ensure_prometheus_tools() -> None:
+    """Unpack the pinned Debian binaries the first time (~10 s)."""
+    _make_tools("prometheus-tools", PROMETHEUS_BIN, PROMTOOL_BIN, NODE_EXPORTER_BIN)
 
 
 def ensure_alertmanager_tools() -> None:
     """Unpack Debian's Alertmanager and amtool the first time: a test that skipped without them
     would skip in every fresh clone whose suites ran it before another test unpacked them."""
     ensure_prometheus_tools()
-    if ALERTMANAGER_BIN.exists() and AMTOOL_BIN.exists():
-        return
-    done = subprocess.run(["make", "-C", str(ROOT), "alertmanager-tools"], check=False, capture_output=True,
-                          text=True)
-    assert done.returncode == 0, f"`make alertmanager-tools` failed:\n{done.stdout}\n{done.stderr}"
+    _make_tools("alertmanager-tools", ALERTMANAGER_BIN, AMTOOL_BIN)
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:
