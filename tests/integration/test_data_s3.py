@@ -22,10 +22,10 @@ from runtime.data.cli import main as data_cli
 from runtime.data.shards.tools import pack
 from runtime.errors import ConfigError
 from tests.support import free_port
+from tests.support.expected_warnings import LOADER_WORKERS_BEYOND_CORES
 from tests.support.s3 import CREDENTIALS, start_moto_server, stop_moto_server
 
-# More loader workers than this machine's 2 cores is the point here, which DataLoader warns about.
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = LOADER_WORKERS_BEYOND_CORES  # more loader workers than cores is the point here
 
 BUCKET = "datasets"
 

@@ -12,10 +12,10 @@ from runtime.config import DataConfig
 from runtime.data.shards.plan import READERS, ShardSet, epoch_order, window_bounds, worker_plan
 from runtime.data.shards.stream import ShardLoader, build_shard_loaders
 from runtime.data.shards.tools import pack
+from tests.support.expected_warnings import LOADER_WORKERS_BEYOND_CORES
 from tests.unit.test_data_shards import one_image_per_class_tree
 
-# More loader workers than this machine's 2 cores is the point here, which DataLoader warns about.
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = LOADER_WORKERS_BEYOND_CORES  # more loader workers than cores is the point here
 
 N, SHARD, WINDOW = 100, 5, 96  # 20 shards cut into 48 readers, each with windows of 2 samples
 UNIT = 12  # the global batch, kept at every size: 4 x 3 = 2 x 6 = 3 x 4 = 1 x 12

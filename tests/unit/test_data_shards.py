@@ -17,9 +17,9 @@ from runtime.data import file_loaders
 from runtime.data.cli import main as data_cli
 from runtime.data.shards.tools import pack
 from runtime.errors import ConfigError
+from tests.support.expected_warnings import LOADER_WORKERS_BEYOND_CORES
 
-# More loader workers than this machine's 2 cores is the point here, which DataLoader warns about.
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = LOADER_WORKERS_BEYOND_CORES  # more loader workers than cores is the point here
 
 
 def one_image_per_class_tree(root: Path, n_train: int, n_val: int = 0, px: int = 12) -> Path:

@@ -40,11 +40,11 @@ from runtime.parallelism.tensor_parallel import (
 )
 from runtime.train.model_zoo import GPT
 from runtime.train.parallel import apply_fsdp, data_parallel_rank, grad_norm
+from tests.support.expected_warnings import DCP_WITHOUT_PROCESS_GROUP
 from tests.support.ranks import spawn_ranks
 from tests.support.trainer import train_job
 
-# slow; and one process saves and loads sharded checkpoints without a process group on purpose: dcp warns.
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+pytestmark = [pytest.mark.slow, DCP_WITHOUT_PROCESS_GROUP]  # one process saves and loads a TP checkpoint
 
 VOCAB, DIM, LAYERS, HEADS, SEQ = 64, 32, 2, 4, 16
 BATCH = 4  # global: 2 sequences per data-parallel rank at dp=2

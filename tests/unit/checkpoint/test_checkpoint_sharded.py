@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from runtime.checkpoint import CheckpointError, CheckpointManager, CheckpointReader, step_name
 from tests.support import free_port
+from tests.support.expected_warnings import DCP_WITHOUT_PROCESS_GROUP
 from tests.support.ranks import spawn_ranks
 
-# One process saving and loading sharded checkpoints without a process group on purpose: dcp warns.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = DCP_WITHOUT_PROCESS_GROUP  # one process plants and reads sharded checkpoints
 
 WORLD = 2
 
